@@ -1,0 +1,1 @@
+"""Tidal services: thin asyncio adapters around the core, each run as `python -m services.<name>`."""
