@@ -22,13 +22,19 @@ FORMAT = "tidal-perf-profile/1"
 
 def roofline_to_dict(p: RooflineParams) -> dict[str, Any]:
     d = asdict(p)
-    d["gemm_eff"] = [list(k) for k in p.gemm_eff]
+    d["gemm_eff"] = [
+        {"din": din, "dout": dout, "knots": [list(k) for k in knots]}
+        for din, dout, knots in p.gemm_eff
+    ]
     return d
 
 
 def roofline_from_dict(d: dict[str, Any]) -> RooflineParams:
     d = dict(d)
-    d["gemm_eff"] = tuple((float(a), float(b)) for a, b in d.get("gemm_eff", ()))
+    d["gemm_eff"] = tuple(
+        (float(e["din"]), float(e["dout"]), tuple((float(a), float(b)) for a, b in e["knots"]))
+        for e in d.get("gemm_eff", ())
+    )
     return RooflineParams(**d)
 
 

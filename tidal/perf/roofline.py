@@ -9,11 +9,14 @@ Per transformer layer, on one of `tp` tensor-parallel GPUs:
 - TP communication: two all-reduces of N·hidden·d bytes per layer, ring cost 2(tp-1)/tp at B_c.
 Each operator takes max(FLOPs/F, bytes/M) (Eq. 1); the step adds O_p (any prefill) or O_d.
 
-Two calibrated extensions, both off by default (params `tile_tokens`, `gemm_eff`):
+Calibrated extensions for GEMMs, all off by default (params `tile_tokens`, `knee`, `gemm_eff`):
 - tile quantisation (OmniServe §3.3.1, Fig. 8c): GEMM compute is charged for N rounded up to a
   multiple of `tile_tokens`, because a partly filled thread-block tile costs as much as a full one.
-- `gemm_eff`: achieved/roofline GEMM-time ratio as a piecewise-linear function of N, fitted on
-  measured kernels; it captures cuBLAS's per-shape kernel choice that no closed form predicts.
+- `knee` k > 0 replaces Eq. 1's max(c, m) by (c^k + m^k)^(1/k): measured kernels near the ridge
+  point are slower than either bound (compute and memory overlap imperfectly); k -> inf is Eq. 1.
+- `gemm_eff`: per GEMM shape (Din, Dout on one GPU), the measured/modelled time ratio at the
+  calibration token counts, interpolated in N. It captures cuBLAS's per-shape kernel choice (the
+  steps of Fig. 8c) that no closed form predicts; shapes without a table use the plain roofline.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ class RooflineParams:
     B_c: float  # bytes/s, effective bandwidth of the TP collectives
     O_k: float = 0.0  # s, launch cost of one GEMM kernel (fitted on per-kernel timings)
     tile_tokens: int = 1  # GEMM token-dim tile; 1 = no quantisation
-    gemm_eff: tuple[tuple[float, float], ...] = ()  # (N, time multiplier) knots, sorted by N
+    knee: float = 0.0  # GEMM p-norm exponent joining compute and memory time; 0 = Eq. 1's max
+    # (Din, Dout, ((N, time multiplier), ...) sorted by N) per calibrated GEMM shape
+    gemm_eff: tuple[tuple[float, float, tuple[tuple[float, float], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         for f in ("F_g", "F_ap", "F_ad", "M_g", "M_a", "B_c"):
@@ -52,9 +57,12 @@ class RooflineParams:
                 raise ValueError(f"RooflineParams.{f} must be >= 0, got {getattr(self, f)}")
         if self.tile_tokens < 1:
             raise ValueError(f"tile_tokens must be >= 1, got {self.tile_tokens}")
-        xs = [k[0] for k in self.gemm_eff]
-        if xs != sorted(xs) or any(k[1] <= 0 for k in self.gemm_eff):
-            raise ValueError("gemm_eff knots must be sorted by N with positive multipliers")
+        if self.knee < 0:
+            raise ValueError(f"knee must be >= 0 (0 = hard max), got {self.knee}")
+        for _, _, knots in self.gemm_eff:
+            xs = [k[0] for k in knots]
+            if not knots or xs != sorted(xs) or any(k[1] <= 0 for k in knots):
+                raise ValueError("gemm_eff knots must be non-empty, sorted by N, multipliers > 0")
 
     @classmethod
     def from_hardware(
@@ -152,29 +160,47 @@ class RooflineModel:
             2 * h * lm_out / p.F_g,  # LM head: s per sequence (compute)
             d * (h + lm_out) / p.M_g,  # LM head: s per sequence (traffic)
             d * h * lm_out / p.M_g,  # LM head: weight traffic
-            len(self.gemms) * m.num_layers * p.O_k + p.O_k,  # launch cost of all GEMMs
+            p.O_k,  # LM head launch (the layers' GEMM launches are in layer_gemm_s)
         )
         self._tile = p.tile_tokens
-        self._eff_x = [k[0] for k in p.gemm_eff]
-        self._eff_y = [k[1] for k in p.gemm_eff]
+        self._knee = p.knee
+        tables = {(round(din), round(dout)): knots for din, dout, knots in p.gemm_eff}
+        # Per GEMM: (xs, ys) of its shape's table, or None.
+        self._eff = tuple(
+            (
+                ([k[0] for k in tables[key]], [k[1] for k in tables[key]])
+                if (key := (round(g.din), round(g.dout))) in tables
+                else None
+            )
+            for g in self.gemms
+        )
+        self._any_eff = any(e is not None for e in self._eff)
 
-    def gemm_scale(self, n: float) -> float:
-        """`gemm_eff` multiplier at n tokens (piecewise linear, flat beyond the knots)."""
-        xs, ys = self._eff_x, self._eff_y
-        if not xs:
-            return 1.0
-        i = bisect.bisect_right(xs, n)
-        if i == 0:
-            return ys[0]
-        if i == len(xs):
-            return ys[-1]
-        x0, x1 = xs[i - 1], xs[i]
-        return ys[i - 1] + (ys[i] - ys[i - 1]) * (n - x0) / (x1 - x0)
+    def gemm_s(self, n: float) -> tuple[float, ...]:
+        """Each GEMM's time on n tokens (one layer), launch included: the per-kernel view."""
+        return tuple(self._one_gemm(i, n) for i in range(len(self.gemms)))
+
+    def _one_gemm(self, i: int, n: float) -> float:
+        a, b, w = self._abw[i]
+        t = self._tile
+        c = a * (-(-n // t) * t if t > 1 else n)
+        mem = b * n + w
+        k = self._knee
+        if k > 0:
+            hi = c if c > mem else mem
+            x = hi * ((c / hi) ** k + (mem / hi) ** k) ** (1.0 / k)
+        else:
+            x = c if c > mem else mem
+        x += self.params.O_k
+        e = self._eff[i]
+        return x * _interp(e[0], e[1], n) if e is not None else x
 
     def layer_gemm_s(self, n: float) -> float:
-        """Time of one layer's GEMMs on n tokens, without launch cost."""
+        """Time of one layer's GEMMs on n tokens, launches included."""
         if n <= 0:
             return 0.0
+        if self._knee > 0 or self._any_eff:
+            return sum(self._one_gemm(i, n) for i in range(len(self._abw)))
         t = self._tile
         nq = -(-n // t) * t if t > 1 else n
         s = 0.0
@@ -182,7 +208,7 @@ class RooflineModel:
             c = a * nq
             mem = b * n + w
             s += c if c > mem else mem
-        return s * self.gemm_scale(n) if self._eff_x else s
+        return s + len(self._abw) * self.params.O_k
 
     def step_s(self, batch: BatchShape) -> float:
         n = batch.num_prefill_tokens + batch.num_decode_reqs
@@ -267,6 +293,17 @@ class RooflineModel:
         n = max(1, math.ceil(w / (a - b)))
         t = self._tile
         return -(-n // t) * t if t > 1 else n
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear interpolation, flat beyond the end knots."""
+    i = bisect.bisect_right(xs, x)
+    if i == 0:
+        return ys[0]
+    if i == len(xs):
+        return ys[-1]
+    x0, x1 = xs[i - 1], xs[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
 
 
 def layer_gemms(m: ModelSpec, tp: int = 1) -> tuple[_Gemm, ...]:
