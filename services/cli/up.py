@@ -1,0 +1,239 @@
+"""`tidal up`: the embedded stack in one command — nats-server, scheduler, CPU-attention workers,
+instances and the gateway, each its own process, supervised.
+
+A child that dies unexpectedly is reported by name with its exit reason and restarted with
+exponential back-off; the scheduler routes around it meanwhile. Ctrl-C (or SIGTERM) stops the
+services first (each drains), then the bus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from services.cli import natsd, state
+
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0  # a child up this long has its back-off reset
+STOP_GRACE_S = 10.0
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if `tidal up` itself is killed (Linux prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: asyncio.subprocess.Process | None = None
+    started_s: float = 0.0
+    backoff_s: float = BACKOFF_START_S
+    num_restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        self.started_s = time.monotonic()
+
+
+def say(msg: str) -> None:
+    print(f"tidal up: {msg}", file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.stopping = asyncio.Event()
+        self.services: list[Child] = []
+        self.nats: Child | None = None
+        self.store_dir = ""
+        self.nats_url = args.nats_url
+
+    def _service(self, name: str, module: str, *extra: str) -> Child:
+        argv = [sys.executable, "-m", module, "--nats-url", self.nats_url, "--id", name, *extra]
+        return Child(name, argv, env={"TIDAL_LOG_LEVEL": self.args.log_level})
+
+    def plan(self) -> list[Child]:
+        a = self.args
+        children = [self._service("scheduler-0", "services.scheduler")]
+        children += [self._service(f"cpu-attn-{i}", "services.cpu_attn") for i in range(a.cpu_attn)]
+        for i, role in enumerate(r.strip() for r in a.instances.split(",") if r.strip()):
+            extra = ["--role", role, "--engine", a.engine, "--sim-step-model", a.sim_step_model]
+            if a.model:
+                extra += ["--model", a.model]
+            if a.max_model_len:
+                extra += ["--max-model-len", str(a.max_model_len)]
+            children.append(self._service(f"instance-{i}", "services.instance", *extra))
+        children.append(
+            self._service("gateway-0", "services.gateway", "--host", a.host, "--port", str(a.port))
+        )
+        return children
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stopping.set)
+        if not natsd.port_is_free(self.args.host, self.args.port):
+            say(f"port {self.args.port} on {self.args.host} is in use; pick another with --port")
+            return 1
+        try:
+            if not self.nats_url and not await self._start_nats():
+                return 1
+            self.services = self.plan()
+            for child in self.services:
+                await child.start()
+            watchers = [asyncio.create_task(self._watch(c)) for c in self.services]
+            if self.nats is not None:
+                watchers.append(asyncio.create_task(self._watch(self.nats)))
+            api = f"http://{self.args.host}:{self.args.port}/v1"
+            ready = asyncio.create_task(self._announce_when_ready(api))
+            await self.stopping.wait()
+            ready.cancel()
+            say("stopping (services drain first, then the bus)")
+            await self._stop_all(watchers)
+            return 0
+        finally:
+            state.clear_state()
+            if self.store_dir:
+                shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    async def _start_nats(self) -> bool:
+        port = natsd.free_port()
+        self.store_dir = tempfile.mkdtemp(prefix="tidal-jetstream-")
+        self.nats = Child("nats-server", natsd.nats_server_argv(port, self.store_dir))
+        self.nats_url = f"nats://127.0.0.1:{port}"
+        await self.nats.start()
+        ok = await asyncio.to_thread(natsd.wait_for_port, "127.0.0.1", port, 10.0)
+        if not ok:
+            say(f"nats-server did not start on port {port}")
+            return False
+        say(f"nats-server (JetStream) on {self.nats_url}")
+        return True
+
+    async def _announce_when_ready(self, api: str) -> None:
+        t0 = time.monotonic()
+        health = api.removesuffix("/v1") + "/health"
+        while not self.stopping.is_set():
+            if await asyncio.to_thread(_http_ok, health) and await asyncio.to_thread(
+                _http_ok, api + "/models", require_data=True
+            ):
+                state.write_state(self.nats_url, api)
+                say(f"ready in {time.monotonic() - t0:.1f}s")
+                print(
+                    f"\n  API:   {api}   (OpenAI-compatible; GET {api}/models)\n"
+                    f"  NATS:  {self.nats_url}   (tidal ctl status)\n"
+                    f"  Stop:  Ctrl-C\n",
+                    flush=True,
+                )
+                return
+            await asyncio.sleep(0.2)
+
+    async def _watch(self, child: Child) -> None:
+        while True:
+            assert child.proc is not None
+            code = await child.proc.wait()
+            if self.stopping.is_set():
+                return
+            ran_s = time.monotonic() - child.started_s
+            if ran_s > STABLE_AFTER_S:
+                child.backoff_s = BACKOFF_START_S
+            say(
+                f"{child.name} (pid {child.proc.pid}) {describe_exit(code)} after {ran_s:.1f}s; "
+                f"restarting in {child.backoff_s:.1f}s"
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), timeout=child.backoff_s)
+            if self.stopping.is_set():
+                return
+            child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
+            child.num_restarts += 1
+            await child.start()
+            say(f"{child.name} restarted (pid {child.proc.pid}, restart #{child.num_restarts})")
+
+    async def _stop_all(self, watchers: list[asyncio.Task[None]]) -> None:
+        await _terminate([c for c in self.services if c.proc is not None])
+        if self.nats is not None:
+            await _terminate([self.nats])
+        for w in watchers:
+            w.cancel()
+
+
+async def _terminate(children: list[Child]) -> None:
+    procs = [c.proc for c in children if c.proc is not None and c.proc.returncode is None]
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), STOP_GRACE_S)
+    except TimeoutError:
+        for c in children:
+            if c.proc is not None and c.proc.returncode is None:
+                say(f"{c.name} did not stop in {STOP_GRACE_S:.0f}s; killing it")
+                c.proc.kill()
+        await asyncio.gather(*(p.wait() for p in procs))
+
+
+def _http_ok(url: str, require_data: bool = False) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            body = resp.read()
+            return resp.status == 200 and (not require_data or b'"id"' in body)
+    except (OSError, ValueError):
+        return False
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up",
+        help="start the embedded stack (nats + all services)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nats-url", default="", help="join this NATS server instead of starting one")
+    p.add_argument("--engine", default="sim", choices=("sim", "torch"), help="instance engine")
+    p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
+    p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
+    p.add_argument(
+        "--instances",
+        default="relaxed,strict",
+        help="comma-separated instance roles, one instance each",
+    )
+    p.add_argument("--cpu-attn", type=int, default=1, help="number of CPU-attention workers")
+    p.add_argument("--host", default="127.0.0.1", help="gateway address")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument(
+        "--sim-step-model",
+        default="linear",
+        help="sim engine latency: zero | linear[:B,P,D,C] | MODEL@HARDWARE",
+    )
+    p.add_argument("--log-level", default="INFO", help="log level of every service")
+    p.set_defaults(func=lambda args: asyncio.run(Supervisor(args).run()))

@@ -1,0 +1,47 @@
+"""Builders for every NATS subject Tidal uses. No service writes a subject as a literal."""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "tidal"
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+# Request/reply, answered by the scheduler (queue group SCHEDULER_QUEUE).
+ROUTE = f"{PREFIX}.sched.route"
+MODELS = f"{PREFIX}.sched.models"
+SCHEDULER_QUEUE = "scheduler"
+
+# Broadcasts.
+CANCEL = f"{PREFIX}.req.cancel"
+INSTANCE_DOWN = f"{PREFIX}.evt.instance_down"
+HEARTBEAT_ALL = f"{PREFIX}.hb.>"
+
+# Control plane: JSON request/reply a person can type.
+CTL_STATUS = f"{PREFIX}.ctl.status"
+CTL_OFFLINE_PAUSE = f"{PREFIX}.ctl.offline.pause"
+CTL_OFFLINE_RESUME = f"{PREFIX}.ctl.offline.resume"
+CTL_ALL = f"{PREFIX}.ctl.>"
+
+SERVICE_KINDS = ("gateway", "scheduler", "instance", "cpu_attn")
+
+
+def check_token(value: str, what: str = "id") -> str:
+    """A subject token: letters, digits, '_' and '-' only (no '.', '*', '>' or spaces)."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} {value!r} must be 1-64 characters of [A-Za-z0-9_-]")
+    return value
+
+
+def heartbeat(kind: str, service_id: str) -> str:
+    if kind not in SERVICE_KINDS:
+        raise ValueError(f"unknown service kind {kind!r}; expected one of {SERVICE_KINDS}")
+    return f"{PREFIX}.hb.{kind}.{check_token(service_id, 'service id')}"
+
+
+def instance_submit(instance_id: str) -> str:
+    return f"{PREFIX}.inst.{check_token(instance_id, 'instance id')}.submit"
+
+
+def gateway_tokens(gateway_id: str) -> str:
+    return f"{PREFIX}.gw.{check_token(gateway_id, 'gateway id')}.tokens"
