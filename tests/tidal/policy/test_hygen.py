@@ -1,0 +1,117 @@
+"""HyGen algorithms on hand-worked states (papers/hygen.md §4, App. A)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tidal.policy.hygen import (
+    HyReq,
+    OfflineOrder,
+    PrefixTrie,
+    profile_latency_budget,
+    reconcile_on_arrival,
+    two_phase_schedule,
+)
+from tidal.policy.tidal_batch import LinearStepModel
+
+# 10 ms + 0.1 ms per token through the GEMMs: a 50 ms budget holds 400 tokens.
+TOK = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_ctx_token_s=0.0, per_attn_pair_s=0.0)
+
+
+def dec(rid: str, ctx: int = 64) -> HyReq:
+    return HyReq(rid, ctx, ctx, ctx // 16)  # decoding, holding exactly its blocks
+
+
+def test_two_phase_online_first_then_offline_chunked_into_the_remaining_budget() -> None:
+    b = two_phase_schedule(
+        TOK, 0.05, 512, 16, 10_000,
+        online_running=[dec("on-d1"), dec("on-d2")],
+        online_waiting=[HyReq("on-p", 300)],
+        offline_running=[],
+        offline_waiting=[HyReq("off-a", 200), HyReq("off-b", 50)],
+    )  # fmt: skip
+    # Online: 2 decodes + 300-token prefill = 302 tokens. Offline: 10 + 0.1*(302 + l) <= 50 ms
+    # -> l = 98 of off-a, chunked; off-b finds l = 0 and the loop stops (Alg. 1 line 26).
+    assert b.decode == ["on-d1", "on-d2"]
+    assert b.prefill == {"on-p": 300, "off-a": 98}
+    assert b.step_s == pytest.approx(0.05)
+    assert not b.preempted
+
+
+def test_online_decodes_are_never_dropped_even_over_budget() -> None:
+    online = [dec(f"d{i}") for i in range(500)]  # 500 tokens -> 60 ms > 50 ms budget
+    b = two_phase_schedule(TOK, 0.05, 1024, 16, 10_000, online, [], [dec("off-d")], [])
+    assert len(b.decode) == 500 and "off-d" not in b.decode
+
+
+def test_offline_preempted_newest_first_when_online_needs_its_memory() -> None:
+    # 10 free blocks; two offline prefills hold 20 blocks each. The online prompt needs 25 blocks.
+    off = [HyReq("old", 640, 320, 20), HyReq("new", 640, 320, 20)]
+    b = two_phase_schedule(TOK, 1.0, 4096, 16, 10, [], [HyReq("on", 400)], off, [])
+    assert b.prefill["on"] == 400
+    assert b.preempted == ["new"]  # freeing 20 blocks is enough; 'old' keeps running
+    assert "old" in b.prefill
+
+
+def test_async_reconcile_drops_offline_entries_last_first_on_arrival() -> None:
+    planned = two_phase_schedule(
+        TOK, 0.05, 512, 16, 10_000, [dec("on-d")], [],
+        [], [HyReq("off-a", 100), HyReq("off-b", 200)],
+    )  # fmt: skip
+    assert planned.prefill == {"off-a": 100, "off-b": 200}
+    # An online prompt of 150 arrives: 1 + 150 online tokens; the step must drop 'off-b' (last
+    # planned) -> 1 + 150 + 100 = 251 tokens = 35.1 ms <= 50 ms.
+    got = reconcile_on_arrival(
+        TOK, planned, [HyReq("on-new", 150)], 0.05, 512, 16, 10_000, {"off-a", "off-b"}
+    )
+    assert got.prefill == {"off-a": 100, "on-new": 150}
+    assert got.decode == ["on-d"]
+    assert got.step_s == pytest.approx(0.01 + 1e-4 * 251)
+
+
+# Paper §4.3 example, tokens as words: What=1 is=2 ML=3 AI=7; How=4 to=5 code=6 debug=8.
+EXAMPLE = {"What is ML": (1, 2, 3), "How to code": (4, 5, 6), "What is AI": (1, 2, 7)}
+
+
+def test_prefix_trie_dfs_order_groups_shared_prefixes() -> None:
+    t = PrefixTrie()
+    for name, toks in [*EXAMPLE.items(), ("How to debug", (4, 5, 8))]:
+        t.insert(name, toks)
+    assert t.dfs_order() == ["What is ML", "What is AI", "How to code", "How to debug"]
+    assert t.next_request() == "What is ML"
+    t.insert("What is", (1, 2))  # a shorter prefix sits above its extensions (edge split)
+    assert t.dfs_order() == ["What is", "What is ML", "What is AI", "How to code", "How to debug"]
+    for name in ("What is", "What is ML", "What is AI"):
+        t.remove(name)
+    assert t.next_request() == "How to code"
+    assert len(t) == 2
+
+
+def test_freshness_utility_ratio_against_starvation() -> None:
+    arrivals = [("What is ML", (1, 2, 3)), ("What is AI", (1, 2, 7)), ("How to code", (4, 5, 6))]
+    arrivals += [
+        ("What is DL", (1, 2, 9)),
+        ("What is LLM", (1, 2, 10)),
+        ("What is DNN", (1, 2, 11)),
+    ]
+
+    def order(u: float) -> list[str]:
+        o = OfflineOrder(prefix_sharing=True, utility_ratio=u, rng=random.Random(1))
+        for i, (name, toks) in enumerate(arrivals):
+            o.add(name, toks, float(i))
+        return [str(r) for r in o.drain(10)]
+
+    # u = 1 (plain A.2): 'How to code' waits behind every 'What is' request.
+    assert order(1.0).index("How to code") == 5
+    # u = 0: pure freshness, i.e. arrival order.
+    assert order(0.0) == [name for name, _ in arrivals]
+    # In between it is served earlier than under u = 1 (seeded draw).
+    assert order(0.3).index("How to code") < 5
+
+
+def test_profiler_binary_searches_the_largest_compliant_budget() -> None:
+    got = profile_latency_budget(lambda b: b <= 0.073, 0.01, 0.2, iterations=20)
+    assert got is not None and got == pytest.approx(0.073, abs=1e-6) and got <= 0.073
+    assert profile_latency_budget(lambda b: False, 0.01, 0.2) is None

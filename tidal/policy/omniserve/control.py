@@ -1,0 +1,86 @@
+"""OmniServe Online Scheduler controls (papers/omniserve.md §3.3.3–3.3.6), over BatchShapes.
+
+Per-layer bounds of the paper, f(...) <= S/d − γ, are whole-step bounds step_s <= S − d·γ here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tidal.perf.api import BatchShape, StepModel
+from tidal.policy.tidal_batch import add_decode, add_prefill
+
+
+def admit_ls(
+    model: StepModel,
+    pending_prefill: Sequence[tuple[int, int]],
+    decode: BatchShape,
+    new_prompt_tokens: int,
+    ttft_slo_s: float,
+    step_bound_overhead_s: float = 0.0,
+) -> bool:
+    """§3.3.3 admission inequality: admit LS request k iff prefilling every incomplete LS prompt
+    (P(t) ∪ k, as (prompt, already-prefilled) pairs) beside the LS decodes fits the TTFT SLO —
+    the explicit TTFT of k when it queues behind P(t). Otherwise reject early."""
+    shape = decode
+    for prompt, done in pending_prefill:
+        shape = add_prefill(shape, prompt - done, done)
+    shape = add_prefill(shape, new_prompt_tokens, 0)
+    return model.step_s(shape) <= ttft_slo_s - step_bound_overhead_s
+
+
+def max_chunk(
+    model: StepModel, shape: BatchShape, left: int, cached: int, bound_s: float, cap: int
+) -> int:
+    """§3.3.4 chunk-prefill control: max q <= min(left, cap) with L(shape + chunk q) <= bound,
+    by binary search (latency is monotone in q)."""
+    lo, hi = 0, min(left, cap)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if model.step_s(add_prefill(shape, mid, cached)) <= bound_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def fit_decodes(
+    model: StepModel, shape: BatchShape, contexts: Sequence[int], bound_s: float
+) -> int:
+    """§3.3.5 BE decoding control: how many of these BE decodes (FCFS) join the GPU batch while
+    L <= bound; c_DA += l_j and n += 1 per request. Stops at the first that does not fit."""
+    k = 0
+    for c in contexts:
+        cand = add_decode(shape, 1, c)
+        if model.step_s(cand) > bound_s:
+            break
+        shape, k = cand, k + 1
+    return k
+
+
+def piggyback_admission(
+    model: StepModel, shape: BatchShape, ready_per_layer: Sequence[int], bound_s: float
+) -> list[int]:
+    """§3.3.6 layer-wise piggyback control: greedily admit CPU-attention results from the lowest
+    layer up. Piggybacking a_l requests at layer l adds a_l tokens to that layer's dense GEMMs,
+    costing (L(shape + a_l tokens) − L(shape)) / d; admission stops when the step would exceed
+    the bound. Returns a_l per layer."""
+    d = len(ready_per_layer)
+    base = model.step_s(shape)
+    slack = bound_s - base
+    out = [0] * d
+    for layer, ready in enumerate(ready_per_layer):
+        if slack <= 0 or ready <= 0:
+            continue
+        lo, hi = 0, ready
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            extra = (model.step_s(add_decode(shape, mid, 0)) - base) / d
+            if extra <= slack:
+                lo = mid
+            else:
+                hi = mid - 1
+        out[layer] = lo
+        if lo:
+            slack -= (model.step_s(add_decode(shape, lo, 0)) - base) / d
+    return out

@@ -1,0 +1,62 @@
+"""TaiChi length-aware prefill scheduling in the proxy (papers/taichi.md §3.4, Alg. 2)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tidal.perf.api import BatchShape, StepModel
+from tidal.policy.tidal_batch import add_prefill
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTarget:
+    """An instance as Alg. 2 sees it."""
+
+    instance_id: int
+    is_p_heavy: bool  # P-heavy pays the KV transfer to its D-heavy decode instance (line 5)
+    chunk_tokens: int  # its chunk size (S_p or S_d)
+    queued_tokens: Sequence[int]  # prefill tokens left per queued request, FCFS order
+    decode: BatchShape  # decodes it runs beside every chunk ("i.batch")
+    model: StepModel
+
+
+def estimate_prefill_s(
+    model: StepModel, tokens: int, chunk: int, decode: BatchShape, cached: int = 0
+) -> float:
+    """Estimate(len, chunk, batch): seconds to prefill `tokens` in chunks of `chunk` beside the
+    decode batch. Full chunks are charged at the mean cached length, which is exact for latency
+    models linear in attention pairs and costs two model calls instead of one per chunk."""
+    if tokens <= 0:
+        return 0.0
+    n_full, rest = divmod(tokens, chunk)
+    total = 0.0
+    if n_full:
+        mid_cached = cached + (n_full - 1) * chunk // 2
+        total += n_full * model.step_s(add_prefill(decode, chunk, mid_cached))
+    if rest:
+        total += model.step_s(add_prefill(decode, rest, cached + n_full * chunk))
+    return total
+
+
+def route_prefill(
+    prompt_tokens: int,
+    targets: Sequence[PrefillTarget],
+    ttft_slo_s: float,
+    transfer_s: float,
+    waited_s: float = 0.0,
+) -> int | None:
+    """TaiChi Alg. 2: the feasible instance (Q + E + T < TTFT SLO) with the fewest queued prefill
+    tokens, or None when no instance is feasible (lines 13-15). `transfer_s` is the KV transfer
+    time of this request (line 5, P-heavy only); `waited_s` is time it has already spent."""
+    best: tuple[int, int] | None = None  # (queued tokens, instance id)
+    budget = ttft_slo_s - waited_s
+    for t in targets:
+        q = sum(estimate_prefill_s(t.model, n, t.chunk_tokens, t.decode) for n in t.queued_tokens)
+        e = estimate_prefill_s(t.model, prompt_tokens, t.chunk_tokens, t.decode)
+        tt = transfer_s if t.is_p_heavy else 0.0
+        if q + e + tt < budget:  # line 6
+            load = sum(t.queued_tokens)
+            if best is None or (load, t.instance_id) < best:
+                best = (load, t.instance_id)  # line 11: argmin queued prefill tokens
+    return None if best is None else best[1]
