@@ -18,6 +18,9 @@ class BatchShape:
     prefill_attn_pairs: int = 0  # sum over prefill chunks of new * (cached + new): attention work
     num_decode_reqs: int = 0  # requests decoding one token this step
     decode_context_tokens: int = 0  # sum of KV lengths (tokens) over decoding requests
+    # sum over prefill chunks of new**2 (OmniServe's causal load c_PA needs it); 0 = unknown,
+    # models then assume equal chunks: num_prefill_tokens**2 / num_prefill_reqs
+    prefill_sq_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

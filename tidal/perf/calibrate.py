@@ -23,7 +23,7 @@ TILE_CHOICES = (1, 16, 32, 64, 128)
 
 def nelder_mead(
     f: Callable[[npt.NDArray[np.float64]], float],
-    x0: Sequence[float],
+    x0: Sequence[float] | npt.NDArray[np.float64],
     step: float = 0.3,
     iters: int = 1500,
     tol: float = 1e-10,

@@ -16,6 +16,7 @@ def add_prefill(base: BatchShape, num_tokens: int, cached_tokens: int = 0) -> Ba
         prefill_attn_pairs=base.prefill_attn_pairs + num_tokens * (cached_tokens + num_tokens),
         num_decode_reqs=base.num_decode_reqs,
         decode_context_tokens=base.decode_context_tokens,
+        prefill_sq_tokens=base.prefill_sq_tokens + num_tokens * num_tokens,
     )
 
 

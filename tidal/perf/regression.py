@@ -13,6 +13,7 @@ proportionally with the number of tokens") would have no feature to land on.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -101,12 +102,10 @@ class RegressionModel:
         return n
 
     def _with(self, base: BatchShape, n: int, new_request: bool) -> float:
-        b = BatchShape(
+        b = dataclasses.replace(
+            base,
             num_prefill_tokens=base.num_prefill_tokens + n,
             num_prefill_reqs=base.num_prefill_reqs + (1 if new_request else 0),
-            prefill_attn_pairs=base.prefill_attn_pairs,
-            num_decode_reqs=base.num_decode_reqs,
-            decode_context_tokens=base.decode_context_tokens,
         )
         return self.step_s(b)
 
