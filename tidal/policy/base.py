@@ -217,6 +217,9 @@ class InstanceState:
     running: list[ReqState] = field(default_factory=list)  # KV on GPU (prefilling or decoding)
     swapped: list[ReqState] = field(default_factory=list)
     offloaded: list[ReqState] = field(default_factory=list)
+    pending_in: list[ReqState] = field(default_factory=list)  # prefilled elsewhere, placed
+    # here by `place_decode`, waiting (KV held at the source) until this instance has room
+    num_waiting_tokens: int = 0  # sum of `num_prefill_left` over `waiting` (kept by the caller)
     num_incoming: int = 0  # requests migrating here right now (blocks already reserved)
     busy_until_s: float = 0.0  # end of the step in flight
 
