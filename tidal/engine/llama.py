@@ -1,0 +1,279 @@
+"""The Llama-architecture decoder over a paged KV cache, run one layer at a time.
+
+Supports RMSNorm, RoPE (default, linear, llama3, yarn), grouped-query attention, SwiGLU MLP, tied
+or untied embeddings and optional QKV bias: Llama 2/3, Qwen2/2.5, SmolLM2. Q/K/V and gate/up are
+fused into one matmul each. Attention is the one swappable function `ATTENTION` (signature of
+`sdpa_paged_attention`), so a faster kernel can replace it.
+
+Rows of a step are ordered by the layer they start at (0 for fresh work, > 0 for work resumed
+after a layer-boundary preemption, OOCO §3.4.1): the rows active at layer i are then a prefix of
+the batch, so a layer runs on `x[:n_i]` without gathering.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tidal.engine.model_config import ModelConfig
+
+
+@dataclass
+class PrefillSpan:
+    """Attention inputs of one multi-token item."""
+
+    row_start: int
+    row_end: int
+    ctx_slots: torch.Tensor  # (T,) KV slots of the whole context, new tokens included
+    mask: torch.Tensor  # (G*n, T) bool, True = attend (causal, bottom-right aligned)
+
+
+@dataclass
+class AttnMeta:
+    """Attention inputs for the rows active at some layer."""
+
+    decode_rows: torch.Tensor | slice  # rows of single-token items
+    decode_slots: torch.Tensor | None  # (B, T) KV slots per decode row, padded
+    decode_mask: torch.Tensor | None  # (B, 1, 1, T) bool, True = valid slot
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+@dataclass
+class ForwardBatch:
+    hidden: torch.Tensor  # (N, hidden) embeddings or resumed hidden states
+    positions: torch.Tensor  # (N,)
+    slot_mapping: torch.Tensor  # (N,) KV slot each row writes
+    # (first layer, number of active rows, meta) per group, ascending in first layer
+    groups: list[tuple[int, int, AttnMeta]]
+
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnMeta, float], torch.Tensor]
+
+
+def sdpa_paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta, scale: float
+) -> torch.Tensor:
+    """q (n, H, D); caches (slots, Hk, D) already hold this step's K/V. Returns (n, H*D).
+
+    GQA without repeating KV: the G query heads sharing a KV head are folded into the query
+    length, q (Hk, G*n, D) against k (Hk, T, D).
+    """
+    n, H, D = q.shape
+    Hk = k_cache.shape[1]
+    G = H // Hk
+    out = torch.empty_like(q)
+    if meta.decode_slots is not None:
+        qd = q[meta.decode_rows].view(-1, Hk, G, D)  # (B, Hk, G, D)
+        B, T = meta.decode_slots.shape
+        flat = meta.decode_slots.reshape(-1)
+        kd = k_cache.index_select(0, flat).view(B, T, Hk, D).transpose(1, 2)  # (B, Hk, T, D)
+        vd = v_cache.index_select(0, flat).view(B, T, Hk, D).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out[meta.decode_rows] = od.reshape(B, H, D)
+    for p in meta.prefills:
+        m = p.row_end - p.row_start
+        qp = q[p.row_start : p.row_end].view(m, Hk, G, D).permute(1, 2, 0, 3)  # (Hk, G, m, D)
+        kp = k_cache.index_select(0, p.ctx_slots).transpose(0, 1)  # (Hk, T, D)
+        vp = v_cache.index_select(0, p.ctx_slots).transpose(0, 1)
+        op = F.scaled_dot_product_attention(
+            qp.reshape(Hk, G * m, D), kp, vp, attn_mask=p.mask, scale=scale
+        )  # (Hk, G*m, D)
+        out[p.row_start : p.row_end] = op.view(Hk, G, m, D).permute(2, 0, 1, 3).reshape(m, H, D)
+    return out.view(n, H * D)
+
+
+ATTENTION: AttentionFn = sdpa_paged_attention
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (D/2,) and attention scaling for the config's RoPE variant."""
+    D, base, rs = config.head_dim, config.rope_theta, config.rope_scaling
+    inv = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    kind = config.rope_type
+    if kind == "linear":
+        return inv / float(rs["factor"]), 1.0
+    if kind == "llama3":
+        factor, lo, hi = (
+            float(rs["factor"]),
+            float(rs["low_freq_factor"]),
+            float(rs["high_freq_factor"]),
+        )
+        old = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        inv_l = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, inv_l), 1.0
+    if kind == "yarn":
+        factor = float(rs["factor"])
+        old = float(rs.get("original_max_position_embeddings") or config.max_position_embeddings)
+        fast, slow = float(rs.get("beta_fast", 32)), float(rs.get("beta_slow", 1))
+
+        def corr(rot: float) -> float:
+            return (D * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = max(math.floor(corr(fast)), 0), min(math.ceil(corr(slow)), D - 1)
+        ramp = (torch.arange(D // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
+        extrap = 1 - ramp.clamp(0, 1)
+        inv = (inv / factor) * (1 - extrap) + inv * extrap
+        scale = float(rs.get("attention_factor") or (0.1 * math.log(factor) + 1.0))
+        return inv, scale
+    return inv, 1.0
+
+
+@dataclass
+class LayerWeights:
+    in_norm: torch.Tensor  # (hidden,)
+    post_norm: torch.Tensor  # (hidden,)
+    qkv: torch.Tensor  # (q + 2kv, hidden)
+    qkv_bias: torch.Tensor | None  # (q + 2kv,)
+    o: torch.Tensor  # (hidden, q)
+    gate_up: torch.Tensor  # (2 * inter, hidden)
+    down: torch.Tensor  # (hidden, inter)
+
+    def tensors(self) -> list[torch.Tensor]:
+        ts = [self.in_norm, self.post_norm, self.qkv, self.o, self.gate_up, self.down]
+        return ts + ([self.qkv_bias] if self.qkv_bias is not None else [])
+
+
+class LlamaModel:
+    """Weights plus the layer-wise forward; holds no KV (the engine owns the cache)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        state: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        self.device, self.dtype = device, dtype
+
+        def get(name: str) -> torch.Tensor:
+            return state[name].to(device=device, dtype=dtype)
+
+        self.embed = get("model.embed_tokens.weight")  # (V, hidden)
+        self.norm = get("model.norm.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in state
+        self.lm_head = self.embed if tied else get("lm_head.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"])
+            self.layers.append(
+                LayerWeights(
+                    in_norm=get(p + "input_layernorm.weight"),
+                    post_norm=get(p + "post_attention_layernorm.weight"),
+                    qkv=torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"]),
+                    qkv_bias=bias,
+                    o=get(a + "o_proj.weight"),
+                    gate_up=torch.cat(
+                        [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
+                    ),
+                    down=get(p + "mlp.down_proj.weight"),
+                )
+            )
+        inv, self.rope_scale = rope_inv_freq(config)
+        t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, inv)  # (P, D/2)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = (emb.cos() * self.rope_scale).to(device=device, dtype=dtype)  # (P, D)
+        self.sin = (emb.sin() * self.rope_scale).to(device=device, dtype=dtype)
+        self.scale = config.head_dim**-0.5
+
+    def weight_bytes(self, with_lm_head: bool = True) -> int:
+        """Bytes of weights one decode step reads (the embedding gather is negligible)."""
+        n = sum(t.numel() * t.element_size() for lay in self.layers for t in lay.tensors())
+        n += self.norm.numel() * self.norm.element_size()
+        if with_lm_head:
+            n += self.lm_head.numel() * self.lm_head.element_size()
+        return n
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed.index_select(0, token_ids)  # (N, hidden)
+
+    def forward_layers(
+        self,
+        batch: ForwardBatch,
+        kv: torch.Tensor,
+        should_stop: Callable[[], bool] | None = None,
+        module_s: dict[str, float] | None = None,
+    ) -> int:
+        """Run every layer on `batch.hidden` in place; returns how many layers ran (all of them
+        unless `should_stop()` turned true at a layer boundary). kv: (L, 2, slots, Hk, D)."""
+        cfg = self.config
+        H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        x = batch.hidden
+        cos = self.cos.index_select(0, batch.positions).unsqueeze(1)  # (N, 1, D)
+        sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
+        timed = module_s is not None
+        sync = torch.cuda.synchronize if timed and self.device.type == "cuda" else _noop
+        gi = 0
+        for li, lay in enumerate(self.layers):
+            if li < batch.groups[0][0]:
+                continue  # every row resumes at a later layer
+            while gi + 1 < len(batch.groups) and batch.groups[gi + 1][0] <= li:
+                gi += 1
+            _, n, meta = batch.groups[gi]
+            xs = x[:n]
+            t0 = time.perf_counter() if timed else 0.0
+            h = F.rms_norm(xs, (cfg.hidden_size,), lay.in_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, lay.qkv, lay.qkv_bias)  # (n, q + 2kv)
+            qk = qkv[:, : q_size + kv_size].view(n, H + Hk, D)
+            c, s = cos[:n], sin[:n]
+            qk = qk * c + torch.cat([-qk[..., D // 2 :], qk[..., : D // 2]], dim=-1) * s
+            v = qkv[:, q_size + kv_size :].view(n, Hk, D)
+            if timed:
+                sync()
+                t1 = time.perf_counter()
+                _acc(module_s, "qkv", t1 - t0)
+                t0 = t1
+            k_cache, v_cache = kv[li, 0], kv[li, 1]  # (slots, Hk, D)
+            slots = batch.slot_mapping[:n]
+            k_cache.index_copy_(0, slots, qk[:, H:])
+            v_cache.index_copy_(0, slots, v)
+            o = ATTENTION(qk[:, :H], k_cache, v_cache, meta, self.scale)  # (n, H*D)
+            if timed:
+                sync()
+                t1 = time.perf_counter()
+                _acc(module_s, "attention", t1 - t0)
+                t0 = t1
+            xs += F.linear(o, lay.o)
+            if timed:
+                sync()
+                t1 = time.perf_counter()
+                _acc(module_s, "o_proj", t1 - t0)
+                t0 = t1
+            h = F.rms_norm(xs, (cfg.hidden_size,), lay.post_norm, cfg.rms_norm_eps)
+            g, u = F.linear(h, lay.gate_up).chunk(2, dim=-1)
+            xs += F.linear(F.silu(g) * u, lay.down)
+            if timed:
+                sync()
+                _acc(module_s, "mlp", time.perf_counter() - t0)
+            if should_stop is not None and li + 1 < len(self.layers) and should_stop():
+                return li + 1
+        return len(self.layers)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(M, hidden) final-layer states -> (M, V) fp32 logits."""
+        h = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+
+def _acc(d: dict[str, float] | None, key: str, dt: float) -> None:
+    assert d is not None
+    d[key] = d.get(key, 0.0) + dt
+
+
+def _noop() -> None:
+    return None

@@ -1,0 +1,450 @@
+"""`torch`: the real instance engine, a paged-KV PyTorch engine for the Llama family.
+
+Implements `tidal.engine.api.Engine` (add / abort / has_work / step / load). Beyond it, the
+instance service may call:
+
+- `request_preempt() -> bool` — thread-safe, from any thread while `step()` runs in another: the
+  step stops after the current transformer layer and returns with no events. Each interrupted
+  chunk keeps its hidden states and the KV of the layers already run, and a later step resumes it
+  from that layer without recompute (OOCO §3.4.1). `last_preempt_latency_s` is the measured
+  signal-to-free time; `last_step_preempted` says the last step was cut short.
+- `step(plan: StepPlan | None = None)` — run an explicit plan (req_id -> tokens this step);
+  without one, `self.planner` (default `FcfsChunkedPlanner`: decodes, then FCFS prefill chunks
+  under a token budget) decides. `set_planner()` swaps it (TaiChi chunk sizes, HyGen budgets).
+  `schedulable()` lists what a planner may schedule.
+- `export_request(req_id, remove=True) -> bytes` / `import_request(data)` — a request's tokens,
+  sampling state (RNG included) and KV of all layers, so another engine continues it with
+  identical output (push/pull migration).
+- `swap_out(req_id)` / `swap_in(req_id)` — move a request's KV to host memory and back.
+- `free_kv_tokens()`, `check_integrity()`.
+
+Per-step `StepTelemetry` is in every `StepResult`; with `EngineConfig.step_log` each completed
+step is also appended as one JSON line with exactly the `StepTelemetry` field names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from tidal.engine import kv_transfer as kvt
+from tidal.engine.api import EngineLoad, EngineRequest, RequestClass, StepResult, StepTelemetry
+from tidal.engine.kv_cache import BlockAllocator, block_hashes
+from tidal.engine.llama import LlamaModel
+from tidal.engine.model_config import ModelConfig
+from tidal.engine.runner import StepRunner
+from tidal.engine.sampling import Detokenizer, make_generator
+from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView, StepPlan, StepPlanner
+from tidal.engine.sequence import PartialChunk, SeqStatus, Sequence
+from tidal.engine.tokenizer import TidalTokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV block
+    kv_cache_tokens: int = 65536  # KV capacity in tokens (rounded down to whole blocks)
+    max_model_len: int | None = None  # prompt + output cap; None = the model's context length
+    token_budget: int = 512  # default planner: tokens per step
+    chunk_size: int = 512  # default planner: prefill tokens per request per step
+    max_num_seqs: int = 256  # default planner: requests per step
+    enable_prefix_cache: bool = True
+    profile_modules: bool = False  # fill StepTelemetry.module_s (adds a sync per module on CUDA)
+    step_log: str | None = None  # append each step's telemetry as a JSON line to this path
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.kv_cache_tokens < self.block_size:
+            raise ValueError("block_size must be >= 1 and kv_cache_tokens >= block_size")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+
+class TorchEngine:
+    name = "torch"
+    is_emulated = False
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: TidalTokenizer,
+        model_name: str,
+        config: EngineConfig | None = None,
+        planner: StepPlanner | None = None,
+    ) -> None:
+        self.config = cfg = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        mc: ModelConfig = model.config
+        num_blocks = cfg.kv_cache_tokens // cfg.block_size
+        self.block_size = cfg.block_size
+        self.allocator = BlockAllocator(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
+        # (L, 2, slots, Hk, D); torch.empty so the OS commits pages only as they are used
+        self.kv = torch.empty(
+            (
+                mc.num_hidden_layers,
+                2,
+                num_blocks * cfg.block_size,
+                mc.num_key_value_heads,
+                mc.head_dim,
+            ),
+            dtype=model.dtype,
+            device=model.device,
+        )
+        self.max_model_len = min(
+            cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        self.planner: StepPlanner = planner or FcfsChunkedPlanner(
+            cfg.token_budget, cfg.chunk_size, cfg.max_num_seqs
+        )
+        self.runner = StepRunner(
+            model, self.kv, cfg.block_size, tokenizer.eos_token_id, self.max_model_len
+        )
+        self.seqs: dict[str, Sequence] = {}  # insertion order = arrival order
+        self._preempt = threading.Event()
+        self._lock = threading.Lock()
+        self._in_step = False
+        self._preempt_at = 0.0
+        self.last_step_preempted = False
+        self.last_preempt_latency_s: float | None = None
+        self._log: TextIO | None = None
+        if cfg.step_log:
+            Path(cfg.step_log).parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(cfg.step_log, "a")  # noqa: SIM115 - lives as long as the engine
+
+    # ---- Engine protocol -------------------------------------------------------------------
+    def add(self, request: EngineRequest) -> None:
+        n = len(request.prompt_token_ids)
+        if request.req_id in self.seqs:
+            raise ValueError(f"request id {request.req_id!r} is already in this engine")
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {n} tokens leaves no room under max_model_len {self.max_model_len}"
+            )
+        if -(-(n + 1) // self.block_size) > self.allocator.num_blocks:
+            raise ValueError(f"prompt of {n} tokens does not fit this instance's KV cache")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise ValueError(f"prompt holds token ids outside [0, {vocab})")
+        sp = request.sampling
+        self.seqs[request.req_id] = Sequence(
+            req=request,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt=n,
+            detok=Detokenizer(self.tokenizer, sp.stop),
+            generator=make_generator(sp),
+        )
+
+    def abort(self, req_id: str) -> bool:
+        seq = self.seqs.pop(req_id, None)
+        if seq is None:
+            return False
+        self._free(seq)
+        return True
+
+    def has_work(self) -> bool:
+        return any(s.status != SeqStatus.SWAPPED for s in self.seqs.values())
+
+    def load(self) -> EngineLoad:
+        seqs = list(self.seqs.values())
+        return EngineLoad(
+            num_running=sum(s.status == SeqStatus.RUNNING for s in seqs),
+            num_waiting=sum(s.status != SeqStatus.RUNNING for s in seqs),
+            num_kv_blocks_used=self.allocator.num_used,
+            num_kv_blocks_total=self.allocator.num_blocks,
+            num_online=sum(s.req.req_class == RequestClass.ONLINE for s in seqs),
+            num_offline=sum(s.req.req_class == RequestClass.OFFLINE for s in seqs),
+        )
+
+    def step(self, plan: StepPlan | None = None) -> StepResult:
+        t0 = time.perf_counter()
+        with self._lock:
+            self._in_step = True
+            self._preempt.clear()
+        try:
+            if plan is None:
+                plan = self.planner.plan(
+                    self.schedulable(), self.allocator.num_free, self.block_size
+                )
+            items, finished = self._prepare(plan)
+            events = [self.runner.finish_event(s, "length") for s in finished]
+            for s in finished:
+                self.seqs.pop(s.req_id, None)
+                self._free(s)
+            module_s: dict[str, float] | None = {} if self.config.profile_modules else None
+            out = self.runner.run(items, self._preempt.is_set, module_s)
+            self.last_step_preempted = out.preempted
+            if out.preempted:
+                self.last_preempt_latency_s = time.perf_counter() - self._preempt_at
+            for seq in out.done:
+                self._register_blocks(seq)
+            for ev in out.events:
+                events.append(ev)
+                if ev.finish_reason is not None:
+                    self._free(self.seqs.pop(ev.req_id))
+            tel = StepTelemetry(
+                num_prefill_tokens=out.num_prefill_tokens,
+                num_decode_tokens=out.num_decode_tokens,
+                num_context_tokens=out.num_context_tokens,
+                num_requests=len(items),
+                step_s=time.perf_counter() - t0,
+                module_s=module_s or {},
+            )
+            if self._log is not None and items and not out.preempted:
+                self._log.write(json.dumps(dataclasses.asdict(tel)) + "\n")
+                self._log.flush()
+            return StepResult(events=events, telemetry=tel)
+        finally:
+            with self._lock:
+                self._in_step = False
+
+    # ---- control beyond the protocol -------------------------------------------------------
+    def request_preempt(self) -> bool:
+        """Stop the running step after its current layer; False if no step is running."""
+        with self._lock:
+            if not self._in_step:
+                return False
+            self._preempt_at = time.perf_counter()
+            self._preempt.set()
+            return True
+
+    def set_planner(self, planner: StepPlanner) -> None:
+        self.planner = planner
+
+    def schedulable(self) -> list[SeqView]:
+        return [
+            SeqView(
+                req_id=s.req_id,
+                req_class=s.req.req_class,
+                arrival_s=s.req.arrival_s,
+                num_pending=s.num_pending,
+                is_decode=s.is_decode,
+                has_kv=bool(s.block_ids),
+                forced_tokens=s.partial.num_tokens if s.partial else 0,
+            )
+            for s in self.seqs.values()
+            if s.status != SeqStatus.SWAPPED
+        ]
+
+    def free_kv_tokens(self) -> int:
+        return self.allocator.num_free * self.block_size
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity([s.block_ids for s in self.seqs.values()])
+        for s in self.seqs.values():
+            if s.status != SeqStatus.RUNNING:
+                assert not s.block_ids, f"{s.req_id}: {s.status} but holds KV blocks"
+            held = s.num_computed + (s.partial.num_tokens if s.partial else 0)
+            assert len(s.block_ids) * self.block_size >= held, f"{s.req_id}: KV beyond its blocks"
+
+    # ---- KV movement -----------------------------------------------------------------------
+    def _kv_tokens(self, seq: Sequence) -> int:
+        return seq.num_computed + (seq.partial.num_tokens if seq.partial else 0)
+
+    def swap_out(self, req_id: str) -> None:
+        seq = self.seqs[req_id]
+        if seq.status != SeqStatus.RUNNING:
+            raise ValueError(f"{req_id!r} is {seq.status}, only a running request swaps out")
+        slots = kvt.token_slots(seq.block_ids, 0, self._kv_tokens(seq), self.block_size)
+        seq.swapped_kv = kvt.gather_kv(self.kv, slots)
+        if seq.partial is not None:
+            seq.partial.hidden = seq.partial.hidden.to("cpu")
+        self._release_blocks(seq)
+        seq.status = SeqStatus.SWAPPED
+
+    def swap_in(self, req_id: str) -> None:
+        seq = self.seqs[req_id]
+        if seq.status != SeqStatus.SWAPPED or seq.swapped_kv is None:
+            raise ValueError(f"{req_id!r} is not swapped out")
+        self._place_kv(seq, seq.swapped_kv)
+        seq.swapped_kv = None
+        if seq.partial is not None:
+            seq.partial.hidden = seq.partial.hidden.to(self.model.device)
+
+    def export_request(self, req_id: str, remove: bool = True) -> bytes:
+        seq = self.seqs[req_id]
+        n = self._kv_tokens(seq)
+        if seq.status == SeqStatus.SWAPPED:
+            kv = seq.swapped_kv
+        elif n:
+            kv = kvt.gather_kv(self.kv, kvt.token_slots(seq.block_ids, 0, n, self.block_size))
+        else:
+            kv = None
+        p = seq.partial
+        state: dict[str, Any] = {
+            "model": self.model_name,
+            "shape": list(self.kv.shape[:2]) + list(self.kv.shape[3:]),
+            "request": kvt.request_to_dict(seq.req),
+            "token_ids": seq.token_ids,
+            "num_computed": seq.num_computed,
+            "emitted": seq.detok.emitted,
+            "kv": kv,
+            "partial": None if p is None else [p.num_tokens, p.layer, p.hidden.to("cpu")],
+            "rng": None if seq.generator is None else seq.generator.get_state(),
+        }
+        data = kvt.pack(state)
+        if remove:
+            self.abort(req_id)
+        return data
+
+    def import_request(self, data: bytes) -> None:
+        st = kvt.unpack(data)
+        shape = list(self.kv.shape[:2]) + list(self.kv.shape[3:])
+        if st["shape"] != shape:
+            raise ValueError(f"exported KV shape {st['shape']} does not match this model {shape}")
+        req = kvt.request_from_dict(st["request"])
+        if req.req_id in self.seqs:
+            raise ValueError(f"request id {req.req_id!r} is already in this engine")
+        seq = Sequence(
+            req=req,
+            token_ids=list(st["token_ids"]),
+            num_prompt=len(req.prompt_token_ids),
+            detok=Detokenizer(self.tokenizer, req.sampling.stop),
+            generator=make_generator(req.sampling),
+        )
+        seq.detok.emitted = st["emitted"]
+        if seq.generator is not None and st["rng"] is not None:
+            seq.generator.set_state(st["rng"])
+        seq.num_computed = int(st["num_computed"])
+        if st["partial"] is not None:
+            n, layer, hidden = st["partial"]
+            seq.partial = PartialChunk(
+                int(n), int(layer), hidden.to(self.model.device, self.model.dtype)
+            )
+        if st["kv"] is not None:
+            self._place_kv(seq, st["kv"])
+        self.seqs[req.req_id] = seq
+
+    def _place_kv(self, seq: Sequence, kv: torch.Tensor) -> None:
+        n = kv.shape[2]
+        need = -(-n // self.block_size)
+        if not self.allocator.can_allocate(need):
+            raise MemoryError(
+                f"{seq.req_id!r} needs {need} KV blocks, {self.allocator.num_free} free"
+            )
+        seq.block_ids = self.allocator.allocate(need)
+        kvt.scatter_kv(self.kv, kvt.token_slots(seq.block_ids, 0, n, self.block_size), kv)
+        seq.status = SeqStatus.RUNNING
+        seq.num_registered = 0  # fresh blocks: register them again after the next step
+        self._register_blocks(seq)
+
+    # ---- scheduling internals --------------------------------------------------------------
+    def _prepare(self, plan: StepPlan) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
+        """Check the plan, admit and allocate KV; preempts (by recompute) the latest arrivals
+        when blocks run out. Returns (items to run, requests to end for a full KV cache)."""
+        items: list[tuple[Sequence, int]] = []
+        finished: list[Sequence] = []
+        for rid, n in plan.num_tokens.items():
+            seq = self.seqs.get(rid)
+            if seq is None or seq.status == SeqStatus.SWAPPED:
+                raise ValueError(f"plan schedules {rid!r}, which is unknown or swapped out")
+            if seq.partial is not None and n != seq.partial.num_tokens:
+                raise ValueError(
+                    f"{rid!r} must resume its preempted chunk of {seq.partial.num_tokens}"
+                )
+            if not seq.block_ids:
+                self._admit(seq)
+            n = min(n, seq.num_pending)
+            need = -(-(seq.num_computed + n) // self.block_size) - len(seq.block_ids)
+            while not self.allocator.can_allocate(need):
+                # the lowest-priority holder of KV (latest arrival) gives its blocks back
+                victim = next(s for s in reversed(self.seqs.values()) if s.block_ids)
+                if victim is seq:
+                    if self._alone(seq):
+                        finished.append(seq)  # the KV cache is full with this request alone
+                    else:
+                        self._preempt_recompute(seq)
+                    break
+                self._preempt_recompute(victim)
+                items = [(s, k) for s, k in items if s is not victim]
+            else:
+                seq.block_ids += self.allocator.allocate(need)
+                items.append((seq, n))
+        return items, finished
+
+    def _alone(self, seq: Sequence) -> bool:
+        return all(s is seq or not s.block_ids for s in self.seqs.values())
+
+    def _admit(self, seq: Sequence) -> None:
+        """First schedule of a request with no KV: take what the prefix cache holds."""
+        # keep at least the last token to compute: its logits give the next token
+        hashes = block_hashes(seq.token_ids[: len(seq.token_ids) - 1], self.block_size)
+        hit = self.allocator.lookup(hashes)
+        seq.block_ids = hit
+        seq.hashes = hashes[: len(hit)]
+        seq.num_registered = len(hit)
+        seq.num_computed = len(hit) * self.block_size
+        seq.num_cached_tokens = min(seq.num_computed, seq.num_prompt)
+        seq.status = SeqStatus.RUNNING
+
+    def _preempt_recompute(self, seq: Sequence) -> None:
+        self._release_blocks(seq)
+        seq.num_computed = 0
+        seq.partial = None
+        seq.hashes = []
+        seq.status = SeqStatus.WAITING
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        bs = self.block_size
+        full = seq.num_computed // bs
+        while len(seq.hashes) < full:
+            b = len(seq.hashes)
+            parent = seq.hashes[-1] if seq.hashes else 0
+            seq.hashes.append(hash((parent, tuple(seq.token_ids[b * bs : (b + 1) * bs]))))
+        for b in range(seq.num_registered, full):
+            self.allocator.register(seq.block_ids[b], seq.hashes[b])
+        seq.num_registered = max(seq.num_registered, full)
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_registered = 0
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.block_ids:
+            self._release_blocks(seq)
+        seq.swapped_kv = None
+        seq.partial = None
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 / AMX), else fp32."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+
+
+def load_torch_engine(
+    model: str | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    **kwargs: Any,
+) -> TorchEngine:
+    """Load a model (None = the embedded SmolLM2-135M-Instruct GGUF; else an HF directory or a
+    GGUF file) and build an engine. `kwargs` are `EngineConfig` fields, plus `model_name` and
+    `planner`. Raises `ModelLoadError` (one line naming the path) for a missing/corrupt model."""
+    from tidal.engine.weights import EMBEDDED_NAME, embedded_model_path, load_checkpoint
+
+    path = embedded_model_path() if model is None else Path(model)
+    config, state, tok, _ = load_checkpoint(path)
+    dev = torch.device(device)
+    dt = getattr(torch, dtype) if dtype else default_dtype(dev)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    lm = LlamaModel(config, state, dev, dt)
+    del state
+    name = kwargs.pop("model_name", None) or (EMBEDDED_NAME if model is None else path.stem)
+    planner = kwargs.pop("planner", None)
+    return TorchEngine(lm, tok, name, EngineConfig(**kwargs), planner)
