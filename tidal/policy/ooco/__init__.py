@@ -56,3 +56,6 @@ __all__ = [
     "select_mix_decode",
     "should_preempt_offline",
 ]
+
+# Registers the `ooco` policy (imported last: the policy module uses the algorithms above).
+from tidal.policy.ooco import policy as _policy  # noqa: F401

@@ -38,6 +38,18 @@ class OocoConfig:
     gating_expected_output_tokens: int = 256
     """Expected decode tokens of an offline request, for the gating benefit when its output
     length is unknown."""
+    num_relaxed: int = -1
+    """Policy: how many instances (the first ones) are latency-relaxed; -1 keeps the roles of
+    the cluster config (relaxed/strict), or half of them (rounded up) if it names neither."""
+    offline_step_cap_s: float = 0.05
+    """Policy: longest offline-only step on a relaxed instance. NOTE: the simulator preempts at
+    step boundaries, not layer boundaries (§3.4.1); short offline steps bound the wait of an
+    arriving online prefill the way layer-level preemption does."""
+    decode_repeat: int = 8
+    """Policy: `max_repeat` of decode-only plans (a simulator speed hint)."""
+    offline_buffer: int = 2
+    """Policy: offline requests dispatched to a relaxed instance at a time (the rest are held
+    in the cluster queue until gating admits them)."""
 
     def __post_init__(self) -> None:
         if self.tpot_slo_s <= 0 or self.ttft_slo_s <= 0:
@@ -52,5 +64,7 @@ class OocoConfig:
             raise ValueError("max_request_tokens and num_layers must be >= 1")
         if self.overload_mode not in ("best-effort", "sacrifice"):
             raise ValueError("overload_mode must be 'best-effort' or 'sacrifice'")
+        if self.offline_step_cap_s <= 0 or self.decode_repeat < 1 or self.offline_buffer < 1:
+            raise ValueError("offline_step_cap_s > 0, decode_repeat >= 1, offline_buffer >= 1")
         if self.gating_expected_output_tokens < 1:
             raise ValueError("gating_expected_output_tokens must be >= 1")

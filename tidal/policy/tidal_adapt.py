@@ -1,0 +1,84 @@
+"""Glue between the pure algorithms and the policy interface (`tidal.policy.base`): views of an
+instance's requests and a chunked-prefill filler shared by the OOCO, HyGen, TaiChi, OmniServe and
+Tidal policies. No decisions live here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from tidal.perf.api import BatchShape, StepModel
+from tidal.policy.base import BlockBudget, InstanceState, ReqState
+from tidal.policy.omniserve.control import max_chunk
+from tidal.policy.tidal_batch import add_decode, add_prefill
+
+
+def split_running(inst: InstanceState) -> tuple[list[ReqState], list[ReqState]]:
+    """(decoding, prefilling) requests with KV on the GPU."""
+    dec: list[ReqState] = []
+    pre: list[ReqState] = []
+    for r in inst.running:
+        (dec if r.is_decoding else pre).append(r)
+    return dec, pre
+
+
+class PlanBuilder:
+    """Accumulates one StepPlan while tracking its BatchShape, chunk and KV blocks."""
+
+    __slots__ = ("budget", "chunk_left", "decode", "model", "prefill", "shape")
+
+    def __init__(self, inst: InstanceState, chunk: int | None = None) -> None:
+        self.model: StepModel = inst.step_model
+        self.budget = BlockBudget(inst)
+        self.chunk_left = inst.chunk_size if chunk is None else chunk
+        self.shape = BatchShape()
+        self.prefill: dict[str, int] = {}
+        self.decode: list[str] = []
+
+    def step_s(self) -> float:
+        return self.model.step_s(self.shape)
+
+    def add_decode(self, r: ReqState, bound_s: float | None = None) -> bool:
+        """Decode `r` if a block is free (and the step stays within `bound_s`, if given)."""
+        cand = add_decode(self.shape, 1, r.num_computed_tokens)
+        if bound_s is not None and self.model.step_s(cand) > bound_s:
+            return False
+        if not self.budget.take(r, 1):
+            return False
+        self.shape = cand
+        self.chunk_left -= 1
+        self.decode.append(r.req_id)
+        return True
+
+    def add_prefill(self, r: ReqState, bound_s: float | None = None, cap: int | None = None) -> int:
+        """Prefill the longest chunk of `r` that fits the chunk, blocks and `bound_s`."""
+        left = r.num_prefill_left
+        limit = min(left, self.chunk_left if cap is None else min(cap, self.chunk_left))
+        free_tok = self.budget.free * self.budget.block_size + (
+            r.num_blocks * self.budget.block_size - r.num_computed_tokens
+        )
+        limit = min(limit, free_tok)
+        if limit <= 0:
+            return 0
+        if bound_s is None:
+            n = limit
+        else:
+            n = max_chunk(self.model, self.shape, limit, r.num_computed_tokens, bound_s, limit)
+        if n <= 0 or not self.budget.take(r, n):
+            return 0
+        self.shape = add_prefill(self.shape, n, r.num_computed_tokens)
+        self.chunk_left -= n
+        self.prefill[r.req_id] = n
+        return n
+
+
+def parse_section(params: Any, key: str) -> dict[str, Any]:
+    """A nested mapping of a policy's params (e.g. the Tidal config's 'ooco' part)."""
+    sub = params.get(key, {}) if params else {}
+    if not isinstance(sub, dict):
+        raise ValueError(f"params.{key} must be a mapping, got {type(sub).__name__}")
+    return dict(sub)
+
+
+def ids(reqs: Iterable[ReqState]) -> tuple[str, ...]:
+    return tuple(r.req_id for r in reqs)
