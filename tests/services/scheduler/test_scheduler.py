@@ -1,0 +1,125 @@
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from services.common.bus import connect
+from services.scheduler import main as scheduler_main
+from tidal.schemas import codec, subjects
+from tidal.schemas.messages import Heartbeat, InstanceDown, RouteReply, RouteRequest
+
+pytestmark = pytest.mark.nats
+
+
+def make_hb(sid: str, kind: str = "instance", model: str = "m") -> Heartbeat:
+    return Heartbeat(
+        service_id=sid,
+        kind=kind,
+        pid=os.getpid(),
+        started_unix_s=time.time(),
+        sent_unix_s=time.time(),
+        model=model if kind == "instance" else "",
+        engine="sim",
+        is_emulated=True,
+    )
+
+
+@pytest.fixture
+async def cluster(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[NATS]:
+    monkeypatch.setenv("TIDAL_HEARTBEAT_S", "0.1")
+    args = scheduler_main.parse_args(["--nats-url", nats_url, "--id", "sched-t"])
+    stop = asyncio.Event()
+    task = asyncio.create_task(scheduler_main.serve(args, stop))
+    nc = await connect(nats_url, "test")
+    for _ in range(100):  # wait until the scheduler answers
+        try:
+            await nc.request(subjects.CTL_STATUS, b"{}", timeout=0.2)
+            break
+        except Exception:
+            await asyncio.sleep(0.05)
+    try:
+        yield nc
+    finally:
+        stop.set()
+        await task
+        await nc.drain()
+
+
+async def status(nc: NATS) -> dict:
+    return json.loads((await nc.request(subjects.CTL_STATUS, b"{}", timeout=2)).data)
+
+
+async def route(nc: NATS, model: str = "m", req_class: str = "online") -> RouteReply:
+    ask = RouteRequest(
+        req_id="r", model=model, req_class=req_class, max_tokens=4, num_prompt_chars=3
+    )
+    return codec.decode(
+        (await nc.request(subjects.ROUTE, codec.encode(ask), timeout=2)).data, RouteReply
+    )
+
+
+async def beat(nc: NATS, hb: Heartbeat) -> None:
+    await nc.publish(subjects.heartbeat(hb.kind, hb.service_id), codec.encode(hb))
+    await nc.flush()
+    await asyncio.sleep(0.05)
+
+
+async def test_status_lists_services_learned_from_heartbeats(cluster: NATS) -> None:
+    await beat(cluster, make_hb("inst-a"))
+    await beat(cluster, make_hb("cpu-0", kind="cpu_attn"))
+    st = await status(cluster)
+    kinds = {(s["kind"], s["id"]) for s in st["services"]}
+    assert {("instance", "inst-a"), ("cpu_attn", "cpu-0"), ("scheduler", "sched-t")} <= kinds
+    inst = next(s for s in st["services"] if s["id"] == "inst-a")
+    assert inst["emulated"] is True and inst["engine"] == "sim"
+
+
+async def test_routes_round_robin_and_answers_unknown_model(cluster: NATS) -> None:
+    await beat(cluster, make_hb("inst-a"))
+    await beat(cluster, make_hb("inst-b"))
+    picks = {(await route(cluster)).instance_id for _ in range(4)}
+    assert picks == {"inst-a", "inst-b"}
+    reply = await route(cluster, model="nope")
+    assert reply.error_code == "unknown_model" and "m" in reply.message
+
+
+async def test_silent_instance_is_forgotten_and_announced(cluster: NATS) -> None:
+    downs: list[InstanceDown] = []
+
+    async def on_down(msg) -> None:  # type: ignore[no-untyped-def]
+        downs.append(codec.decode(msg.data, InstanceDown))
+
+    await cluster.subscribe(subjects.INSTANCE_DOWN, cb=on_down)
+    await beat(cluster, make_hb("inst-a"))
+    assert (await route(cluster)).instance_id == "inst-a"
+    await asyncio.sleep(0.8)  # > 4 heartbeats of 0.1 s with no beat from inst-a
+    assert [d.instance_id for d in downs] == ["inst-a"]
+    assert (await route(cluster)).error_code == "no_capacity"
+
+
+async def test_pause_and_resume_offline_admission(cluster: NATS) -> None:
+    await beat(cluster, make_hb("inst-a"))
+    reply = json.loads((await cluster.request(subjects.CTL_OFFLINE_PAUSE, b"", timeout=2)).data)
+    assert reply == {"offline_paused": True}
+    paused = await route(cluster, req_class="offline")
+    assert paused.error_code == "offline_paused" and paused.retry_after_s > 0
+    assert (await route(cluster, req_class="online")).instance_id == "inst-a"
+    await cluster.request(subjects.CTL_OFFLINE_RESUME, b"{}", timeout=2)
+    assert (await route(cluster, req_class="offline")).instance_id == "inst-a"
+    assert (await status(cluster))["offline_paused"] is False
+
+
+async def test_malformed_control_json_gets_an_error_and_the_scheduler_survives(
+    cluster: NATS,
+) -> None:
+    reply = json.loads((await cluster.request(subjects.CTL_STATUS, b"{oops", timeout=2)).data)
+    assert "malformed" in reply["error"]
+    await cluster.publish(subjects.ROUTE, b"\x00\x01 not msgpack")
+    await cluster.publish(subjects.heartbeat("instance", "x"), b"garbage")
+    assert "services" in await status(cluster)

