@@ -137,6 +137,7 @@ class ReqState:
     num_computed_tokens: int = 0  # tokens whose KV is resident (GPU or host) = context length
     num_output_tokens: int = 0  # tokens generated so far (the first comes with the prefill)
     num_blocks: int = 0  # GPU KV blocks it holds on its instance
+    start_s: float | None = None  # when a step first computed any of it (queueing ends)
     first_token_s: float | None = None
     last_token_s: float | None = None
     finish_s: float | None = None
@@ -333,14 +334,15 @@ IDLE = StepPlan()
 
 def shape_of(prefill: Sequence[tuple[ReqState, int]], decode: Sequence[ReqState]) -> BatchShape:
     """The `BatchShape` of a step that prefills `(req, tokens)` chunks and decodes `decode`."""
-    p_tok = p_pairs = 0
+    p_tok = p_pairs = p_sq = 0
     for req, n in prefill:
         p_tok += n
         p_pairs += n * (req.num_computed_tokens + n)
+        p_sq += n * n
     ctx = 0
     for req in decode:
         ctx += req.num_computed_tokens
-    return BatchShape(p_tok, len(prefill), p_pairs, len(decode), ctx)
+    return BatchShape(p_tok, len(prefill), p_pairs, len(decode), ctx, prefill_sq_tokens=p_sq)
 
 
 class BlockBudget:

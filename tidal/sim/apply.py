@@ -186,13 +186,16 @@ def start_span(
     ) != n + len(cpu_reqs) + len(prefill) or (set(plan.decode) & plan.prefill.keys()):
         raise PolicyError(f"instance {iid}: a request appears twice in one plan")
 
-    p_tok = p_pairs = 0
+    p_tok = p_pairs = p_sq = 0
     for r, m in prefill:
         p_tok += m
         p_pairs += m * (r.num_computed_tokens + m)
+        p_sq += m * m
+        if r.start_s is None:
+            r.start_s = now
     # CPU-attention decodes still run their token-wise layers on the GPU (OmniServe §3.2),
     # but not their attention: they add tokens, not context.
-    shape = BatchShape(p_tok, len(prefill), p_pairs, n + len(cpu_reqs), ctx)
+    shape = BatchShape(p_tok, len(prefill), p_pairs, n + len(cpu_reqs), ctx, prefill_sq_tokens=p_sq)
     model = inst.step_model
     t = now + model.step_s(shape) + copy_tokens * inst.kv_bytes_per_token / inst.pcie_bytes_per_s
     bounds = [t]
