@@ -8,8 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from tidal.perf.api import BatchShape, StepModel
-from tidal.policy.base import BlockBudget, InstanceState, ReqState
-from tidal.policy.omniserve.control import max_chunk
+from tidal.policy.base import BlockBudget, InstanceState, Phase, ReqState
 from tidal.policy.tidal_batch import add_decode, add_prefill
 
 
@@ -63,13 +62,25 @@ class PlanBuilder:
         if bound_s is None:
             n = limit
         else:
-            n = max_chunk(self.model, self.shape, limit, r.num_computed_tokens, bound_s, limit)
+            n = _max_chunk(self.model, self.shape, limit, r.num_computed_tokens, bound_s)
         if n <= 0 or not self.budget.take(r, n):
             return 0
         self.shape = add_prefill(self.shape, n, r.num_computed_tokens)
         self.chunk_left -= n
         self.prefill[r.req_id] = n
         return n
+
+
+def _max_chunk(model: StepModel, shape: BatchShape, limit: int, cached: int, bound_s: float) -> int:
+    """Largest chunk <= limit whose step stays within bound_s (OmniServe §3.3.4 search)."""
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if model.step_s(add_prefill(shape, mid, cached)) <= bound_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def parse_section(params: Any, key: str) -> dict[str, Any]:
@@ -82,3 +93,29 @@ def parse_section(params: Any, key: str) -> dict[str, Any]:
 
 def ids(reqs: Iterable[ReqState]) -> tuple[str, ...]:
     return tuple(r.req_id for r in reqs)
+
+
+def make_room_for_decodes(inst: InstanceState, decodes: list[ReqState]) -> list[ReqState]:
+    """vLLM-style: when the next token of every decode does not fit in the free KV blocks, evict
+    the newest running requests (offline before online) until it does. Returns the victims."""
+    bs = inst.block_size
+    need = 0
+    for r in decodes:
+        if (r.num_computed_tokens + 1 + bs - 1) // bs > r.num_blocks:
+            need += 1
+    free = inst.num_free_blocks
+    if need <= free:
+        return []
+    run = [r for r in inst.running if r.phase is Phase.RUNNING]
+    # Offline first, newest first.
+    pool = [r for r in reversed(run) if not r.is_online] + [r for r in reversed(run) if r.is_online]
+    victims: list[ReqState] = []
+    members = {id(r) for r in decodes}
+    for v in pool:
+        if need <= free or len(pool) - len(victims) <= 1:
+            break
+        victims.append(v)
+        free += v.num_blocks
+        if id(v) in members and (v.num_computed_tokens + bs) // bs > v.num_blocks:
+            need -= 1
+    return victims

@@ -33,3 +33,6 @@ __all__ = [
     "slo_aware_schedule",
     "two_phase_schedule",
 ]
+
+# Registers the `hygen` and `hygen-star` policies.
+from tidal.policy.hygen import policy as _policy  # noqa: F401

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 class HygenConfig:
     """Configuration of HyGen's two-phase SLO-aware scheduler and offline order."""
 
-    latency_budget_s: float = 0.05
-    """L of Alg. 2: the per-step latency budget found by the SLO-aware profiler (§4.2)."""
+    latency_budget_s: float = 0.0
+    """L of Alg. 2: the per-step latency budget found by the SLO-aware profiler (§4.2);
+    0 means "the online TPOT SLO" (the naive budget of §5.3, Fig. 7)."""
     chunk_size: int = 512
     """C of Alg. 2: token budget of one step (chunked prefill, Sarathi-style)."""
     block_size: int = 16
@@ -22,10 +23,19 @@ class HygenConfig:
     rather than the stalest one (1.0 = plain A.2 order; lower = more freshness)."""
     async_offline: bool = False
     """App. A.1 Alg. 2: plan the offline phase one step ahead and reconcile on arrivals."""
+    offline_qps_cap: float = 0.0
+    """HyGen* of §5.1: admit offline requests at most at this rate (requests/s); 0 = no cap."""
+    offline_buffer: int = 2
+    """Policy: offline requests dispatched to an instance's queue at a time (the rest wait in
+    the policy's prefix-ordered offline queue)."""
+    decode_repeat: int = 4
+    """Policy: `max_repeat` of decode-only plans (a simulator speed hint)."""
 
     def __post_init__(self) -> None:
-        if self.latency_budget_s <= 0:
-            raise ValueError("latency_budget_s must be > 0 seconds")
+        if self.latency_budget_s < 0:
+            raise ValueError("latency_budget_s must be >= 0 seconds (0: the TPOT SLO)")
+        if self.offline_qps_cap < 0 or self.offline_buffer < 1 or self.decode_repeat < 1:
+            raise ValueError("offline_qps_cap >= 0, offline_buffer >= 1, decode_repeat >= 1")
         if self.chunk_size < 1 or self.block_size < 1:
             raise ValueError("chunk_size and block_size must be >= 1 token")
         if not 0.0 <= self.utility_ratio <= 1.0:

@@ -9,3 +9,6 @@ from tidal.policy.omniserve.config import OmniConfig
 from tidal.policy.omniserve.control import admit_ls, fit_decodes, max_chunk, piggyback_admission
 
 __all__ = ["OmniConfig", "admit_ls", "fit_decodes", "max_chunk", "piggyback_admission"]
+
+# Registers the `omniserve` policy.
+from tidal.policy.omniserve import policy as _policy  # noqa: F401

@@ -27,3 +27,6 @@ __all__ = [
     "select_backflow",
     "select_degrading",
 ]
+
+# Registers the `taichi` policy.
+from tidal.policy.taichi import policy as _policy  # noqa: F401
