@@ -63,41 +63,60 @@ class RequestHandle:
     num_chunks: int = 0
     is_finished: bool = False
 
-    async def __aiter__(self) -> AsyncIterator[TokenChunk]:
+    async def batches(self) -> AsyncIterator[list[TokenChunk]]:
+        """The request's chunks in order, in batches of whatever has arrived: a burst of tokens
+        becomes one write to the client instead of one per token."""
         while not self.is_finished:
-            item = await self.queue.get()
-            if isinstance(item, _Down):
-                if item.instance_id != self.instance_id:
-                    continue  # a stale notice about an instance this request already left
-                if self.num_chunks == 0:
-                    log.warning(
-                        "request %s lost on %s before its first token; re-routing",
-                        self.request.req_id,
-                        item.instance_id,
-                    )
-                    await self.bus.place(self, exclude=[item.instance_id])
-                    continue
-                self.is_finished = True
-                self.bus.release(self)
-                yield TokenChunk(
-                    req_id=self.request.req_id,
-                    seq=self.num_chunks,
-                    text="",
-                    num_tokens=0,
-                    num_prompt_tokens=self.ack.num_prompt_tokens,
-                    num_output_tokens=0,
-                    instance_id=item.instance_id,
-                    finish_reason="error",
-                    error=f"instance {item.instance_id} failed mid-request: {item.reason}",
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            batch: list[TokenChunk] = []
+            for item in items:
+                chunk = await self._accept(item)
+                if chunk is not None:
+                    batch.append(chunk)
+                if self.is_finished:
+                    break
+            if batch:
+                yield batch
+
+    async def __aiter__(self) -> AsyncIterator[TokenChunk]:
+        async for batch in self.batches():
+            for chunk in batch:
+                yield chunk
+
+    async def _accept(self, item: TokenChunk | _Down) -> TokenChunk | None:
+        if isinstance(item, _Down):
+            if item.instance_id != self.instance_id:
+                return None  # a stale notice about an instance this request already left
+            if self.num_chunks == 0:
+                log.warning(
+                    "request %s lost on %s before its first token; re-routing",
+                    self.request.req_id,
+                    item.instance_id,
                 )
-                return
-            if item.req_id != self.request.req_id or item.instance_id != self.instance_id:
-                continue
-            self.num_chunks += 1
-            if item.finish_reason is not None:
-                self.is_finished = True
-                self.bus.release(self)
-            yield item
+                await self.bus.place(self, exclude=[item.instance_id])
+                return None
+            self.is_finished = True
+            self.bus.release(self)
+            return TokenChunk(
+                req_id=self.request.req_id,
+                seq=self.num_chunks,
+                text="",
+                num_tokens=0,
+                num_prompt_tokens=self.ack.num_prompt_tokens,
+                num_output_tokens=0,
+                instance_id=item.instance_id,
+                finish_reason="error",
+                error=f"instance {item.instance_id} failed mid-request: {item.reason}",
+            )
+        if item.req_id != self.request.req_id or item.instance_id != self.instance_id:
+            return None
+        self.num_chunks += 1
+        if item.finish_reason is not None:
+            self.is_finished = True
+            self.bus.release(self)
+        return item
 
     async def cancel(self, reason: str = "client disconnected") -> None:
         if self.is_finished:

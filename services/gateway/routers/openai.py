@@ -9,7 +9,6 @@ a `tidal.emulated: true` field.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -183,53 +183,55 @@ async def _serve(
     return await _complete(call, request)
 
 
-def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+def _sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
 
-async def _stream(call: _Call, include_usage: bool) -> AsyncIterator[str]:
+def _sse_events(call: _Call, chunk: TokenChunk) -> list[bytes]:
+    """The SSE events for one token chunk, in OpenAI's format."""
+    if chunk.finish_reason in _FAILED:
+        error = {
+            "message": chunk.error or "request aborted",
+            "type": "server_error",
+            "code": chunk.finish_reason,
+        }
+        return [_sse({"error": error})]
+    events = []
+    if chunk.text or chunk.logprobs:
+        events.append(
+            _sse(call.envelope(True) | {"choices": [call.choice(chunk.text, None, chunk)]})
+        )
+    if chunk.finish_reason is not None:
+        final = call.choice(None if call.kind == "chat" else "", chunk.finish_reason, None)
+        events.append(_sse(call.envelope(True) | {"choices": [final]}))
+    return events
+
+
+async def _stream(call: _Call, include_usage: bool) -> AsyncIterator[bytes]:
     gauge = call.metrics.inflight.labels(call.req_class)
     gauge.inc()
     try:
         if call.kind == "chat":
-            first = call.envelope(chunk=True) | {
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            }
-            yield _sse(first)
-        async for chunk in call.handle:
-            call.observe(chunk)
-            if chunk.finish_reason in _FAILED:
-                yield _sse(
-                    {
-                        "error": {
-                            "message": chunk.error or "request aborted",
-                            "type": "server_error",
-                            "code": chunk.finish_reason,
-                        }
-                    }
-                )
+            role = {"role": "assistant", "content": ""}
+            first = {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
+            yield _sse(call.envelope(True) | {"choices": [first]})
+        failed = False
+        async for batch in call.handle.batches():
+            # NOTE: events that arrived together go out in one write; each is still its own
+            # `data:` event, so the stream is byte-for-byte OpenAI's format.
+            events: list[bytes] = []
+            for chunk in batch:
+                call.observe(chunk)
+                events += _sse_events(call, chunk)
+                failed = chunk.finish_reason in _FAILED
+            yield b"".join(events)
+            if failed:
                 break
-            if chunk.text or chunk.logprobs:
-                yield _sse(
-                    call.envelope(True) | {"choices": [call.choice(chunk.text, None, chunk)]}
-                )
-            if chunk.finish_reason is not None:
-                final = call.choice(None if call.kind == "chat" else "", chunk.finish_reason, None)
-                yield _sse(call.envelope(True) | {"choices": [final]})
         call.finish()
-        if include_usage:
-            yield _sse(
-                call.envelope(True)
-                | {"choices": [], "usage": call.usage(), "tidal": call.tidal_info()}
-            )
-        yield "data: [DONE]\n\n"
+        if include_usage and not failed:
+            usage = {"choices": [], "usage": call.usage(), "tidal": call.tidal_info()}
+            yield _sse(call.envelope(True) | usage)
+        yield b"data: [DONE]\n\n"
     finally:
         gauge.dec()
         if not call.handle.is_finished:

@@ -1,0 +1,159 @@
+"""`tidal bench ...`: benchmark commands. Figures are medians/percentiles from one run.
+
+    tidal bench gateway [--streams 32] [--rounds 10] [--max-tokens 16] [--json PATH]
+
+`gateway` starts `tidal up --engine sim --sim-step-model zero` (the engine takes no time, so all
+latency measured is Tidal's own: gateway, scheduler round trip, NATS hops and the instance loop)
+and drives it with the official openai client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from services.cli import natsd
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+@contextlib.contextmanager
+def _sim_stack(port: int) -> Iterator[str]:
+    tmp = tempfile.mkdtemp(prefix="tidal-bench-")
+    env = {**os.environ, "TIDAL_STATE_FILE": f"{tmp}/up.json"}
+    tidal = str(Path(sys.executable).parent / "tidal")
+    argv = [
+        tidal,
+        "up",
+        "--engine",
+        "sim",
+        "--sim-step-model",
+        "zero",
+        "--port",
+        str(port),
+        "--log-level",
+        "WARNING",
+    ]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), urllib.request.urlopen(base + "/models") as r:
+                if b'"id"' in r.read():
+                    break
+            time.sleep(0.2)
+        else:
+            raise RuntimeError("the benchmark stack did not start within 60 s")
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+
+
+async def _drive(base: str, streams: int, rounds: int, max_tokens: int) -> dict[str, list[float]]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
+    ttft_ms: list[float] = []
+    itl_ms: list[float] = []
+
+    async def one(i: int) -> None:
+        t0 = time.perf_counter()
+        stream = await client.chat.completions.create(
+            model="tidal-sim",
+            messages=[{"role": "user", "content": f"bench {i}"}],
+            max_tokens=max_tokens,
+            stream=True,
+        )
+        last = None
+        async for chunk in stream:
+            if not chunk.choices or not chunk.choices[0].delta.content:
+                continue
+            now = time.perf_counter()
+            if last is None:
+                ttft_ms.append((now - t0) * 1e3)
+            else:
+                itl_ms.append((now - last) * 1e3)
+            last = now
+
+    try:
+        await asyncio.gather(*(one(i) for i in range(streams)))  # warm-up round, not counted
+        ttft_ms.clear()
+        itl_ms.clear()
+        for r in range(rounds):
+            await asyncio.gather(*(one(r * streams + i) for i in range(streams)))
+    finally:
+        await client.close()
+    return {"ttft_ms": ttft_ms, "inter_token_ms": itl_ms}
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    with _sim_stack(natsd.free_port()) as base:
+        samples = asyncio.run(_drive(base, args.streams, args.rounds, args.max_tokens))
+    report: dict[str, object] = {
+        "what": "gateway-added latency: sim engine with zero emulated step time",
+        "emulated_engine": True,
+        "streams": args.streams,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+    }
+    print(
+        f"Gateway-added latency (sim engine, zero emulated step time; {args.streams} concurrent "
+        f"streams x {args.rounds} rounds, {args.max_tokens} tokens each):"
+    )
+    for name, values in samples.items():
+        stats = {
+            "p50": _pct(values, 50),
+            "p99": _pct(values, 99),
+            "mean": statistics.fmean(values),
+            "n": len(values),
+        }
+        report[name] = stats
+        print(
+            f"  {name:15s} p50 {stats['p50']:7.2f} ms   p99 {stats['p99']:7.2f} ms   "
+            f"(n={stats['n']})"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks (gateway overhead, engine throughput)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench = p.add_subparsers(dest="bench_cmd", required=True)
+    gw = bench.add_parser("gateway", help="latency Tidal adds on top of the engine")
+    gw.add_argument("--streams", type=int, default=32, help="concurrent streams")
+    gw.add_argument("--rounds", type=int, default=10, help="rounds of concurrent streams")
+    gw.add_argument("--max-tokens", type=int, default=16, help="tokens per stream")
+    gw.add_argument("--json", default="", help="also write the figures here as JSON")
+    gw.set_defaults(func=run_gateway)
+    # The engine benchmark lives beside the engine; it adds `tidal bench engine` when present.
+    try:
+        engine_bench = importlib.import_module("tidal.engine.bench")
+    except ModuleNotFoundError as exc:
+        if exc.name != "tidal.engine.bench":
+            raise
+    else:
+        engine_bench.register_bench(bench)
