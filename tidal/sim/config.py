@@ -160,12 +160,40 @@ def parse_config(data: Mapping[str, Any], where: str = "config") -> SimConfig:
     return build(SimConfig, d, where)
 
 
-def load_config(path: str | Path) -> SimConfig:
-    """Read and check a YAML config file."""
+def set_path(data: dict[str, Any], assignment: str) -> None:
+    """Apply ``a.b[0].c=value`` (value parsed as YAML) to the raw config mapping in place."""
+    if "=" not in assignment:
+        raise ValueError(f"--set expects key=value, got {assignment!r}")
+    key, raw = assignment.split("=", 1)
+    value = yaml.safe_load(raw)
+    parts: list[str | int] = []
+    for part in key.strip().split("."):
+        name, *idx = part.replace("]", "").split("[")
+        if name:
+            parts.append(name)
+        parts += [int(i) for i in idx]
+    node: Any = data
+    for p in parts[:-1]:
+        if isinstance(p, int):
+            node = node[p]
+        else:
+            if node.get(p) is None:
+                node[p] = {}
+            node = node[p]
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path, overrides: tuple[str, ...] = ()) -> SimConfig:
+    """Read and check a YAML config file, after ``key=value`` overrides (`set_path`)."""
     p = Path(path)
     with p.open() as f:
-        data = yaml.safe_load(f)
-    return parse_config(data or {}, str(p))
+        data = yaml.safe_load(f) or {}
+    for a in overrides:
+        try:
+            set_path(data, a)
+        except (KeyError, IndexError, TypeError) as e:
+            raise ValueError(f"--set {a}: no such place in {p} ({e})") from e
+    return parse_config(data, str(p))
 
 
 def override_streams(

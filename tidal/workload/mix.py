@@ -38,6 +38,7 @@ class StreamConfig:
     start_s: float = 0.0  # `trace`: where in the trace the window starts, seconds
     max_input_tokens: int | None = None  # drop longer prompts (TaiChi §4.1 filters outliers)
     max_output_tokens: int | None = None  # clip outputs to this many tokens
+    max_total_tokens: int | None = None  # drop requests whose input + output exceed this
     max_requests: int | None = None  # keep only the first N arrivals
 
     def __post_init__(self) -> None:
@@ -53,7 +54,7 @@ class StreamConfig:
             raise ValueError(f"cv must be > 0, got {self.cv}")
         if self.start_s < 0:
             raise ValueError(f"start_s must be >= 0, got {self.start_s}")
-        for name in ("max_input_tokens", "max_output_tokens", "max_requests"):
+        for name in ("max_input_tokens", "max_output_tokens", "max_total_tokens", "max_requests"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -72,6 +73,8 @@ def build_stream(
     ok = np.ones(len(tr), dtype=bool)
     if cfg.max_input_tokens is not None:
         ok &= inp <= cfg.max_input_tokens
+    if cfg.max_total_tokens is not None:
+        ok &= inp + out <= cfg.max_total_tokens
     if cfg.arrival == "trace":
         if tr.arrival_s is None:
             raise ValueError(f"{tr.name} has no timestamps; use arrival poisson|gamma|uniform")

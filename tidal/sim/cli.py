@@ -1,0 +1,264 @@
+"""``tidal sim run | max-offline | goodput``: the simulator's commands. Output is simulated."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tidal.sim.config import SimConfig, load_config, override_streams
+
+console = Console(stderr=True)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="YAML experiment file (configs/*.yaml)")
+    p.add_argument("--out", required=True, help="directory for summary.json and the PNG plots")
+    p.add_argument("--online-trace", help="CSV arrival_s,input_tokens,output_tokens (online)")
+    p.add_argument("--offline-lengths", help="CSV of offline lengths (arrival column ignored)")
+    p.add_argument("--seed", type=int, help="workload seed (default: the config's)")
+    p.add_argument("--duration", type=float, help="workload window in seconds (default: config)")
+    p.add_argument("--slo", help="name of one of the config's slo_variants (e.g. slo2)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. cpu_workers.count=0 or instances[1].chunk_size=128",
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the `sim` command and its three subcommands."""
+    p = subparsers.add_parser("sim", help="discrete-event cluster simulator (simulated results)")
+    sp = p.add_subparsers(dest="sim_command", required=True)
+    r = sp.add_parser("run", help="one simulated run: summary.json and plots")
+    _common(r)
+    r.add_argument("--policy", help="policy name (default: the config's `policy`)")
+    r.set_defaults(func=cmd_run)
+    m = sp.add_parser("max-offline", help="OOCO §5.2: max offline load within the violation cap")
+    _common(m)
+    m.add_argument("--policies", required=True, help="comma-separated policy names")
+    m.add_argument("--violation", type=float, default=3.0, help="online violation cap, %%")
+    m.add_argument("--start-qps", type=float, default=0.25, help="first offline QPS probed")
+    m.add_argument("--max-qps", type=float, default=256.0, help="stop growing the load here")
+    m.add_argument("--iters", type=int, default=5, help="bisection steps")
+    m.set_defaults(func=cmd_max_offline)
+    g = sp.add_parser("goodput", help="TaiChi §4.1: max online rate at the SLO attainment")
+    _common(g)
+    g.add_argument("--policies", required=True, help="comma-separated policy names")
+    g.add_argument("--attainment", type=float, default=90.0, help="SLO attainment target, %%")
+    g.add_argument("--start-rps", type=float, default=0.5, help="first online rate probed")
+    g.add_argument("--max-rps", type=float, default=1024.0, help="stop growing the load here")
+    g.add_argument("--iters", type=int, default=6, help="bisection steps")
+    g.set_defaults(func=cmd_goodput)
+
+
+def _config(args: argparse.Namespace) -> SimConfig:
+    cfg = load_config(args.config, tuple(args.set))
+    if args.slo:
+        cfg = cfg.with_slo(args.slo)
+    return override_streams(cfg, args.online_trace, args.offline_lengths, args.seed, args.duration)
+
+
+@contextmanager
+def _progress() -> Iterator[Progress]:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} simulated s"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as prog:
+        yield prog
+
+
+def _ticker(prog: Progress, desc: str, total: float) -> Callable[[float], None]:
+    task = prog.add_task(desc, total=total)
+
+    def tick(t: float) -> None:
+        prog.update(task, completed=min(t, total))
+
+    return tick
+
+
+def _write(out: Path, summary: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tidal.sim.build import simulate
+    from tidal.sim.metrics import summarize
+    from tidal.sim.plots import run_plots
+
+    cfg = _config(args)
+    policy = args.policy or cfg.policy
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with _progress() as prog:
+        tick = _ticker(prog, f"{policy} (simulated)", cfg.duration_s + cfg.drain_s)
+        rec = simulate(cfg, policy, progress=tick)
+    wall = time.perf_counter() - t0
+    s = summarize(rec, cfg.duration_s, policy, cfg.name)
+    s["wall_s"] = wall
+    s["simulated_requests_per_wall_s"] = len(rec.requests) / wall if wall > 0 else 0.0
+    s["plots"] = run_plots(rec, out, f"{cfg.name} / {policy}", cfg.duration_s, _slo(cfg))
+    _write(out, s)
+    on, off = s["online"], s["offline"]
+    console.print(
+        f"[simulated] {cfg.name}/{policy}: online SLO attainment {on['slo_attainment_pct']:.2f}% "
+        f"(TTFT viol {on['ttft_violation_pct']:.2f}%, TPOT viol {on['tpot_violation_pct']:.2f}%), "
+        f"goodput {on['goodput_rps']:.2f} req/s, offline {off['tokens_per_s']:.0f} tok/s "
+        f"{off['requests_per_s']:.2f} req/s; {len(rec.requests)} requests in {wall:.1f} s wall"
+    )
+    console.print(f"wrote {out / 'summary.json'}")
+    return 0
+
+
+def _slo(cfg: SimConfig) -> tuple[float, float]:
+    return (cfg.slo.ttft_s, cfg.slo.tpot_s)
+
+
+def _search_cmd(args: argparse.Namespace, kind: str) -> int:
+    from tidal.sim.plots import search_plot
+    from tidal.sim.search import goodput, max_offline
+
+    cfg = _config(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    per_policy: dict[str, Any] = {}
+    curves: dict[str, list[tuple[float, float, float]]] = {}
+    best: dict[str, float] = {}
+    t0 = time.perf_counter()
+    with _progress() as prog:
+        for pol in policies:
+            task = prog.add_task(f"{pol} probes", total=None)
+
+            def on_probe(p: str, x: float, s: dict[str, Any], task: Any = task) -> None:
+                prog.update(task, advance=1, description=f"{p} probes (last load {x:g})")
+
+            if kind == "max-offline":
+                res = max_offline(
+                    cfg, pol, args.violation, args.start_qps, args.max_qps, args.iters, on_probe
+                )
+                b = res.best or {}
+                per_policy[pol] = {
+                    "max_offline_qps": res.best_rate,
+                    "max_offline_tokens_per_s": b.get("offline", {}).get("tokens_per_s", 0.0),
+                    "max_offline_requests_per_s": b.get("offline", {}).get("requests_per_s", 0.0),
+                    "online_violation_pct": b.get("online", {}).get("violation_pct"),
+                    "saturated": res.saturated,
+                    "probes": [_probe_row(x, s) for x, s in res.probes],
+                }
+                curves[pol] = [
+                    (x, s["online"]["violation_pct"], s["offline"]["tokens_per_s"])
+                    for x, s in res.probes
+                ]
+            else:
+                res = goodput(
+                    cfg, pol, args.attainment, args.start_rps, args.max_rps, args.iters, on_probe
+                )
+                b = res.best or {}
+                per_policy[pol] = {
+                    "goodput_rps": res.best_rate,
+                    "slo_attainment_pct": b.get("online", {}).get("slo_attainment_pct"),
+                    "probes": [_probe_row(x, s) for x, s in res.probes],
+                }
+                curves[pol] = [
+                    (x, s["online"]["slo_attainment_pct"], s["online"]["goodput_rps"])
+                    for x, s in res.probes
+                ]
+            best[pol] = res.best_rate
+    if kind == "max-offline":
+        plot = search_plot(
+            curves,
+            out,
+            f"{cfg.name}: online SLO violation vs offline load (OOCO Fig. 6)",
+            "offline QPS (uniform)",
+            "online SLO violation (%)",
+            args.violation,
+            best,
+            "max_offline.png",
+        )
+    else:
+        plot = search_plot(
+            curves,
+            out,
+            f"{cfg.name}: SLO attainment vs online rate (TaiChi §4.1)",
+            "online request rate (req/s)",
+            "SLO attainment (%)",
+            args.attainment,
+            best,
+            "goodput.png",
+        )
+    summary = {
+        "label": "simulated",
+        "config": cfg.name,
+        "method": kind,
+        "slo": {"ttft_s": cfg.slo.ttft_s, "tpot_s": cfg.slo.tpot_s},
+        "threshold": args.violation if kind == "max-offline" else args.attainment,
+        "duration_s": cfg.duration_s,
+        "seed": cfg.seed,
+        "wall_s": time.perf_counter() - t0,
+        "policies": per_policy,
+        "plots": [plot],
+    }
+    _write(out, summary)
+    for pol, v in per_policy.items():
+        if kind == "max-offline":
+            console.print(
+                f"[simulated] {pol}: max offline {v['max_offline_qps']:.3g} QPS, "
+                f"{v['max_offline_tokens_per_s']:.0f} tok/s at "
+                f"{v['online_violation_pct']:.2f}% online violation"
+                + (" (offline throughput saturated)" if v["saturated"] else "")
+            )
+        else:
+            console.print(f"[simulated] {pol}: goodput {v['goodput_rps']:.3g} req/s")
+    console.print(f"wrote {out / 'summary.json'}")
+    return 0
+
+
+def _probe_row(x: float, s: dict[str, Any]) -> dict[str, float]:
+    return {
+        "load": x,
+        "violation_pct": s["online"]["violation_pct"],
+        "slo_attainment_pct": s["online"]["slo_attainment_pct"],
+        "offline_tokens_per_s": s["offline"]["tokens_per_s"],
+        "offline_requests_per_s": s["offline"]["requests_per_s"],
+        "goodput_rps": s["online"]["goodput_rps"],
+    }
+
+
+def cmd_max_offline(args: argparse.Namespace) -> int:
+    return _search_cmd(args, "max-offline")
+
+
+def cmd_goodput(args: argparse.Namespace) -> int:
+    return _search_cmd(args, "goodput")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tidal")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
