@@ -61,6 +61,30 @@ class Budget:
         self.context[r.req_id] = r.computed_tokens
         return True
 
+    def add_decode_prefix(self, reqs: Sequence[HyReq]) -> None:
+        """Batch the longest prefix of `reqs` whose decodes fit the latency and memory budgets
+        (one model call per bisection step instead of one per request)."""
+        bs = self.block_size
+        ctx = [0]
+        blk = [0]
+        for r in reqs:
+            ctx.append(ctx[-1] + r.computed_tokens)
+            blk.append(blk[-1] + max(0, blocks_for(r.computed_tokens + 1, bs) - r.held_blocks))
+        lo, hi = 0, len(reqs)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            ok = blk[mid] <= self.free_blocks and mid <= self.chunk_tokens
+            if ok and self.model.step_s(add_decode(self.shape, mid, ctx[mid])) <= self.latency_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        self.shape = add_decode(self.shape, lo, ctx[lo])
+        self.free_blocks -= blk[lo]
+        self.chunk_tokens -= lo
+        for r in reqs[:lo]:
+            self.decode.append(r.req_id)
+            self.context[r.req_id] = r.computed_tokens
+
     def max_prefill(self, r: HyReq, ignore_memory: bool = False) -> int:
         """PREDICTOR.get_max_prefill(t, c, m, r): the longest chunk within every budget."""
         hi = min(self.chunk_tokens, r.prompt_tokens - r.computed_tokens)
@@ -98,8 +122,11 @@ def slo_aware_schedule(
     and returns whether anything was freed. NOTE: Alg. 1 preempts whenever l = 0; we preempt only
     when memory is what blocks the chunk, since preempting cannot shorten the step.
     """
-    for r in decoding:  # lines 6-12
-        budget.try_decode(r, force=online_phase)
+    if online_phase:  # lines 6-12: every online decode goes in, whatever the budget
+        for r in decoding:
+            budget.try_decode(r, force=True)
+    else:  # offline decodes while the budget holds: largest FCFS prefix, by binary search
+        budget.add_decode_prefix(decoding)
     for r in prefill_order:  # lines 13-29
         while True:
             n = budget.max_prefill(r)

@@ -48,14 +48,19 @@ def fit_decodes(
     model: StepModel, shape: BatchShape, contexts: Sequence[int], bound_s: float
 ) -> int:
     """§3.3.5 BE decoding control: how many of these BE decodes (FCFS) join the GPU batch while
-    L <= bound; c_DA += l_j and n += 1 per request. Stops at the first that does not fit."""
-    k = 0
+    L <= bound; c_DA += l_j and n += 1 per request. Stops at the first that does not fit, found
+    by binary search over prefix sums (latency is monotone in added decodes)."""
+    prefix = [0]
     for c in contexts:
-        cand = add_decode(shape, 1, c)
-        if model.step_s(cand) > bound_s:
-            break
-        shape, k = cand, k + 1
-    return k
+        prefix.append(prefix[-1] + c)
+    lo, hi = 0, len(contexts)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if model.step_s(add_decode(shape, mid, prefix[mid])) <= bound_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def piggyback_admission(
