@@ -189,6 +189,8 @@ class LlamaModel:
         self.cos = (emb.cos() * self.rope_scale).to(device=device, dtype=dtype)  # (P, D)
         self.sin = (emb.sin() * self.rope_scale).to(device=device, dtype=dtype)
         self.scale = config.head_dim**-0.5
+        # called as hook(layer, num_rows) after each layer; tests use it to inject a preemption
+        self.layer_hook: Callable[[int, int], None] | None = None
 
     def weight_bytes(self, with_lm_head: bool = True) -> int:
         """Bytes of weights one decode step reads (the embedding gather is negligible)."""
@@ -260,6 +262,8 @@ class LlamaModel:
             if timed:
                 sync()
                 _acc(module_s, "mlp", time.perf_counter() - t0)
+            if self.layer_hook is not None:
+                self.layer_hook(li, n)
             if should_stop is not None and li + 1 < len(self.layers) and should_stop():
                 return li + 1
         return len(self.layers)

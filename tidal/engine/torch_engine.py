@@ -242,8 +242,11 @@ class TorchEngine:
         for s in self.seqs.values():
             if s.status != SeqStatus.RUNNING:
                 assert not s.block_ids, f"{s.req_id}: {s.status} but holds KV blocks"
-            held = s.num_computed + (s.partial.num_tokens if s.partial else 0)
-            assert len(s.block_ids) * self.block_size >= held, f"{s.req_id}: KV beyond its blocks"
+            held = self._kv_tokens(s)
+            if s.status == SeqStatus.RUNNING:
+                assert len(s.block_ids) * self.block_size >= held, f"{s.req_id}: KV past blocks"
+            if s.status == SeqStatus.SWAPPED:
+                assert s.swapped_kv is not None and s.swapped_kv.shape[2] == held
 
     # ---- KV movement -----------------------------------------------------------------------
     def _kv_tokens(self, seq: Sequence) -> int:
