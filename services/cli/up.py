@@ -86,8 +86,21 @@ class Supervisor:
         a = self.args
         children = [self._service("scheduler-0", "services.scheduler")]
         children += [self._service(f"cpu-attn-{i}", "services.cpu_attn") for i in range(a.cpu_attn)]
-        for i, role in enumerate(r.strip() for r in a.instances.split(",") if r.strip()):
-            extra = ["--role", role, "--engine", a.engine, "--sim-step-model", a.sim_step_model]
+        roles = parse_roles(a.instances)
+        # NOTE: instances share this machine's cores; without a split, each torch engine would
+        # start one thread per core and they would fight over them.
+        threads = max(1, (os.cpu_count() or 1) // max(1, len(roles)))
+        for i, role in enumerate(roles):
+            extra = [
+                "--role",
+                role,
+                "--engine",
+                a.engine,
+                "--sim-step-model",
+                a.sim_step_model,
+                "--num-threads",
+                str(threads),
+            ]
             if a.model:
                 extra += ["--model", a.model]
             if a.max_model_len:
@@ -202,6 +215,31 @@ async def _terminate(children: list[Child]) -> None:
         await asyncio.gather(*(p.wait() for p in procs))
 
 
+def parse_roles(spec: str) -> list[str]:
+    from services.instance.main import ROLES
+
+    roles = [r.strip() for r in spec.split(",") if r.strip()]
+    if not roles:
+        raise ValueError("--instances names no instance role")
+    bad = [r for r in roles if r not in ROLES]
+    if bad:
+        raise ValueError(f"--instances: unknown role(s) {', '.join(bad)}; use {', '.join(ROLES)}")
+    return roles
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        parse_roles(args.instances)
+        if args.port < 1 or args.port > 65535:
+            raise ValueError(f"--port {args.port} is not a TCP port")
+        if args.cpu_attn < 0:
+            raise ValueError("--cpu-attn must be >= 0")
+    except ValueError as exc:
+        say(str(exc))
+        return 2
+    return asyncio.run(Supervisor(args).run())
+
+
 def _http_ok(url: str, require_data: bool = False) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as resp:
@@ -219,7 +257,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nats-url", default="", help="join this NATS server instead of starting one")
-    p.add_argument("--engine", default="sim", choices=("sim", "torch"), help="instance engine")
+    p.add_argument(
+        "--engine",
+        default="torch",
+        choices=("sim", "torch"),
+        help="instance engine: torch (real model) or sim (emulated timings)",
+    )
     p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
     p.add_argument(
@@ -236,4 +279,4 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="sim engine latency: zero | linear[:B,P,D,C] | MODEL@HARDWARE",
     )
     p.add_argument("--log-level", default="INFO", help="log level of every service")
-    p.set_defaults(func=lambda args: asyncio.run(Supervisor(args).run()))
+    p.set_defaults(func=_run)

@@ -48,6 +48,10 @@ def build_engine(args: argparse.Namespace) -> Engine:
     if args.engine == "torch":
         # Imported on demand: the torch engine pulls in PyTorch, which the sim engine never needs.
         torch_engine = importlib.import_module("tidal.engine.torch_engine")
+        if args.num_threads:
+            import torch
+
+            torch.set_num_threads(args.num_threads)
         kwargs = {"max_model_len": args.max_model_len} if args.max_model_len else {}
         engine: Engine = torch_engine.load_torch_engine(
             args.model or None, device=args.device, **kwargs

@@ -284,6 +284,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", default="sim", choices=ENGINES, help="engine to host")
     p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
     p.add_argument("--device", default="cpu", help="torch device (torch engine)")
+    p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's)")
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
     p.add_argument(
         "--sim-step-model",

@@ -1,0 +1,57 @@
+"""The default stack (`tidal up`, torch engine, embedded SmolLM2) answers a real question."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from services.cli import natsd
+
+pytestmark = [pytest.mark.e2e, pytest.mark.nats, pytest.mark.slow]
+
+
+def test_default_stack_answers_with_the_real_model() -> None:
+    port = natsd.free_port()
+    tmp = Path(tempfile.mkdtemp(prefix="tidal-e2e-torch-"))
+    env = {**os.environ, "TIDAL_STATE_FILE": str(tmp / "up.json")}
+    tidal = str(Path(sys.executable).parent / "tidal")
+    log = open(tmp / "up.log", "w")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen(
+        [tidal, "up", "--port", str(port), "--instances", "aggregated", "--cpu-attn", "0"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    try:
+        deadline = time.monotonic() + 240
+        models: list[str] = []
+        while not models and time.monotonic() < deadline:
+            try:
+                models = [m.id for m in client.models.list()]
+            except openai.APIError:
+                time.sleep(0.5)
+        assert models == ["SmolLM2-135M-Instruct"], (tmp / "up.log").read_text()
+        stream = client.chat.completions.create(
+            model=models[0],
+            temperature=0,
+            max_tokens=32,
+            stream=True,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert "Paris" in text
+        assert chunks[-1].system_fingerprint == "tidal-torch"  # a real engine, not emulation
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        log.close()
