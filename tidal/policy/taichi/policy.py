@@ -164,7 +164,9 @@ class TaichiPolicy(Policy):
 
 
 def _movable(r: ReqState, asked: set[str]) -> bool:
-    return r.phase is Phase.RUNNING and r.is_decoding and r.req_id not in asked
+    # NOTE: skip requests about to finish: a deferred migration of a finished request fails.
+    near_end = r.max_output_tokens - r.num_output_tokens <= 5
+    return r.phase is Phase.RUNNING and r.is_decoding and r.req_id not in asked and not near_end
 
 
 def chunked_prefill_step(inst: InstanceState) -> StepPlan:
