@@ -92,6 +92,7 @@ def simulate(
     progress: Callable[[float], None] | None = None,
     step_model: StepModel | None = None,
     requests: Sequence[SimRequest] | None = None,
+    check: bool = False,
 ) -> Recorder:
     """Run `policy` on `cfg`'s cluster and workload; same config and seed, same result."""
     setups = instance_setups(cfg, policy, step_model)
@@ -122,6 +123,7 @@ def simulate(
         cpu=cpu,
         horizon_s=cfg.duration_s + cfg.drain_s,
         bin_s=cfg.bin_s,
+        check=check,
     )
     return sim.run(workload(cfg) if requests is None else requests, progress)
 

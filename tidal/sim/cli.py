@@ -70,11 +70,16 @@ def _config(args: argparse.Namespace) -> SimConfig:
 
 
 @contextmanager
-def _progress() -> Iterator[Progress]:
+def _progress(search: bool = False) -> Iterator[Progress]:
+    count = (
+        TextColumn("{task.completed:.0f} runs")
+        if search
+        else TextColumn("{task.completed:.0f}/{task.total:.0f} simulated s")
+    )
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed:.0f}/{task.total:.0f} simulated s"),
+        count,
         TimeElapsedColumn(),
         console=console,
         transient=False,
@@ -142,7 +147,7 @@ def _search_cmd(args: argparse.Namespace, kind: str) -> int:
     curves: dict[str, list[tuple[float, float, float]]] = {}
     best: dict[str, float] = {}
     t0 = time.perf_counter()
-    with _progress() as prog:
+    with _progress(search=True) as prog:
         for pol in policies:
             task = prog.add_task(f"{pol} probes", total=None)
 

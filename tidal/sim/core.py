@@ -69,6 +69,7 @@ class Simulator:
         cpu: CpuPoolState | None = None,
         horizon_s: float = math.inf,
         bin_s: float = 10.0,
+        check: bool = False,
     ) -> None:
         self.policy = policy
         self.instances = [
@@ -97,6 +98,8 @@ class Simulator:
         self._pending_out: list[list[tuple[str, int]]] = [[] for _ in setups]
         self._now = 0.0
         self._num_open = 0  # requests arrived and not finished or rejected
+        self._reserved = [0] * len(setups)  # blocks reserved for KV in flight to each instance
+        self._check = check  # run check_integrity after every event (tests)
 
     # ---------------------------------------------------------------- events
     def _push(self, t: float, kind: int, payload: object) -> None:
@@ -133,6 +136,8 @@ class Simulator:
             self._apply(self.policy.tick(self.cluster, t), t)
             self._retry_transfers(t)
             self._kick(t)
+            if self._check:
+                self.check_integrity()
             if progress is not None and t - last_progress >= 1.0:
                 progress(t)
                 last_progress = t
@@ -235,6 +240,7 @@ class Simulator:
             dst.pending_in.remove(r)
         dst.num_free_blocks -= need
         dst.num_incoming += 1
+        self._reserved[dst_id] += need
         src.num_free_blocks += r.num_blocks
         r.num_blocks = 0
         src.running.remove(r)
@@ -252,6 +258,7 @@ class Simulator:
         r, dst_id, need = payload
         dst = self.instances[dst_id]
         dst.num_incoming -= 1
+        self._reserved[dst_id] -= need
         r.instance_id = dst_id
         r.num_blocks = need
         r.phase = Phase.RUNNING
@@ -280,6 +287,46 @@ class Simulator:
             self._interrupt(src_id, now)
             return
         self._start_transfer(r, self.instances[src_id], dst, now, is_migration=True)
+
+    def check_integrity(self) -> None:
+        """Assert the invariants: every block accounted for, every request in one place."""
+        where: dict[str, str] = {}
+
+        def put(r: ReqState, place: str) -> None:
+            assert r.req_id not in where, f"{r.req_id} in {where.get(r.req_id)} and {place}"
+            where[r.req_id] = place
+
+        for inst in self.instances:
+            i = inst.instance_id
+            held = 0
+            for name, lst in (
+                ("waiting", inst.waiting),
+                ("running", inst.running),
+                ("swapped", inst.swapped),
+                ("offloaded", inst.offloaded),
+            ):
+                for r in lst:
+                    put(r, f"{name}@{i}")
+                    assert r.instance_id == i, f"{r.req_id} listed on {i}, says {r.instance_id}"
+                    held += r.num_blocks
+                    if name != "running":
+                        assert r.num_blocks == 0, f"{r.req_id} {name} but holds GPU blocks"
+                    else:
+                        need = inst.blocks_for(r.num_computed_tokens)
+                        assert r.num_blocks >= need, f"{r.req_id} holds too few blocks"
+            assert inst.num_free_blocks >= 0, f"instance {i}: free blocks < 0"
+            assert held + inst.num_free_blocks + self._reserved[i] == inst.num_blocks, (
+                f"instance {i}: {held} held + {inst.num_free_blocks} free + "
+                f"{self._reserved[i]} reserved != {inst.num_blocks}"
+            )
+            assert inst.num_waiting_tokens == sum(r.num_prefill_left for r in inst.waiting)
+        for r in self.cluster.held:
+            put(r, "held")
+        for r in self.reqs.values():
+            if r.phase in (Phase.FINISHED, Phase.REJECTED, Phase.MIGRATING):
+                put(r, str(r.phase))
+            assert r.num_output_tokens <= r.max_output_tokens, f"{r.req_id} overran"
+        assert len(where) == len(self.reqs), "a request is lost"
 
     # ---------------------------------------------------------------- cluster actions
     def _apply(self, act: ClusterActions, now: float) -> None:
