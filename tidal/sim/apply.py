@@ -159,13 +159,20 @@ def start_span(
         else:
             inst.waiting = [x for x in wq if x.phase is Phase.WAITING]
 
-    decode = [_get(reqs, rid, inst, Phase.RUNNING) for rid in plan.decode]
+    decode: list[ReqState] = []
+    get, running_phase = reqs.get, Phase.RUNNING
+    for rid in plan.decode:
+        r = get(rid)  # type: ignore[assignment]
+        if r is None or r.phase is not running_phase or r.instance_id != iid:
+            r = _get(reqs, rid, inst, Phase.RUNNING)  # raises with the reason
+        decode.append(r)
     n = len(decode)
     k = 1
+    bs = inst.block_size
     if plan.max_repeat > 1 and n and not prefill and not plan.cpu_decode:
         # Largest k such that every request still has tokens to go and its k new tokens fit
         # in an equal share of the free blocks.
-        bs, share = inst.block_size, inst.num_free_blocks // n
+        share = inst.num_free_blocks // n
         k = plan.max_repeat
         for r in decode:
             k = min(
@@ -176,10 +183,12 @@ def start_span(
         k = max(k, 1)
     ctx = 0
     for r in decode:
-        if not r.is_decoding:
+        o, c = r.num_output_tokens, r.num_computed_tokens
+        if not o or c < r.num_prompt_tokens + o - 1:  # NOTE: `r.is_decoding`, inlined
             raise PolicyError(f"{r.req_id} is not decoding yet ({r.num_prefill_left} to prefill)")
-        _alloc(inst, r, r.num_computed_tokens + k)
-        ctx += r.num_computed_tokens
+        if -(-(c + k) // bs) > r.num_blocks:
+            _alloc(inst, r, c + k)
+        ctx += c
     cpu_reqs = [_get(reqs, rid, inst, Phase.OFFLOADED) for rid in plan.cpu_decode]
     if len({id(r) for r in decode}) + len({id(r) for r in cpu_reqs}) + len(
         {id(r) for r, _ in prefill}

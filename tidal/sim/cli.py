@@ -159,8 +159,14 @@ def _search_cmd(args: argparse.Namespace, kind: str) -> int:
                     cfg, pol, args.violation, args.start_qps, args.max_qps, args.iters, on_probe
                 )
                 b = res.best or {}
+                # Saturated: the offered load kept growing but completions did not; the
+                # sustained rate is what completed, not what was offered.
+                done_qps = b.get("offline", {}).get("requests_per_s", 0.0)
                 per_policy[pol] = {
-                    "max_offline_qps": res.best_rate,
+                    "max_offline_qps": min(res.best_rate, done_qps)
+                    if res.saturated
+                    else res.best_rate,
+                    "offered_offline_qps": res.best_rate,
                     "max_offline_tokens_per_s": b.get("offline", {}).get("tokens_per_s", 0.0),
                     "max_offline_requests_per_s": b.get("offline", {}).get("requests_per_s", 0.0),
                     "online_violation_pct": b.get("online", {}).get("violation_pct"),

@@ -218,7 +218,11 @@ class Simulator:
         if self._pending_out[inst_id]:
             pend, self._pending_out[inst_id] = self._pending_out[inst_id], []
             for rid, dst in pend:
-                self._migrate(rid, dst, now)
+                r = self.reqs[rid]
+                if r.phase is Phase.RUNNING and r.instance_id == inst_id and r.is_decoding:
+                    self._migrate(rid, dst, now)
+                else:  # it finished (or was preempted) in the step it was waiting for
+                    self.rec.num_migrations_refused += 1
 
     # ---------------------------------------------------------------- KV transfers
     def _start_transfer(

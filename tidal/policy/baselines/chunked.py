@@ -41,20 +41,25 @@ def chunked_plan(
     tokens, slots = inst.chunk_size, inst.max_batch_reqs
     reserve = int(watermark * inst.num_blocks)
     running = [r for r in inst.running if r.phase is Phase.RUNNING]
-    if online_first:
-        running.sort(key=lambda r: not r.is_online)  # stable: keeps admission order per class
+    if online_first:  # stable partition: keeps admission order within each class
+        running = [r for r in running if r.is_online] + [r for r in running if not r.is_online]
     victims = list(running)  # lowest priority last
     dropped: set[str] = set()
     chosen: set[str] = set()
     dec: list[str] = []
+    bs = inst.block_size
     for r in running if decode else ():
-        if not r.is_decoding or r.req_id in dropped:
+        o = r.num_output_tokens
+        # NOTE: inlined `r.is_decoding` and `bb.take(r, 1)`: this loop runs for every request
+        # of every step the simulator takes.
+        if not o or r.num_computed_tokens < r.num_prompt_tokens + o - 1 or r.req_id in dropped:
             continue
         if slots <= 0 or tokens <= 0:
             break
         if not r.is_online and offline_decode_cap is not None and len(dec) >= offline_decode_cap:
-            break  # online ones came first; the rest are offline
-        ok = bb.take(r, 1)
+            continue
+        cost = -(-(r.num_computed_tokens + 1) // bs) - r.num_blocks
+        ok = cost <= 0 or bb.take(r, 1)
         while not ok and victims:
             v = victims.pop()
             if v.req_id in dropped or v.req_id in chosen:
