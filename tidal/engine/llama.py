@@ -30,7 +30,7 @@ class PrefillSpan:
     row_start: int
     row_end: int
     ctx_slots: torch.Tensor  # (T,) KV slots of the whole context, new tokens included
-    mask: torch.Tensor  # (G*n, T) bool, True = attend (causal, bottom-right aligned)
+    mask: torch.Tensor | None  # (n, T) bool, True = attend; None = plain causal (T == n)
 
 
 @dataclass
@@ -60,8 +60,9 @@ def sdpa_paged_attention(
 ) -> torch.Tensor:
     """q (n, H, D); caches (slots, Hk, D) already hold this step's K/V. Returns (n, H*D).
 
-    GQA without repeating KV: the G query heads sharing a KV head are folded into the query
-    length, q (Hk, G*n, D) against k (Hk, T, D).
+    Decodes: the G query heads sharing a KV head are folded into one (G, D) query block, so GQA
+    needs no repeated KV, and plain matmuls beat SDPA's CPU kernels at one query per request.
+    Prefill chunks: SDPA with `enable_gqa`, causal (or a bottom-right causal mask after a prefix).
     """
     n, H, D = q.shape
     Hk = k_cache.shape[1]
@@ -73,17 +74,19 @@ def sdpa_paged_attention(
         flat = meta.decode_slots.reshape(-1)
         kd = k_cache.index_select(0, flat).view(B, T, Hk, D).transpose(1, 2)  # (B, Hk, T, D)
         vd = v_cache.index_select(0, flat).view(B, T, Hk, D).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        s = torch.matmul(qd, kd.transpose(-1, -2)) * scale  # (B, Hk, G, T)
+        assert meta.decode_mask is not None
+        s = s.masked_fill(~meta.decode_mask, float("-inf")).softmax(dim=-1)
+        od = torch.matmul(s, vd)  # (B, Hk, G, D)
         out[meta.decode_rows] = od.reshape(B, H, D)
     for p in meta.prefills:
-        m = p.row_end - p.row_start
-        qp = q[p.row_start : p.row_end].view(m, Hk, G, D).permute(1, 2, 0, 3)  # (Hk, G, m, D)
-        kp = k_cache.index_select(0, p.ctx_slots).transpose(0, 1)  # (Hk, T, D)
-        vp = v_cache.index_select(0, p.ctx_slots).transpose(0, 1)
+        qp = q[p.row_start : p.row_end].transpose(0, 1).unsqueeze(0)  # (1, H, m, D)
+        kp = k_cache.index_select(0, p.ctx_slots).transpose(0, 1).unsqueeze(0)  # (1, Hk, T, D)
+        vp = v_cache.index_select(0, p.ctx_slots).transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(
-            qp.reshape(Hk, G * m, D), kp, vp, attn_mask=p.mask, scale=scale
-        )  # (Hk, G*m, D)
-        out[p.row_start : p.row_end] = op.view(Hk, G, m, D).permute(2, 0, 1, 3).reshape(m, H, D)
+            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
+        )  # (1, H, m, D)
+        out[p.row_start : p.row_end] = op[0].transpose(0, 1)
     return out.view(n, H * D)
 
 

@@ -194,7 +194,6 @@ class StepRunner:
             pos = torch.arange(T)
             meta.decode_slots = (table[:, pos // bs] * bs + pos % bs).to(dev)  # (B, T)
             meta.decode_mask = (pos[None, :] < ctx[:, None]).to(dev)[:, None, None, :]
-        G = self.model.config.num_attention_heads // self.model.config.num_key_value_heads
         for i in active:
             seq, n = items[i]
             if n == 1:
@@ -208,7 +207,7 @@ class StepRunner:
                     row_start=rows[i][0],
                     row_end=rows[i][1],
                     ctx_slots=self._slots(seq, 0, T).to(dev),
-                    mask=mask.repeat(G, 1).to(dev),  # (G*n, T), rows ordered (g, i)
+                    mask=None if nc == 0 else mask.to(dev),
                 )
             )
         return meta
