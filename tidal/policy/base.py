@@ -46,7 +46,10 @@ What the simulator guarantees and checks (a violated check raises `PolicyError`)
   the CPU-attention workers, its KV in host memory); a request may appear in one list only.
 * Step time is ``inst.step_model.step_s(shape)`` for the GPU part, plus PCIe time for swaps and
   offloads. CPU-attention decodes run beside the step and emit their token at
-  ``max(step end, start + cpu time)``; the workers stay busy until then.
+  ``max(step end, start + cpu time)``; the workers stay busy until then, and a plan naming
+  ``cpu_decode`` while ``inst.cpu.busy_until_s > now`` is rejected.
+* An instance with work whose plan is empty idles until something happens (an arrival, a
+  step end elsewhere, a transfer, the CPU workers freeing up, or ``next_tick_s``).
 * ``max_repeat > 1`` on a decode-only plan lets the simulator run the same batch back to back
   without asking again until that many steps pass, a request finishes, memory runs short or
   anything arrives at the instance; it is only a speed hint and never changes what a policy
@@ -391,10 +394,7 @@ class Policy(ABC):
 
     def route(self, req: ReqState, cluster: ClusterView, now: float) -> Route:
         """Default: the instance with the fewest queued prompt tokens."""
-        best = min(
-            cluster.instances,
-            key=lambda i: (sum(r.num_prefill_left for r in i.waiting), i.num_requests),
-        )
+        best = min(cluster.instances, key=lambda i: (i.num_waiting_tokens, i.num_requests))
         return Route.to(best.instance_id)
 
     def place_decode(

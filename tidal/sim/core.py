@@ -189,6 +189,9 @@ class Simulator:
     def _start(self, inst: InstanceState, now: float) -> None:
         plan = self.policy.schedule(inst, now)
         if plan.is_empty:
+            cpu = inst.cpu
+            if inst.offloaded and cpu is not None and cpu.busy_until_s > now:
+                self._push(cpu.busy_until_s, _TICK, None)  # wake up when the CPU is free
             return
         span = start_span(inst, plan, self.reqs, now, self.rec)
         self._spans[inst.instance_id] = span
