@@ -50,6 +50,13 @@ What the simulator guarantees and checks (a violated check raises `PolicyError`)
   ``cpu_decode`` while ``inst.cpu.busy_until_s > now`` is rejected.
 * An instance with work whose plan is empty idles until something happens (an arrival, a
   step end elsewhere, a transfer, the CPU workers freeing up, or ``next_tick_s``).
+* KV moves: ``place_decode``'s target reserves blocks when the transfer starts; if it has no
+  room the request waits (phase TRANSFER_WAIT, KV kept at the source, listed in the target's
+  ``pending_in``) and is retried after every event. A `Migration` of a request that is in a
+  step right now starts at that step's end; a migration to a full instance is refused and
+  counted. Transfer time is `ClusterView.transfer_s`.
+* Tokens are credited when a step (or span) ends: between those moments a request's counters
+  are those of the step's start.
 * ``max_repeat > 1`` on a decode-only plan lets the simulator run the same batch back to back
   without asking again until that many steps pass, a request finishes, memory runs short or
   anything arrives at the instance; it is only a speed hint and never changes what a policy
