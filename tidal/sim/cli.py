@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tidal.sim.config import SimConfig, load_config, override_streams
+from tidal.sim.search import SearchResult
 
 console = Console(stderr=True)
 
@@ -27,6 +29,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="workload seed (default: the config's)")
     p.add_argument("--duration", type=float, help="workload window in seconds (default: config)")
     p.add_argument("--slo", help="name of one of the config's slo_variants (e.g. slo2)")
+    p.add_argument("--jobs", type=int, default=1, help="searches: policies run in parallel")
     p.add_argument(
         "--set",
         action="append",
@@ -137,7 +140,6 @@ def _slo(cfg: SimConfig) -> tuple[float, float]:
 
 def _search_cmd(args: argparse.Namespace, kind: str) -> int:
     from tidal.sim.plots import search_plot
-    from tidal.sim.search import goodput, max_offline
 
     cfg = _config(args)
     out = Path(args.out)
@@ -147,51 +149,61 @@ def _search_cmd(args: argparse.Namespace, kind: str) -> int:
     curves: dict[str, list[tuple[float, float, float]]] = {}
     best: dict[str, float] = {}
     t0 = time.perf_counter()
+    params = (
+        (args.violation, args.start_qps, args.max_qps, args.iters)
+        if kind == "max-offline"
+        else (args.attainment, args.start_rps, args.max_rps, args.iters)
+    )
+    results: dict[str, SearchResult] = {}
     with _progress(search=True) as prog:
-        for pol in policies:
-            task = prog.add_task(f"{pol} probes", total=None)
+        if args.jobs > 1 and len(policies) > 1:
+            # One process per policy: runs are independent and deterministic.
+            with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+                tasks = {pol: prog.add_task(f"{pol} search", total=1) for pol in policies}
+                futs = {pool.submit(_search_one, kind, cfg, pol, params): pol for pol in policies}
+                for fut in as_completed(futs):
+                    pol = futs[fut]
+                    results[pol] = fut.result()
+                    prog.update(tasks[pol], completed=1, description=f"{pol} done")
+        else:
+            for pol in policies:
+                task = prog.add_task(f"{pol} probes", total=None)
 
-            def on_probe(p: str, x: float, s: dict[str, Any], task: Any = task) -> None:
-                prog.update(task, advance=1, description=f"{p} probes (last load {x:g})")
+                def on_probe(p: str, x: float, s: dict[str, Any], task: Any = task) -> None:
+                    prog.update(task, advance=1, description=f"{p} probes (last load {x:g})")
 
-            if kind == "max-offline":
-                res = max_offline(
-                    cfg, pol, args.violation, args.start_qps, args.max_qps, args.iters, on_probe
-                )
-                b = res.best or {}
-                # Saturated: the offered load kept growing but completions did not; the
-                # sustained rate is what completed, not what was offered.
-                done_qps = b.get("offline", {}).get("requests_per_s", 0.0)
-                per_policy[pol] = {
-                    "max_offline_qps": min(res.best_rate, done_qps)
-                    if res.saturated
-                    else res.best_rate,
-                    "offered_offline_qps": res.best_rate,
-                    "max_offline_tokens_per_s": b.get("offline", {}).get("tokens_per_s", 0.0),
-                    "max_offline_requests_per_s": b.get("offline", {}).get("requests_per_s", 0.0),
-                    "online_violation_pct": b.get("online", {}).get("violation_pct"),
-                    "saturated": res.saturated,
-                    "probes": [_probe_row(x, s) for x, s in res.probes],
-                }
-                curves[pol] = [
-                    (x, s["online"]["violation_pct"], s["offline"]["tokens_per_s"])
-                    for x, s in res.probes
-                ]
-            else:
-                res = goodput(
-                    cfg, pol, args.attainment, args.start_rps, args.max_rps, args.iters, on_probe
-                )
-                b = res.best or {}
-                per_policy[pol] = {
-                    "goodput_rps": res.best_rate,
-                    "slo_attainment_pct": b.get("online", {}).get("slo_attainment_pct"),
-                    "probes": [_probe_row(x, s) for x, s in res.probes],
-                }
-                curves[pol] = [
-                    (x, s["online"]["slo_attainment_pct"], s["online"]["goodput_rps"])
-                    for x, s in res.probes
-                ]
-            best[pol] = res.best_rate
+                results[pol] = _search_one(kind, cfg, pol, params, on_probe)
+    for pol in policies:
+        res = results[pol]
+        b = res.best or {}
+        if kind == "max-offline":
+            # Saturated: the offered load kept growing but completions did not; the
+            # sustained rate is what completed, not what was offered.
+            done_qps = b.get("offline", {}).get("requests_per_s", 0.0)
+            per_policy[pol] = {
+                "max_offline_qps": min(res.best_rate, done_qps) if res.saturated else res.best_rate,
+                "offered_offline_qps": res.best_rate,
+                "max_offline_tokens_per_s": b.get("offline", {}).get("tokens_per_s", 0.0),
+                "max_offline_requests_per_s": done_qps,
+                "online_violation_pct": b.get("online", {}).get("violation_pct"),
+                "saturated": res.saturated,
+                "probes": [_probe_row(x, s) for x, s in res.probes],
+            }
+            curves[pol] = [
+                (x, s["online"]["violation_pct"], s["offline"]["tokens_per_s"])
+                for x, s in res.probes
+            ]
+        else:
+            per_policy[pol] = {
+                "goodput_rps": res.best_rate,
+                "slo_attainment_pct": b.get("online", {}).get("slo_attainment_pct"),
+                "probes": [_probe_row(x, s) for x, s in res.probes],
+            }
+            curves[pol] = [
+                (x, s["online"]["slo_attainment_pct"], s["online"]["goodput_rps"])
+                for x, s in res.probes
+            ]
+        best[pol] = res.best_rate
     if kind == "max-offline":
         plot = search_plot(
             curves,
@@ -239,6 +251,21 @@ def _search_cmd(args: argparse.Namespace, kind: str) -> int:
             console.print(f"[simulated] {pol}: goodput {v['goodput_rps']:.3g} req/s")
     console.print(f"wrote {out / 'summary.json'}")
     return 0
+
+
+def _search_one(
+    kind: str,
+    cfg: SimConfig,
+    policy: str,
+    params: tuple[float, float, float, int],
+    on_probe: Callable[[str, float, dict[str, Any]], None] | None = None,
+) -> SearchResult:
+    from tidal.sim.search import goodput, max_offline
+
+    thr, start, stop, iters = params
+    if kind == "max-offline":
+        return max_offline(cfg, policy, thr, start, stop, int(iters), on_probe)
+    return goodput(cfg, policy, thr, start, stop, int(iters), on_probe)
 
 
 def _probe_row(x: float, s: dict[str, Any]) -> dict[str, float]:
