@@ -71,6 +71,8 @@ def test_max_offline_and_goodput(tmp_path: Path) -> None:
             "1",
             "--start-qps",
             "1",
+            "--jobs",
+            "2",
         ]
     )
     assert rc == 0
