@@ -154,10 +154,11 @@ class ReqState:
     queued_s: float = 0.0  # when it entered its current queue, seconds
     num_preemptions: int = 0
     num_migrations: int = 0
+    # NOTE: a field, not a property: read for every request of every step.
+    is_online: bool = field(init=False)
 
-    @property
-    def is_online(self) -> bool:
-        return self.req_class is RequestClass.ONLINE
+    def __post_init__(self) -> None:
+        self.is_online = self.req_class is RequestClass.ONLINE
 
     @property
     def prefill_target(self) -> int:

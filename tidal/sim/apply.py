@@ -175,12 +175,14 @@ def start_span(
         share = inst.num_free_blocks // n
         k = plan.max_repeat
         for r in decode:
-            k = min(
-                k,
-                r.max_output_tokens - r.num_output_tokens,
-                (r.num_blocks + share) * bs - r.num_computed_tokens,
-            )
-        k = max(k, 1)
+            left = r.max_output_tokens - r.num_output_tokens
+            room = (r.num_blocks + share) * bs - r.num_computed_tokens
+            if left < k:
+                k = left
+            if room < k:
+                k = room
+        if k < 1:
+            k = 1
     ctx = 0
     for r in decode:
         o, c = r.num_output_tokens, r.num_computed_tokens
