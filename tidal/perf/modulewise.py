@@ -201,17 +201,20 @@ def fit_modulewise_steps(
     x = np.column_stack([cpa, has_p, cda * has_d, g, has_d, _hat_basis(n, kn)]) * num_layers
     w = 1.0 / np.maximum(y, 1e-12)
     xw, yw = x * w[:, None], y * w
-    scale = np.maximum(np.abs(xw).max(axis=0), 1e-30)
-    a = xw / scale
     # A light ridge on neighbouring knots' difference (in units of the typical per-layer dense
     # time) keeps knot intervals that no step falls in well posed.
     k0 = 5
     level = float(np.median(y)) / num_layers
-    reg = np.zeros((len(kn) - 1, a.shape[1]))
-    rows = np.arange(len(kn) - 1)
-    reg[rows, k0 + rows] = -np.sqrt(ridge) / (scale[k0 + rows] * level)
-    reg[rows, k0 + rows + 1] = np.sqrt(ridge) / (scale[k0 + rows + 1] * level)
-    coef, *_ = np.linalg.lstsq(np.vstack([a, reg]), np.r_[yw, np.zeros(len(reg))], rcond=None)
+    nk = len(kn)
+    reg = np.zeros((nk - 1, x.shape[1]))
+    rows = np.arange(nk - 1)
+    reg[rows, k0 + rows] = -np.sqrt(ridge) / level
+    reg[rows, k0 + rows + 1] = np.sqrt(ridge) / level
+    a = np.vstack([xw, reg])
+    # columns span many decades (c_PA ~ 1e7, flags ~ 1): scale them for a well-posed solve
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, *_ = np.linalg.lstsq(a / scale, np.r_[yw, np.zeros(nk - 1)], rcond=None)
     coef = coef / scale
     dense = tuple((float(a_), float(b_)) for a_, b_ in zip(kn, coef[k0:], strict=True))
     return ModuleWiseModel(

@@ -124,12 +124,16 @@ def synthetic_step_log(
     attn_flops: float = 156e12,
     attn_bw: float = 1.4e12,
     overhead_s: float = 2.5e-3,
+    max_decode_reqs: int = 256,
+    kv_capacity_tokens: int = 110_000,
 ) -> StepLog:
     """Steps whose dense time is *measured*: each step's token count is one the kernel CSV has,
     and its dense part is num_layers x that row's summed token-wise operators. Attention is
     modelled (the CSVs have none): prefill 4·D·pairs/attn_flops, decode K/V bytes/attn_bw; a
     fixed per-step overhead; multiplicative lognormal noise of relative size `noise`.
-    Batch mixes: 30 % decode-only, 20 % prefill-only, 50 % mixed (chunked prefill + decodes)."""
+    Batch mixes: 30 % decode-only, 20 % prefill-only, 50 % mixed (chunked prefill + decodes);
+    at most `max_decode_reqs` decodes (vLLM's max_num_seqs) whose contexts fit in
+    `kv_capacity_tokens` (Llama-2-7B on one 80 GB A100 at 90 % memory holds about 110k)."""
     rng = np.random.default_rng(seed)
     rows = np.flatnonzero(kt.tp == tp)
     if rows.size == 0:
@@ -139,17 +143,17 @@ def synthetic_step_log(
     q, kv, d = m.q_dim / tp, max(m.kv_dim / tp, m.head_dim), m.bytes_per_value
     batches: list[BatchShape] = []
     times: list[float] = []
+    small = rows[kt.num_tokens[rows] <= max_decode_reqs]
     for _ in range(num_steps):
-        r = int(rng.choice(rows))
-        n = int(kt.num_tokens[r])
         kind = rng.random()
+        r = int(rng.choice(small if kind < 0.3 else rows))
+        n = int(kt.num_tokens[r])
         if kind < 0.3 or n == 1:
             nd, sp = n, 0
         elif kind < 0.5:
             nd, sp = 0, n
         else:
-            nd = int(rng.integers(1, min(n, 256) + 1)) if n > 1 else 0
-            nd = min(nd, n - 1)
+            nd = int(rng.integers(1, min(n - 1, max_decode_reqs) + 1))
             sp = n - nd
         n_p = int(rng.integers(1, 5)) if sp else 0
         n_p = min(n_p, sp)
@@ -160,7 +164,11 @@ def synthetic_step_log(
         )
         chunks = np.diff(np.r_[0, cuts, sp]).astype(np.int64) if sp else np.array([], np.int64)
         cached = rng.integers(0, 2048, size=len(chunks)) * (rng.random(len(chunks)) < 0.5)
-        ctx = np.minimum(rng.lognormal(6.8, 0.8, size=nd), 8192).astype(np.int64)
+        ctx = np.minimum(rng.lognormal(6.8, 0.8, size=nd), 8192)
+        room = kv_capacity_tokens - sp
+        if ctx.sum() > room:  # a full cache: contexts shrink to fit, as admission would force
+            ctx *= room / ctx.sum()
+        ctx = np.maximum(ctx, 1).astype(np.int64)
         pairs = int(np.sum(chunks * (cached + chunks)))
         b = BatchShape(sp, n_p, pairs, nd, int(ctx.sum()), int(np.sum(chunks * chunks)))
         attn = 0.0

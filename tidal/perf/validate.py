@@ -195,7 +195,11 @@ def fit_log(
     if model is not None:
         out["model"] = model.name
         base = RooflineParams.from_hardware(hardware_spec(hardware), model.bytes_per_value)
-        rp = fit_step_roofline(model, tp, log.batches, log.step_s.tolist(), base)
+        # OOCO calibrates from "a small amount of profiling data": a random 400 steps suffice
+        # and keep the derivative-free fit fast.
+        pick = np.random.default_rng(0).permutation(len(log))[:400]
+        batches = [log.batches[i] for i in pick]
+        rp = fit_step_roofline(model, tp, batches, log.step_s[pick].tolist(), base)
         out["roofline"] = roofline_to_dict(rp)
     return out
 
@@ -206,7 +210,14 @@ def _eval_profile_on_log(
     res: dict[str, Any] = {}
     if "regression" in profile:
         reg = RegressionModel(tuple(profile["regression"]["coef"]))
-        res["regression_mape"] = mape(reg.predict(*log.features()), log.step_s)
+        feats = log.features()
+        pred = reg.predict(*feats)
+        res["regression_mape"] = mape(pred, log.step_s)
+        sp, nd = feats[0], feats[3]
+        kinds = {"decode_only": sp == 0, "prefill_only": nd == 0, "mixed": (sp > 0) & (nd > 0)}
+        res["regression_mape_by_kind"] = {
+            k: mape(pred[m], log.step_s[m]) for k, m in kinds.items() if m.any()
+        }
     if "modulewise" in profile:
         mw = modulewise_from_dict(profile["modulewise"])
         e = mape([mw.step_s(b) for b in log.batches], log.step_s)
