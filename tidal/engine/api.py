@@ -135,7 +135,7 @@ class Engine(Protocol):
     tokenizer: Tokenizer
 
     def add(self, request: EngineRequest) -> None:
-        """Queue a request. Raises ValueError (with a message for the client) if it can never run."""
+        """Queue a request; ValueError (with a message for the client) if it can never run."""
         ...
 
     def abort(self, req_id: str) -> bool:
