@@ -31,6 +31,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def port_is_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As uvicorn does: connections of a previous run in TIME_WAIT do not block the port.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
