@@ -13,6 +13,8 @@ from tidal.perf.helpers import (
     kv_capacity_tokens,
     max_prefill_tokens,
 )
+from tidal.perf.modulewise import ModuleWiseModel, build_dense_table
+from tidal.perf.profiler import BudgetResult, QueueEvaluator, find_latency_budget
 from tidal.perf.regression import RegressionModel, fit_regression
 from tidal.perf.roofline import Bottleneck, RooflineModel, RooflineParams, StepAnalysis
 
@@ -21,14 +23,19 @@ __all__ = [
     "MODELS",
     "BatchShape",
     "Bottleneck",
+    "BudgetResult",
     "HardwareSpec",
     "ModelSpec",
+    "ModuleWiseModel",
+    "QueueEvaluator",
     "RegressionModel",
     "RooflineModel",
     "RooflineParams",
     "StepAnalysis",
     "StepModel",
     "add_prefill",
+    "build_dense_table",
+    "find_latency_budget",
     "fit_regression",
     "hardware_spec",
     "kv_bytes_per_token",

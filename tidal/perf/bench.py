@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import timeit
 from typing import Any
@@ -14,6 +15,7 @@ from tidal.perf.factory import make_step_model
 from tidal.perf.helpers import max_prefill_tokens
 from tidal.perf.modulewise import ModuleWiseModel, default_dense_knots
 from tidal.perf.regression import fit_regression
+from tidal.perf.roofline import RooflineModel
 
 
 def _batches(rng: np.random.Generator, k: int = 256) -> list[BatchShape]:
@@ -48,9 +50,18 @@ def run_bench(num_samples: int = 80_000, seed: int = 0) -> dict[str, Any]:
     )
     prof = {"regression": {"coef": [1e-2, 5e-5, 4e-7, 4e-9, 1e-15, -3e-4, 6e-5]}}
     reg = make_step_model("llama-2-7b", "a100-80gb", kind="regression", profile=prof)
+    # The calibrated roofline's worst case: knee on, a 200-knot table for every GEMM shape (what
+    # `tidal perf fit --kernel-timings` produces for the vidur CSVs).
+    assert isinstance(roof, RooflineModel)
+    knots200 = tuple((float(n), 1.0 + 0.01 * (n % 7)) for n in range(1, 4097, 20))
+    tables = tuple((g.din, g.dout, knots200) for g in roof.gemms)
+    calibrated = RooflineModel(
+        roof.model, dataclasses.replace(roof.params, knee=1.5, tile_tokens=64, gemm_eff=tables)
+    )
     out: dict[str, Any] = {
         "step_s_us": {
             "roofline": _per_call_us(roof, batches),
+            "roofline_calibrated_knee_tables": _per_call_us(calibrated, batches),
             "regression": _per_call_us(reg, batches),
             "modulewise": _per_call_us(mw, batches),
         }

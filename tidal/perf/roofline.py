@@ -199,11 +199,24 @@ class RooflineModel:
         """Time of one layer's GEMMs on n tokens, launches included."""
         if n <= 0:
             return 0.0
-        if self._knee > 0 or self._any_eff:
-            return sum(self._one_gemm(i, n) for i in range(len(self._abw)))
         t = self._tile
         nq = -(-n // t) * t if t > 1 else n
         s = 0.0
+        if self._knee > 0 or self._any_eff:
+            k, inv_k, ok = self._knee, 1.0 / self._knee if self._knee else 0.0, self.params.O_k
+            for (a, b, w), e in zip(self._abw, self._eff, strict=True):
+                c = a * nq
+                mem = b * n + w
+                if k > 0:
+                    if c > mem:
+                        x = c * (1.0 + (mem / c) ** k) ** inv_k
+                    else:
+                        x = mem * (1.0 + (c / mem) ** k) ** inv_k
+                else:
+                    x = c if c > mem else mem
+                x += ok
+                s += x * _interp(e[0], e[1], n) if e is not None else x
+            return s
         for a, b, w in self._abw:
             c = a * nq
             mem = b * n + w
