@@ -18,6 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from nats.aio.client import Client as NATS
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.bus import BusUnavailable, connect
@@ -53,14 +54,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     )
 
 
-def create_app(
-    nats_url: str, gateway_id: str, max_inflight: int = 1024, connect_timeout_s: float = 10.0
-) -> FastAPI:
+def create_app(nc: NATS, gateway_id: str, max_inflight: int = 1024) -> FastAPI:
+    """The gateway app over an open NATS connection (drained when the app shuts down)."""
     subjects.check_token(gateway_id, "gateway id")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nc = await connect(nats_url, f"gateway-{gateway_id}", connect_timeout_s)
         bus = GatewayBus(nc, gateway_id, max_inflight)
         await bus.start()
         app.state.nc, app.state.bus = nc, bus
@@ -79,7 +78,7 @@ def create_app(
             )
 
         beats = asyncio.create_task(heartbeat_loop(nc, beat, stop, envs.heartbeat_s()))
-        log.info("gateway %s connected to %s", gateway_id, nats_url)
+        log.info("gateway %s connected to %s", gateway_id, nc.connected_url)
         try:
             yield
         finally:
@@ -128,14 +127,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    setup_logging("gateway")
-    try:
-        app = create_app(args.nats_url, args.id, args.max_inflight, args.connect_timeout_s)
-    except ValueError as exc:
-        print(f"gateway: {exc}", file=sys.stderr)
-        return 2
+async def serve(args: argparse.Namespace) -> None:
+    subjects.check_token(args.id, "gateway id")
+    # Connect before uvicorn starts: an unreachable bus is a one-line error, not a traceback.
+    nc = await connect(args.nats_url, f"gateway-{args.id}", args.connect_timeout_s)
+    app = create_app(nc, args.id, args.max_inflight)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -145,10 +141,17 @@ def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
+    await server.serve()
+    if not server.started:
+        raise RuntimeError(f"could not listen on {args.host}:{args.port}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging("gateway")
     try:
-        server.run()
-    except BusUnavailable as exc:
+        asyncio.run(serve(args))
+    except (BusUnavailable, ValueError, RuntimeError) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
-        return 1
-    # uvicorn reports a failed lifespan start-up by setting should_exit without raising
-    return 0 if server.started else 1
+        return 1 if not isinstance(exc, ValueError) else 2
+    return 0
