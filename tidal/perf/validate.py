@@ -97,7 +97,8 @@ def _dense_accuracy(tables: dict[int, tuple], kt: KernelTimings, mask: npt.NDArr
         m = ModuleWiseModel(1, 0, 0, 0, 0, 0, t)
         pred[r] = m.f_d(float(kt.num_tokens[r]))
     e = mape(pred[mask], y[mask])
-    return {"mape": e, "accuracy": 1.0 - e, "num_knots": {k: len(v) for k, v in tables.items()}}
+    knots = {k: len(v) for k, v in tables.items()}
+    return {"mape": e, "accuracy": max(0.0, 1.0 - e), "num_knots": knots}
 
 
 def fit_kernels(kt: KernelTimings, hardware: str | None = None) -> dict[str, Any]:
@@ -222,7 +223,7 @@ def _eval_profile_on_log(
         mw = modulewise_from_dict(profile["modulewise"])
         e = mape([mw.step_s(b) for b in log.batches], log.step_s)
         res["modulewise_mape"] = e
-        res["modulewise_accuracy"] = 1.0 - e
+        res["modulewise_accuracy"] = max(0.0, 1.0 - e)
     if "roofline" in profile and model is not None:
         rm = RooflineModel(model, roofline_from_dict(profile["roofline"]), tp)
         res["roofline_mape"] = mape([rm.step_s(b) for b in log.batches], log.step_s)
@@ -247,10 +248,18 @@ def validate_log(
     progress("fitting on the training steps")
     fitted = fit_log(train, model, tp, hardware)
     progress("scoring held-out steps")
-    out.update(
-        {
-            "heldout_steps": int(test.sum()),
-            **_eval_profile_on_log(fitted, log.subset(test), model, tp),
-        }
-    )
+    held = log.subset(test)
+    out["heldout_steps"] = int(test.sum())
+    out.update(_eval_profile_on_log(fitted, held, model, tp))
+    if model is not None:  # OOCO's "handful of measured steps": the roofline from 20 of them
+        progress("roofline from 20 steps")
+        pick = np.random.default_rng(seed).permutation(np.flatnonzero(~test))[:20]
+        base = RooflineParams.from_hardware(hardware_spec(hardware), model.bytes_per_value)
+        few = fit_step_roofline(
+            model, tp, [log.batches[i] for i in pick], log.step_s[pick].tolist(), base
+        )
+        rm, um = RooflineModel(model, few, tp), RooflineModel(model, base, tp)
+        y = held.step_s
+        out["roofline_mape_fit_on_20_steps"] = mape([rm.step_s(b) for b in held.batches], y)
+        out["roofline_mape_uncalibrated"] = mape([um.step_s(b) for b in held.batches], y)
     return out

@@ -52,7 +52,7 @@ def test_bs_sat_hand_worked(toy_model, toy_params) -> None:
     # Σ d·(Din+Dout) = 2·(24+16+40+24) = 208 B/token -> b = .208; weights Σ d·Din·Dout = 1152 B
     # -> w = 1.152 s. Compute-bound once a·n >= b·n + w: n >= 1.152 / .944 = 1.22 -> 2
     assert m.bs_sat() == 2
-    assert m.layer_gemm_s(2) == pytest.approx(2 * 1.152)  # all GEMMs compute-bound... in sum
+    assert m.layer_gemm_s(2) == pytest.approx(2 * 1.152)  # at n=2 every GEMM is compute-bound
 
 
 def test_bs_sat_matches_brute_force_on_a_real_model() -> None:
