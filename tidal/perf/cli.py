@@ -60,6 +60,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     syn.add_argument("--seed", type=int, default=0)
     syn.set_defaults(func=_synth)
 
+    rec = sub.add_parser("record-log", help="record a real step log from the torch engine")
+    rec.add_argument("--out", required=True, help="step log to append to")
+    rec.add_argument("--steps", type=int, default=1000)
+    rec.add_argument("--model", help="HF directory or GGUF (default: the embedded SmolLM2)")
+    rec.add_argument("--device", default="cpu")
+    rec.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = default)")
+    rec.add_argument("--seed", type=int, default=0)
+    rec.set_defaults(func=_record)
+
     bud = sub.add_parser("budget", help="HyGen SLO-aware profiler: binary-search the step budget")
     bud.add_argument("--model", default="llama-2-7b")
     bud.add_argument("--hardware", default="a100-80gb")
@@ -160,6 +169,26 @@ def _synth(args: argparse.Namespace) -> int:
     log = synthetic_step_log(kt, args.tp, args.layers, args.steps, args.noise, args.seed)
     write_step_log(args.out, log.batches, log.step_s)
     print(f"wrote {len(log)} steps to {args.out} ({log.source})")
+    return 0
+
+
+def _record(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from tidal.perf.record import record_engine_log
+
+    with Progress() as bar:
+        task = bar.add_task("recording engine steps", total=args.steps)
+        record_engine_log(
+            args.out,
+            args.steps,
+            args.model,
+            args.device,
+            args.threads or None,
+            args.seed,
+            progress=lambda i: bar.update(task, completed=i),
+        )
+    print(f"appended {args.steps} real {args.device} steps to {args.out}")
     return 0
 
 
