@@ -151,6 +151,7 @@ class ReqState:
     first_token_s: float | None = None
     last_token_s: float | None = None
     finish_s: float | None = None
+    max_tbt_s: float = 0.0  # longest gap between two of its tokens so far, seconds
     queued_s: float = 0.0  # when it entered its current queue, seconds
     num_preemptions: int = 0
     num_migrations: int = 0

@@ -245,7 +245,15 @@ def finish_span(
             (done if r.max_output_tokens <= 1 else first).append(r)
     n_on = 0
     bs = inst.block_size
+    b = span.bounds
+    # Longest gap between two steps of the span (the first gap is per request, below).
+    inner = max(b[j] - b[j - 1] for j in range(1, k)) if k > 1 else 0.0
     for r in span.decode:
+        gap = b[0] - r.last_token_s if r.last_token_s is not None else 0.0
+        if inner > gap:
+            gap = inner
+        if gap > r.max_tbt_s:
+            r.max_tbt_s = gap
         r.num_computed_tokens += k
         r.num_output_tokens += k
         r.last_token_s = now
@@ -261,6 +269,8 @@ def finish_span(
     on_tok += n_on * k
     off_tok += (len(span.decode) - n_on) * k
     for r in span.cpu:
+        if r.last_token_s is not None and span.cpu_token_s - r.last_token_s > r.max_tbt_s:
+            r.max_tbt_s = span.cpu_token_s - r.last_token_s
         r.num_computed_tokens += 1
         r.num_output_tokens += 1
         r.last_token_s = span.cpu_token_s

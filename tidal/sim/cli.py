@@ -106,7 +106,7 @@ def _write(out: Path, summary: dict[str, Any]) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tidal.sim.build import simulate
-    from tidal.sim.metrics import summarize
+    from tidal.sim.metrics import REQUEST_COLUMNS, request_rows, summarize
     from tidal.sim.plots import run_plots
 
     cfg = _config(args)
@@ -122,7 +122,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     s["wall_s"] = wall
     s["simulated_requests_per_wall_s"] = len(rec.requests) / wall if wall > 0 else 0.0
     s["plots"] = run_plots(rec, out, f"{cfg.name} / {policy}", cfg.duration_s, _slo(cfg))
+    s["requests_csv"] = "requests.csv"
     _write(out, s)
+    lines = [REQUEST_COLUMNS, *request_rows(rec.requests)]
+    (out / "requests.csv").write_text("\n".join(lines) + "\n")
     on, off = s["online"], s["offline"]
     console.print(
         f"[simulated] {cfg.name}/{policy}: online SLO attainment {on['slo_attainment_pct']:.2f}% "

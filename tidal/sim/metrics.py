@@ -106,6 +106,7 @@ def summarize(rec: Recorder, duration_s: float, policy: str, config: str) -> dic
             "ttft_s": _pct(on["ttft"][~np.isnan(on["ttft"])]),
             "tpot_s": _pct(on["tpot"][~np.isnan(on["tpot"])]),
             "tbt_s": _pct(np.array(rec.tbt_s), np.array(rec.tbt_weight, dtype=float)),
+            "max_tbt_s": _pct(np.array([r.max_tbt_s for r in fin_on])),
             "queueing_s": _pct(queue),
             "slo_attainment_pct": pct(int(on["ok"].sum()), n_on),
             "violation_pct": pct(n_on - int(on["ok"].sum()), n_on),
@@ -135,3 +136,29 @@ def summarize(rec: Recorder, duration_s: float, policy: str, config: str) -> dic
         },
         "utilisation": window_busy,  # per instance: busy fraction of the window
     }
+
+
+REQUEST_COLUMNS = (
+    "req_id,class,instance,arrival_s,input_tokens,output_tokens,phase,ttft_s,tpot_s,"
+    "max_tbt_s,queueing_s,finish_s,preemptions,migrations"
+)
+
+
+def request_rows(reqs: list[ReqState]) -> list[str]:
+    """One CSV line per request (`REQUEST_COLUMNS`); empty cells where a time never came."""
+
+    def f(x: float | None) -> str:
+        return "" if x is None else f"{x:.6f}"
+
+    rows = []
+    for r in reqs:
+        ttft = None if r.first_token_s is None else r.first_token_s - r.arrival_s
+        queue = None if r.start_s is None else r.start_s - r.arrival_s
+        tp = tpot_s(r) if r.phase is Phase.FINISHED else None
+        rows.append(
+            f"{r.req_id},{r.req_class.value},{'' if r.instance_id is None else r.instance_id},"
+            f"{r.arrival_s:.6f},{r.num_prompt_tokens},{r.num_output_tokens},{r.phase.value},"
+            f"{f(ttft)},{f(tp)},{r.max_tbt_s:.6f},{f(queue)},{f(r.finish_s)},"
+            f"{r.num_preemptions},{r.num_migrations}"
+        )
+    return rows

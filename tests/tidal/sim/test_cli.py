@@ -48,6 +48,8 @@ def test_run_writes_summary_and_plots(tmp_path: Path) -> None:
     assert 0 <= s["online"]["slo_attainment_pct"] <= 100
     for f in s["plots"]:
         assert (out / f).stat().st_size > 1000
+    rows = (out / "requests.csv").read_text().splitlines()
+    assert rows[0].startswith("req_id,class,") and len(rows) > s["online"]["num_requests"]
 
 
 @pytest.mark.slow

@@ -52,6 +52,9 @@ def test_two_requests_exact_ttft_and_tpot() -> None:
     assert (a.finish_s - a.first_token_s) / 4 == pytest.approx((0.356 - 0.11) / 4)
     assert (b.finish_s - b.first_token_s) / 2 == pytest.approx(0.012)
     assert rec.num_steps == 5
+    # b's gaps: 0.321 -> 0.333 -> 0.345; a's longest is the 0.211 s prefill step of b.
+    assert b.max_tbt_s == pytest.approx(0.012)
+    assert a.max_tbt_s == pytest.approx(0.211)
 
 
 class NoRepeat(Policy):
