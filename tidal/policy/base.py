@@ -57,6 +57,10 @@ What the simulator guarantees and checks (a violated check raises `PolicyError`)
   counted. Transfer time is `ClusterView.transfer_s`.
 * Tokens are credited when a step (or span) ends: between those moments a request's counters
   are those of the step's start.
+* ``preemptible_layers = L`` makes a one-step plan preemptible at layer granularity: when an
+  online request is queued on (or lands at) the instance during the step, the step ends at the
+  next multiple of ``step time / L`` after the arrival, nothing it computed is kept (chunks
+  are recomputed, decodes retried), and the instance plans again (OOCO §3.4.1).
 * ``max_repeat > 1`` on a decode-only plan lets the simulator run the same batch back to back
   without asking again until that many steps pass, a request finishes, memory runs short or
   anything arrives at the instance; it is only a speed hint and never changes what a policy
@@ -326,6 +330,9 @@ class StepPlan:
     offload: tuple[str, ...] = ()  # running req_ids: KV to host, decode on CPU-attention workers
     recall: tuple[str, ...] = ()  # offloaded req_ids: KV back to the GPU
     max_repeat: int = 1  # decode-only plans: steps it may run back to back (speed hint)
+    preemptible_layers: int = 0  # > 0: an online request arriving at this instance during
+    # this step cuts it at the next of this many equal layer boundaries and its work is
+    # discarded (OOCO §3.4.1 layer-level preemption); set it only on offline-only steps
 
     @property
     def is_empty(self) -> bool:

@@ -31,6 +31,8 @@ class Span:
     cpu_token_s: float = 0.0  # when the CPU-attention decodes' token is out
     version: int = 0
     k: int = 1  # steps in the span
+    layers: int = 0  # > 0: preemptible at this many layer boundaries (one-step spans only)
+    discard: bool = False  # cut by a layer-level preemption: credit nothing
 
     @property
     def end_s(self) -> float:
@@ -44,6 +46,21 @@ class Span:
         if j >= self.k - 1:
             return False
         self.k = j + 1
+        self.version = next(_versions)
+        return True
+
+    def preempt_at_layer(self, now: float) -> bool:
+        """OOCO §3.4.1: end the step at the next layer boundary after `now`, discarding it.
+        True if the span was cut."""
+        if self.layers <= 0 or self.discard or self.k != 1 or now >= self.bounds[0]:
+            return False
+        layer_s = (self.bounds[0] - self.start_s) / self.layers
+        done = int((now - self.start_s) / layer_s)
+        cut = self.start_s + (done + 1) * layer_s
+        if cut >= self.bounds[0]:
+            return False
+        self.bounds[0] = cut
+        self.discard = True
         self.version = next(_versions)
         return True
 
@@ -68,6 +85,14 @@ def _alloc(inst: InstanceState, r: ReqState, num_tokens: int) -> None:
             )
         inst.num_free_blocks -= need
         r.num_blocks += need
+
+
+def _settle(inst: InstanceState, r: ReqState) -> None:
+    """Give back blocks beyond what `r`'s computed tokens need."""
+    need = inst.blocks_for(r.num_computed_tokens)
+    if r.num_blocks > need:
+        inst.num_free_blocks += r.num_blocks - need
+        r.num_blocks = need
 
 
 def _release(inst: InstanceState, r: ReqState) -> None:
@@ -214,6 +239,8 @@ def start_span(
         t += model.step_s(BatchShape(0, 0, 0, n, ctx + j * n))
         bounds.append(t)
     span = Span(now, bounds, prefill, decode, cpu_reqs, version=next(_versions), k=k)
+    if k == 1 and not cpu_reqs:
+        span.layers = plan.preemptible_layers
     if cpu_reqs:
         assert cpu is not None
         if cpu.busy_until_s > now + 1e-12:
@@ -233,6 +260,14 @@ def finish_span(
     first: list[ReqState] = []
     done: list[ReqState] = []
     on_tok = off_tok = 0
+    if span.discard:  # layer-level preemption: give back what the step had allocated
+        for r, _ in span.prefill:
+            _settle(inst, r)
+        for r in span.decode:
+            _settle(inst, r)
+        rec.num_layer_preemptions += 1
+        rec.record_span(inst.instance_id, span.start_s, span.bounds, 1, 0, 0, 0)
+        return 0, first
     for r, m in span.prefill:
         r.num_computed_tokens += m
         if r.num_output_tokens == 0 and r.num_computed_tokens >= r.num_prompt_tokens:

@@ -176,7 +176,7 @@ class Simulator:
         r.queued_s = now
         inst.waiting.append(r)
         inst.num_waiting_tokens += r.num_prefill_left
-        self._interrupt(inst_id, now)
+        self._interrupt(inst_id, now, r.is_online)
 
     # ---------------------------------------------------------------- steps
     def _kick(self, now: float) -> None:
@@ -198,10 +198,13 @@ class Simulator:
         inst.busy_until_s = span.end_s
         self._push(span.end_s, _STEP, (inst.instance_id, span.version))
 
-    def _interrupt(self, inst_id: int, now: float) -> None:
-        """Something landed on `inst_id`: cut its span at the next step boundary."""
+    def _interrupt(self, inst_id: int, now: float, online: bool = False) -> None:
+        """Something landed on `inst_id`: cut its span at the next step boundary, or for an
+        online request and a preemptible step, at the next layer boundary."""
         span = self._spans[inst_id]
-        if span is not None and span.truncate(now):
+        if span is None:
+            return
+        if (online and span.preempt_at_layer(now)) or span.truncate(now):
             self.instances[inst_id].busy_until_s = span.end_s
             self._push(span.end_s, _STEP, (inst_id, span.version))
 
@@ -271,7 +274,7 @@ class Simulator:
         r.phase = Phase.RUNNING
         r.queued_s = now
         dst.running.append(r)
-        self._interrupt(dst_id, now)
+        self._interrupt(dst_id, now, r.is_online)
 
     def _retry_transfers(self, now: float) -> None:
         for dst in self.instances:

@@ -127,6 +127,7 @@ def summarize(rec: Recorder, duration_s: float, policy: str, config: str) -> dic
             "steps": rec.num_steps,
             "spans": rec.num_spans,
             "preemptions": rec.num_preemptions,
+            "layer_preemptions": rec.num_layer_preemptions,
             "swaps": rec.num_swaps,
             "offloads": rec.num_offloads,
             "migrations": rec.num_migrations,

@@ -18,6 +18,7 @@ class Recorder:
         self.num_steps = 0
         self.num_spans = 0
         self.num_preemptions = 0
+        self.num_layer_preemptions = 0  # steps cut at a layer boundary (OOCO §3.4.1)
         self.num_swaps = 0
         self.num_offloads = 0
         self.num_migrations = 0
