@@ -87,20 +87,27 @@ def search_plot(
     threshold: float,
     best: dict[str, float],
     fname: str,
+    ylabel2: str = "",
 ) -> str:
-    """One line per policy through its probes (x, y, throughput); threshold and answers marked.
-    For max-offline this is OOCO Fig. 6: online violation % against offline load."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    """Left: one line per policy through its probes (load, metric), the threshold and each
+    policy's answer (dotted). Right: the probes' throughput (load, third value). For
+    max-offline this is OOCO Fig. 6: online violation % against offline load."""
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     for pol, pts in results.items():
         pts = sorted(pts)
-        line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)[0]
+        xs = [p[0] for p in pts]
+        line = ax.plot(xs, [p[1] for p in pts], marker="o", label=pol)[0]
         ax.axvline(best[pol], color=line.get_color(), ls=":", lw=1)
+        ax2.plot(xs, [p[2] for p in pts], marker="o", label=pol, color=line.get_color())
     ax.axhline(threshold, color="red", ls="--", lw=1, label=f"threshold {threshold:g}")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{title} {TAG}")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    ax2.set_xlabel(xlabel)
+    ax2.set_ylabel(ylabel2)
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.suptitle(f"{title} {TAG}")
     fig.tight_layout()
     fig.savefig(out / fname, dpi=110)
     plt.close(fig)
