@@ -24,6 +24,11 @@ class RunOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_context_tokens: int = 0
+    # exact regression features tidal.perf.steplog reads when present
+    num_prefill_reqs: int = 0
+    decode_context_tokens: int = 0  # KV tokens the decodes attend to
+    prefill_attn_pairs: int = 0  # Σ new·(cached + new) over prefill chunks
+    prefill_sq_tokens: int = 0  # Σ new² over prefill chunks
 
 
 class StepRunner:
@@ -61,8 +66,12 @@ class StepRunner:
         for seq, n in items:
             if seq.is_decode:
                 out.num_decode_tokens += 1
+                out.decode_context_tokens += seq.num_computed + 1
             else:
                 out.num_prefill_tokens += n
+                out.num_prefill_reqs += 1
+                out.prefill_attn_pairs += n * (seq.num_computed + n)
+                out.prefill_sq_tokens += n * n
             out.num_context_tokens += seq.num_computed + n
         batch, rows = self._build(items, [start(it) for it in items])
         layers = self.model.forward_layers(batch, self.kv, should_stop, module_s)
@@ -192,7 +201,11 @@ class StepRunner:
                 table[j, : len(b)] = torch.tensor(b)
             T = int(ctx.max())
             pos = torch.arange(T)
-            meta.decode_slots = (table[:, pos // bs] * bs + pos % bs).to(dev)  # (B, T)
+            slots = table[:, pos // bs] * bs + pos % bs  # (B, T)
+            Hk = self.model.config.num_key_value_heads
+            kv_rows = slots[:, None, :] * Hk + torch.arange(Hk)[None, :, None]  # (B, Hk, T)
+            meta.decode_slots = slots.to(dev)
+            meta.decode_kv_rows = kv_rows.reshape(-1).to(dev)
             meta.decode_mask = (pos[None, :] < ctx[:, None]).to(dev)[:, None, None, :]
         for i in active:
             seq, n = items[i]

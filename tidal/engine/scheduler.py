@@ -65,7 +65,9 @@ class FcfsChunkedPlanner:
         budget = self.token_budget
         # Resumed partial chunks first: their KV for early layers is already written.
         for s in order:
-            if s.forced_tokens and s.forced_tokens <= budget and len(out) < self.max_num_seqs:
+            # (over budget only when alone, so a budget cut after the preemption cannot starve it)
+            fits = s.forced_tokens <= budget or not out
+            if s.forced_tokens and fits and len(out) < self.max_num_seqs:
                 out[s.req_id] = s.forced_tokens
                 budget -= s.forced_tokens
         for s in order:

@@ -19,7 +19,9 @@ instance service may call:
 - `free_kv_tokens()`, `check_integrity()`.
 
 Per-step `StepTelemetry` is in every `StepResult`; with `EngineConfig.step_log` each completed
-step is also appended as one JSON line with exactly the `StepTelemetry` field names.
+step is also appended as one JSON line: the `StepTelemetry` field names, plus the optional exact
+features `tidal.perf.steplog` reads (`num_prefill_reqs`, `decode_context_tokens`,
+`prefill_attn_pairs`, `prefill_sq_tokens`). Preempted steps are not logged.
 """
 
 from __future__ import annotations
@@ -199,7 +201,13 @@ class TorchEngine:
                 module_s=module_s or {},
             )
             if self._log is not None and items and not out.preempted:
-                self._log.write(json.dumps(dataclasses.asdict(tel)) + "\n")
+                extra = {
+                    "num_prefill_reqs": out.num_prefill_reqs,
+                    "decode_context_tokens": out.decode_context_tokens,
+                    "prefill_attn_pairs": out.prefill_attn_pairs,
+                    "prefill_sq_tokens": out.prefill_sq_tokens,
+                }
+                self._log.write(json.dumps(dataclasses.asdict(tel) | extra) + "\n")
                 self._log.flush()
             return StepResult(events=events, telemetry=tel)
         finally:

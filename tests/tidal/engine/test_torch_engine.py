@@ -180,6 +180,12 @@ def test_explicit_plan_and_step_log(make_engine: Any, tmp_path: Path) -> None:
     assert res.telemetry.num_context_tokens == 20 + 7
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert len(lines) == 2 and lines[1]["num_prefill_tokens"] == 15
+    # 15 new after 5 cached: pairs 15*20; b decodes at position 7 (context 7)
+    assert (lines[1]["prefill_attn_pairs"], lines[1]["decode_context_tokens"]) == (300, 7)
+    from tidal.perf.steplog import read_step_log
+
+    parsed = read_step_log(log)
+    assert len(parsed) == 2 and parsed.batches[1].num_prefill_tokens == 15
     with pytest.raises(ValueError, match="unknown"):
         e.step(StepPlan({"nope": 1}))
 
