@@ -212,7 +212,8 @@ class CpuPoolState:
     model: CpuAttnModel
     busy_until_s: float = 0.0  # when the workers finish the attention already given to them
     host_kv_tokens: int = 0  # KV tokens parked in host memory (swapped + offloaded)
-    host_kv_capacity_tokens: int = 0  # host memory for KV, tokens
+    host_kv_capacity_tokens: int = 0  # host memory for KV, tokens (0: unlimited); a plan
+    # that swaps or offloads past it is rejected
 
 
 @dataclass(slots=True, eq=False)

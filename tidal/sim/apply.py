@@ -143,6 +143,11 @@ def start_span(
             rec.num_swaps += len(rids)
         else:
             rec.num_offloads += len(rids)
+    if cpu is not None and 0 < cpu.host_kv_capacity_tokens < cpu.host_kv_tokens:
+        raise PolicyError(
+            f"host memory full: {cpu.host_kv_tokens} KV tokens parked, "
+            f"capacity {cpu.host_kv_capacity_tokens}"
+        )
     for rids, frm in ((plan.swap_in, Phase.SWAPPED), (plan.recall, Phase.OFFLOADED)):
         for rid in rids:
             r = _get(reqs, rid, inst, frm)

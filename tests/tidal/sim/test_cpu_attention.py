@@ -63,3 +63,13 @@ def test_cpu_attention_roofline() -> None:
     # 0.001 + 2000 tokens * 1000 B / (2 workers * 1e6 B/s) = 1.001 s
     assert m.attn_s(3, 2000, 2) == pytest.approx(1.001)
     assert m.attn_s(0, 0, 2) == 0.0
+
+
+def test_host_memory_capacity_is_enforced() -> None:
+    from tidal.policy.base import PolicyError
+
+    setup = InstanceSetup(InstanceRole.AGGREGATED, 512, 100, LinearStepModel(0.01, 0.001), 1.0)
+    cpu = CpuPoolState(num_workers=1, model=ConstCpu(0.05), host_kv_capacity_tokens=50)
+    sim = Simulator([setup], OffloadAll(), cpu=cpu)
+    with pytest.raises(PolicyError, match="host memory full"):
+        sim.run([SimRequest("a", RequestClass.OFFLINE, 0.0, 100, 4)])
