@@ -67,6 +67,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     rec.add_argument("--device", default="cpu")
     rec.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = default)")
     rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument(
+        "--clock", choices=("wall", "thread"), default="wall",
+        help="step_s as wall time, or the stepping thread's CPU time (shared machines)",
+    )  # fmt: skip
     rec.set_defaults(func=_record)
 
     bud = sub.add_parser("budget", help="HyGen SLO-aware profiler: binary-search the step budget")
@@ -186,6 +190,7 @@ def _record(args: argparse.Namespace) -> int:
             args.device,
             args.threads or None,
             args.seed,
+            clock=args.clock,
             progress=lambda i: bar.update(task, completed=i),
         )
     print(f"appended {args.steps} real {args.device} steps to {args.out}")

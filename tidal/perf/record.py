@@ -4,12 +4,17 @@ systematically profiling target hardware across diverse batch compositions").
 Drives the engine with explicit random plans (how many decodes, how large a prefill chunk) over a
 changing request population, so the log covers decode-only, prefill-only and mixed steps over a
 range of batch sizes and contexts. The engine itself appends each step to the log (its
-`EngineConfig.step_log`). Wall-clock: the machine's load is part of what gets measured.
+`EngineConfig.step_log`). With `clock="wall"` the machine's load is part of what gets
+measured; on a shared machine `clock="thread"` logs the stepping thread's CPU time instead (with
+one torch thread all the compute runs on it), keeping the wall time as `wall_s`.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -24,9 +29,14 @@ def record_engine_log(
     max_prompt: int = 384,
     max_output: int = 64,
     chunks: tuple[int, ...] = (0, 16, 32, 64, 128, 256),
+    clock: str = "wall",
     progress: Callable[[int], None] | None = None,
 ) -> int:
     """Run `num_steps` planned steps, appending them to `out`; returns the steps recorded."""
+    if clock not in ("wall", "thread"):
+        raise ValueError(f"clock must be 'wall' or 'thread', got {clock!r}")
+    if clock == "thread" and threads != 1:
+        raise ValueError("clock='thread' measures one thread: use threads=1")
     import torch
 
     from tidal.engine.api import EngineRequest, SamplingParams
@@ -35,7 +45,11 @@ def record_engine_log(
 
     if threads:
         torch.set_num_threads(threads)  # NOTE: oversubscribed threads make CPU steps erratic
-    eng = load_torch_engine(model, device=device, step_log=out, kv_cache_tokens=65536)
+    log_path = out if clock == "wall" else out + ".wall.tmp"
+    if clock == "thread":
+        Path(log_path).unlink(missing_ok=True)
+    eng = load_torch_engine(model, device=device, step_log=log_path, kv_cache_tokens=65536)
+    cpu_s: list[float] = []
     rng = np.random.default_rng(seed)
     target, next_id = 1, 0
     for i in range(num_steps):
@@ -64,7 +78,18 @@ def record_engine_log(
         if not plan:
             v = views[0]
             plan[v.req_id] = 1 if v.is_decode else min(64, v.num_pending)
+        t0 = time.thread_time()
         eng.step(StepPlan(plan))
+        cpu_s.append(time.thread_time() - t0)
         if progress:
             progress(i + 1)
+    if clock == "thread":
+        del eng  # closes its log
+        lines = Path(log_path).read_text().splitlines()
+        Path(log_path).unlink()
+        with Path(out).open("a") as f:
+            for line, t in zip(lines, cpu_s, strict=True):
+                r = json.loads(line)
+                r["wall_s"], r["step_s"] = r["step_s"], t
+                f.write(json.dumps(r) + "\n")
     return num_steps
