@@ -94,7 +94,7 @@ def engine_decode(engine: TorchEngine, batch: int, prompt_len: int, steps: int) 
 def engine_prefill(engine: TorchEngine, length: int, reps: int = 3) -> float:
     times = []
     for r in range(reps + 1):
-        (p,) = _prompts(1, length, engine.model.config.vocab_size, seed=100 + r)
+        (p,) = _prompts(1, length, engine.model.config.vocab_size, seed=10 * length + r)
         engine.add(EngineRequest(f"p{length}-{r}", p, SamplingParams(max_tokens=1)))
         _sync(engine.model.device)
         t0 = time.perf_counter()
@@ -115,7 +115,9 @@ def preempt_latency(engine: TorchEngine, length: int, reps: int = 5) -> dict[str
     step_s = time.perf_counter() - t0
     engine.abort("pre")
     lats = []
-    for _ in range(reps):
+    for r in range(reps):
+        # a new prompt each time: a repeated one would be served by the prefix cache
+        (p,) = _prompts(1, length, engine.model.config.vocab_size, seed=8 + r)
         engine.add(EngineRequest("pre", p, SamplingParams(max_tokens=1)))
 
         def signal() -> None:

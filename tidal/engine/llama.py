@@ -39,7 +39,7 @@ class AttnMeta:
 
     decode_rows: torch.Tensor | slice  # rows of single-token items
     decode_slots: torch.Tensor | None  # (B, T) KV slots per decode row, padded
-    decode_mask: torch.Tensor | None  # (B, 1, 1, T) bool, True = valid slot
+    decode_bias: torch.Tensor | None  # (B, 1, 1, T) 0 or -inf; None when no slot is padding
     decode_kv_rows: torch.Tensor | None = None  # (B*Hk*T,) rows of the (slots*Hk, D) cache view
     prefills: list[PrefillSpan] = field(default_factory=list)
 
@@ -68,7 +68,8 @@ def sdpa_paged_attention(
     n, H, D = q.shape
     Hk = k_cache.shape[1]
     G = H // Hk
-    out = torch.empty_like(q)
+    only_decodes = not meta.prefills and meta.decode_rows == slice(0, n)
+    out = q if only_decodes else torch.empty_like(q)
     if meta.decode_slots is not None:
         qd = q[meta.decode_rows].view(-1, Hk, G, D)  # (B, Hk, G, D)
         B, T = meta.decode_slots.shape
@@ -79,9 +80,12 @@ def sdpa_paged_attention(
         kd = k_cache.view(-1, D).index_select(0, rows).view(B, Hk, T, D)
         vd = v_cache.view(-1, D).index_select(0, rows).view(B, Hk, T, D)
         s = torch.matmul(qd, kd.transpose(-1, -2)) * scale  # (B, Hk, G, T)
-        assert meta.decode_mask is not None
-        s = s.float().masked_fill(~meta.decode_mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+        if meta.decode_bias is not None:  # padded slots of shorter contexts
+            s += meta.decode_bias
+        s = s.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
         od = torch.matmul(s, vd)  # (B, Hk, G, D)
+        if only_decodes:
+            return od.view(n, H * D)
         out[meta.decode_rows] = od.reshape(B, H, D)
     for p in meta.prefills:
         qp = q[p.row_start : p.row_end].transpose(0, 1).unsqueeze(0)  # (1, H, m, D)

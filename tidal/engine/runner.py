@@ -185,7 +185,7 @@ class StepRunner:
     def _meta(self, items: list[Item], rows: list[tuple[int, int]], active: list[int]) -> AttnMeta:
         bs, dev = self.block_size, self.device
         single = [i for i in active if items[i][1] == 1]
-        meta = AttnMeta(decode_rows=slice(0, 0), decode_slots=None, decode_mask=None)
+        meta = AttnMeta(decode_rows=slice(0, 0), decode_slots=None, decode_bias=None)
         if single:
             srows = [rows[i][0] for i in single]
             meta.decode_rows = (
@@ -206,7 +206,10 @@ class StepRunner:
             kv_rows = slots[:, None, :] * Hk + torch.arange(Hk)[None, :, None]  # (B, Hk, T)
             meta.decode_slots = slots.to(dev)
             meta.decode_kv_rows = kv_rows.reshape(-1).to(dev)
-            meta.decode_mask = (pos[None, :] < ctx[:, None]).to(dev)[:, None, None, :]
+            if bool((ctx < T).any()):
+                pad = pos[None, :] >= ctx[:, None]  # (B, T)
+                bias = torch.zeros(pad.shape).masked_fill(pad, float("-inf"))
+                meta.decode_bias = bias.to(dev, self.model.dtype)[:, None, None, :]
         for i in active:
             seq, n = items[i]
             if n == 1:
