@@ -1,0 +1,56 @@
+"""Sampling filters and stop-string handling of the detokeniser."""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.engine.api import SamplingParams
+from tidal.engine.sampling import Detokenizer, make_generator, sample
+
+
+class CharTokenizer:
+    eos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return ""
+
+
+def test_stop_string_is_cut_and_never_streamed() -> None:
+    d = Detokenizer(CharTokenizer(), ["END"])
+    ids: list[int] = []
+    streamed = ""
+    for c in "abcEN":
+        ids.append(ord(c))
+        delta, hit = d.update(ids, final=False)
+        streamed += delta
+        assert not hit
+    assert streamed == "abc"  # "EN" held back: it may become "END"
+    ids.append(ord("D"))
+    delta, hit = d.update(ids, final=False)
+    assert hit and streamed + delta == "abc"
+    d2 = Detokenizer(CharTokenizer(), ["END"])
+    assert d2.update([ord("E")], final=False) == ("", False)
+    assert d2.update([ord("E"), ord("x")], final=True) == ("Ex", False)
+
+
+def test_top_k_top_p_and_seed() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(200, 1)
+    sps = [SamplingParams(temperature=1.0, top_k=2, seed=i) for i in range(200)]
+    toks, _ = sample(logits, sps, [make_generator(sp) for sp in sps], want_logprobs=False)
+    assert set(toks) == {2, 3}  # both survivors drawn, nothing outside the top 2
+    again, _ = sample(logits, sps, [make_generator(sp) for sp in sps], want_logprobs=False)
+    assert again == toks  # same seeds, same draws
+    sp = SamplingParams(temperature=1.0, top_p=0.5, seed=1)  # p(3) = 0.64 >= 0.5: only 3
+    toks, lps = sample(logits[:5], [sp] * 5, [make_generator(sp) for _ in range(5)], True)
+    assert toks == [3] * 5
+    expected = torch.log_softmax(logits[0], -1)[3].item()
+    assert all(abs(lp - expected) < 1e-6 for lp in lps)
+    greedy = SamplingParams(temperature=0)
+    assert make_generator(greedy) is None
+    assert sample(logits[:1], [greedy], [None], False)[0] == [3]
