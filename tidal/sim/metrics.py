@@ -114,6 +114,12 @@ def summarize(rec: Recorder, duration_s: float, policy: str, config: str) -> dic
             "tpot_violation_pct": pct(n_on - int(on["tpot_ok"].sum()), n_on),
             "goodput_rps": float(on["ok"].sum()) / duration_s,
             "tokens_per_s": float(on_tok.sum()) / duration_s,
+            "total_tokens_per_s": sum(
+                r.num_prompt_tokens + r.num_output_tokens
+                for r in fin_on
+                if (r.finish_s or 0) <= duration_s
+            )
+            / duration_s,
         },
         "offline": {
             "num_requests": len(off),
