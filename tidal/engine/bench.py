@@ -18,6 +18,7 @@ import json
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,39 +71,52 @@ def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return torch.randint(1000, min(vocab, 30000), (batch, length), generator=g).tolist()
 
 
-def engine_decode(engine: TorchEngine, batch: int, prompt_len: int, steps: int) -> float:
-    """Decode tokens/s with `batch` requests in flight (prefill excluded from the timing)."""
-    sp = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+def engine_decode(
+    engine: TorchEngine,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    rounds: int = 1,
+    between: Callable[[], float] | None = None,
+) -> tuple[float, float | None]:
+    """Decode tokens/s with `batch` requests in flight (prefill excluded), best of `rounds`
+    windows of `steps` steps; `between()` (the HF figure) runs after each window, so both are
+    sampled under the same load on a shared machine. Returns (ours, best of `between`)."""
+    sp = SamplingParams(max_tokens=rounds * (steps + 1) + 4, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(_prompts(batch, prompt_len, engine.model.config.vocab_size)):
         engine.add(EngineRequest(f"d{batch}-{i}", p, sp))
     while any(not s.is_decode for s in engine.seqs.values()):
         engine.step()
-    engine.step()  # one warm decode step
-    times = []
-    for _ in range(steps):
-        _sync(engine.model.device)
-        t0 = time.perf_counter()
-        engine.step()
-        _sync(engine.model.device)
-        times.append(time.perf_counter() - t0)
+    ours: list[float] = []
+    theirs: list[float] = []
+    for _ in range(rounds):
+        engine.step()  # a warm step after whatever ran in between
+        times = []
+        for _ in range(steps):
+            _sync(engine.model.device)
+            t0 = time.perf_counter()
+            engine.step()
+            _sync(engine.model.device)
+            times.append(time.perf_counter() - t0)
+        # NOTE: median step, so a burst from another process does not count
+        ours.append(batch / statistics.median(times))
+        if between is not None:
+            theirs.append(between())
     for rid in list(engine.seqs):
         engine.abort(rid)
-    # NOTE: the median step, so another process's burst on a shared machine does not count
-    return batch / statistics.median(times)
+    return max(ours), (max(theirs) if theirs else None)
 
 
-def engine_prefill(engine: TorchEngine, length: int, reps: int = 3) -> float:
-    times = []
-    for r in range(reps + 1):
-        (p,) = _prompts(1, length, engine.model.config.vocab_size, seed=10 * length + r)
-        engine.add(EngineRequest(f"p{length}-{r}", p, SamplingParams(max_tokens=1)))
-        _sync(engine.model.device)
-        t0 = time.perf_counter()
-        while engine.has_work():
-            engine.step()
-        _sync(engine.model.device)
-        times.append(time.perf_counter() - t0)
-    return length / statistics.median(times[1:])  # the first run warms up
+def engine_prefill(engine: TorchEngine, length: int, run: int) -> float:
+    """Tokens/s of one `length`-token prefill (a new prompt per `run`: no prefix-cache hit)."""
+    (p,) = _prompts(1, length, engine.model.config.vocab_size, seed=10 * length + run)
+    engine.add(EngineRequest(f"p{length}-{run}", p, SamplingParams(max_tokens=1)))
+    _sync(engine.model.device)
+    t0 = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    _sync(engine.model.device)
+    return length / (time.perf_counter() - t0)
 
 
 def preempt_latency(engine: TorchEngine, length: int, reps: int = 5) -> dict[str, float]:
@@ -141,36 +155,35 @@ def preempt_latency(engine: TorchEngine, length: int, reps: int = 5) -> dict[str
     }
 
 
-def hf_bench(
-    hf_dir: Path,
-    dtype: torch.dtype,
-    batches: list[int],
-    prompt_len: int,
-    steps: int,
-    prefills: list[int],
-    vocab: int,
-) -> dict[str, dict[str, float]]:
-    from transformers import AutoModelForCausalLM
+class HFGenerate:
+    """HF `transformers` `generate` on the same checkpoint, dtype and threads."""
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+    def __init__(self, hf_dir: Path, dtype: torch.dtype, vocab: int) -> None:
+        from transformers import AutoModelForCausalLM, StoppingCriteria
 
-    from transformers import StoppingCriteria, StoppingCriteriaList
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+        self.vocab = vocab
 
-    class Stamp(StoppingCriteria):  # called once per generated token: times each step
-        def __init__(self) -> None:
-            self.t: list[float] = []
+        class Stamp(StoppingCriteria):  # called once per generated token: times each step
+            def __init__(self) -> None:
+                self.t: list[float] = []
 
-        def __call__(self, input_ids: Any, scores: Any, **kw: Any) -> Any:
-            self.t.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            def __call__(self, input_ids: Any, scores: Any, **kw: Any) -> Any:
+                self.t.append(time.perf_counter())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-    def gen(ids: list[list[int]], new: int) -> tuple[float, float]:
+        self.stamp_cls = Stamp
+        self.gen(_prompts(1, 16, vocab), 2)  # warm-up
+
+    def gen(self, ids: list[list[int]], new: int) -> tuple[float, float]:
         """(seconds to the first token, median seconds per later token)"""
+        from transformers import StoppingCriteriaList
+
         x = torch.tensor(ids)
-        stamp = Stamp()
+        stamp = self.stamp_cls()
         t0 = time.perf_counter()
         with torch.no_grad():
-            model.generate(
+            self.model.generate(
                 x,
                 attention_mask=torch.ones_like(x),
                 max_new_tokens=new,
@@ -182,15 +195,12 @@ def hf_bench(
         steps = [b - a for a, b in zip(stamp.t[1:], stamp.t[2:], strict=False)]
         return stamp.t[0] - t0, statistics.median(steps) if steps else float("nan")
 
-    out: dict[str, dict[str, float]] = {"decode": {}, "prefill": {}}
-    gen(_prompts(1, 16, vocab), 2)  # warm-up
-    for b in batches:
-        # NOTE: median step, like the engine's figure (robust to other processes' bursts)
-        out["decode"][str(b)] = b / gen(_prompts(b, prompt_len, vocab), steps + 2)[1]
-    for n in prefills:
-        ids = _prompts(1, n, vocab, seed=100)
-        out["prefill"][str(n)] = n / statistics.median(gen(ids, 1)[0] for _ in range(3))
-    return out
+    def decode(self, batch: int, prompt_len: int, steps: int) -> float:
+        return batch / self.gen(_prompts(batch, prompt_len, self.vocab), steps + 2)[1]
+
+    def prefill(self, length: int, run: int) -> float:
+        (p,) = _prompts(1, length, self.vocab, seed=10 * length + run)
+        return length / self.gen([p], 1)[0]
 
 
 def random_engine(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> TorchEngine:
@@ -276,40 +286,45 @@ def run_bench(args: argparse.Namespace) -> int:
         prog.update(task, advance=1, description="copy bandwidth")
         bw = copy_bandwidth(device)
         res["copy_bandwidth_gb_s"] = bw / 1e9
+        hf = None
+        if hf_dir is not None and not args.no_hf:
+            prog.update(task, description="loading HF transformers")
+            hf = HFGenerate(hf_dir, engine.model.dtype, engine.model.config.vocab_size)
         ctx = args.prompt_len + args.decode_steps // 2 + 2
-        dec, roof, step_ms = {}, {}, {}
+        dec, hf_dec, roof, step_ms = {}, {}, {}, {}
         for b in batches:
-            prog.update(task, advance=1, description=f"engine decode batch {b}")
-            tps = engine_decode(engine, b, args.prompt_len, args.decode_steps)
+            prog.update(task, advance=1, description=f"decode batch {b}")
+            between = (
+                None if hf is None else lambda b=b: hf.decode(b, args.prompt_len, args.decode_steps)
+            )
+            tps, hf_tps = engine_decode(
+                engine, b, args.prompt_len, args.decode_steps, args.rounds, between
+            )
             dec[str(b)] = tps
             step_ms[str(b)] = 1e3 * b / tps
             roof[str(b)] = b / (step_bytes(engine, b, ctx) / bw)
-        pre = {}
+            if hf_tps is not None:
+                hf_dec[str(b)] = hf_tps
+        pre, hf_pre = {}, {}
         for n in prefills:
-            prog.update(task, advance=1, description=f"engine prefill {n}")
-            pre[str(n)] = engine_prefill(engine, n)
+            prog.update(task, advance=1, description=f"prefill {n}")
+            engine_prefill(engine, n, run=99)  # warm-up
+            pre[str(n)] = max(engine_prefill(engine, n, r) for r in range(args.rounds))
+            if hf is not None:
+                hf_pre[str(n)] = max(hf.prefill(n, r) for r in range(args.rounds))
         res |= {
             "decode_tokens_per_s": dec,
             "decode_step_ms": step_ms,
             "roofline_decode_tokens_per_s": roof,
             "prefill_tokens_per_s": pre,
+            "roofline_decode_step_ms": {
+                str(b): 1e3 * step_bytes(engine, b, ctx) / bw for b in batches
+            },
         }
-        res["roofline_decode_step_ms"] = {
-            str(b): 1e3 * step_bytes(engine, b, ctx) / bw for b in batches
-        }
+        if hf is not None:
+            res["hf"] = {"decode": hf_dec, "prefill": hf_pre}
         prog.update(task, advance=1, description="preemption latency")
         res["preemption"] = preempt_latency(engine, max([*prefills, 512]))
-        if hf_dir is not None and not args.no_hf:
-            prog.update(task, description="HF transformers generate")
-            res["hf"] = hf_bench(
-                hf_dir,
-                engine.model.dtype,
-                batches,
-                args.prompt_len,
-                args.decode_steps,
-                prefills,
-                engine.model.config.vocab_size,
-            )
     _report(console, res, batches, prefills)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
@@ -398,7 +413,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes")
     p.add_argument("--prefill", default="512,2048", help="prefill lengths")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens before decode")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens before decode")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; best one counts")
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps")
     p.add_argument("--kv-tokens", type=int, default=64 * 256 + 8192, help="KV cache tokens")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
