@@ -7,11 +7,14 @@ PREDICTOR.predict(r) stands for when the predictor is a batch-latency model (§4
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import attrgetter
 
 from tidal.perf.api import BatchShape, StepModel
-from tidal.policy.tidal_batch import add_decode, add_prefill
+from tidal.policy.tidal_batch import add_decode, add_prefill, largest_fit
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +29,11 @@ class HyReq:
     @property
     def is_decoding(self) -> bool:
         return self.computed_tokens >= self.prompt_tokens
+
+
+_COMPUTED = attrgetter("computed_tokens")
+_HELD = attrgetter("held_blocks")
+_ID = attrgetter("req_id")
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -61,29 +69,47 @@ class Budget:
         self.context[r.req_id] = r.computed_tokens
         return True
 
+    def add_decodes_forced(self, reqs: Sequence[HyReq]) -> None:
+        """`try_decode(r, force=True)` for each of `reqs` in order, with one shape update: the
+        latency budget does not apply, so only memory can turn a request away."""
+        bs, free = self.block_size, self.free_blocks
+        n = ctx = 0
+        for r in reqs:
+            c = r.computed_tokens
+            need = -(-(c + 1) // bs) - r.held_blocks
+            if need > free:
+                continue
+            if need > 0:
+                free -= need
+            n += 1
+            ctx += c
+            self.decode.append(r.req_id)
+            self.context[r.req_id] = c
+        self.shape = add_decode(self.shape, n, ctx)
+        self.free_blocks = free
+        self.chunk_tokens -= n
+
     def add_decode_prefix(self, reqs: Sequence[HyReq]) -> None:
         """Batch the longest prefix of `reqs` whose decodes fit the latency and memory budgets
-        (one model call per bisection step instead of one per request)."""
+        (a few model calls, `largest_fit`, instead of one per request)."""
         bs = self.block_size
-        ctx = [0]
-        blk = [0]
-        for r in reqs:
-            ctx.append(ctx[-1] + r.computed_tokens)
-            blk.append(blk[-1] + max(0, blocks_for(r.computed_tokens + 1, bs) - r.held_blocks))
-        lo, hi = 0, len(reqs)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            ok = blk[mid] <= self.free_blocks and mid <= self.chunk_tokens
-            if ok and self.model.step_s(add_decode(self.shape, mid, ctx[mid])) <= self.latency_s:
-                lo = mid
-            else:
-                hi = mid - 1
+        cs = list(map(_COMPUTED, reqs))
+        ctx = list(accumulate(cs, initial=0))
+        # ceil((c + 1) / bs) - held: blocks each decode adds
+        need = [(c + bs) // bs - h for c, h in zip(cs, map(_HELD, reqs), strict=True)]
+        blk = list(accumulate((n if n > 0 else 0 for n in need), initial=0))
+        # Memory and chunk bounds are monotone prefix conditions: cut them first, exactly.
+        hi = min(len(reqs), max(0, self.chunk_tokens), bisect_right(blk, self.free_blocks) - 1)
+        shape = self.shape
+        lo, _ = largest_fit(
+            lambda k: self.model.step_s(add_decode(shape, k, ctx[k])), hi, self.latency_s, ctx
+        )
         self.shape = add_decode(self.shape, lo, ctx[lo])
         self.free_blocks -= blk[lo]
         self.chunk_tokens -= lo
-        for r in reqs[:lo]:
-            self.decode.append(r.req_id)
-            self.context[r.req_id] = r.computed_tokens
+        ids = list(map(_ID, reqs[:lo]))
+        self.decode.extend(ids)
+        self.context.update(zip(ids, cs[:lo], strict=True))
 
     def max_prefill(self, r: HyReq, ignore_memory: bool = False) -> int:
         """PREDICTOR.get_max_prefill(t, c, m, r): the longest chunk within every budget."""
@@ -91,14 +117,13 @@ class Budget:
         if not ignore_memory:
             slack = max(0, r.held_blocks * self.block_size - r.computed_tokens)
             hi = min(hi, slack + self.free_blocks * self.block_size)
-        lo = 0
-        while lo < hi:  # latency is monotone in the chunk length
-            mid = (lo + hi + 1) // 2
-            if self.model.step_s(add_prefill(self.shape, mid, r.computed_tokens)) <= self.latency_s:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        if hi <= 0:
+            return 0
+        shape, done = self.shape, r.computed_tokens
+        # Latency is monotone in the chunk length; `largest_fit` is the binary search's answer.
+        return largest_fit(
+            lambda k: self.model.step_s(add_prefill(shape, k, done)), hi, self.latency_s
+        )[0]
 
     def take_prefill(self, r: HyReq, tokens: int) -> None:
         need = max(0, blocks_for(r.computed_tokens + tokens, self.block_size) - r.held_blocks)
@@ -123,8 +148,7 @@ def slo_aware_schedule(
     when memory is what blocks the chunk, since preempting cannot shorten the step.
     """
     if online_phase:  # lines 6-12: every online decode goes in, whatever the budget
-        for r in decoding:
-            budget.try_decode(r, force=True)
+        budget.add_decodes_forced(decoding)
     else:  # offline decodes while the budget holds: largest FCFS prefix, by binary search
         budget.add_decode_prefix(decoding)
     for r in prefill_order:  # lines 13-29
@@ -171,8 +195,7 @@ def two_phase_schedule(
     """
     off_held = sum(r.held_blocks for r in offline_running)
     b = Budget(model, latency_budget_s, chunk_size, free_blocks + off_held, block_size)
-    on_dec = [r for r in online_running if r.is_decoding]
-    on_pre = [r for r in online_running if not r.is_decoding]
+    on_dec, on_pre = _split(online_running)
     slo_aware_schedule(b, on_dec, [*on_pre, *online_waiting], online_phase=True)
     # Lines 14-17: give back offline memory the online phase consumed.
     kept = list(offline_running)
@@ -182,10 +205,18 @@ def two_phase_schedule(
         off_held -= victim.held_blocks
         preempted.append(victim.req_id)
     b.free_blocks -= off_held
-    off_dec = [r for r in kept if r.is_decoding]
-    off_pre = [r for r in kept if not r.is_decoding]
+    off_dec, off_pre = _split(kept)
     slo_aware_schedule(b, off_dec, _chain(off_pre, offline_waiting), online_phase=False)
     return HybridBatch(b.prefill, b.decode, preempted, b.shape, b.step_s(), b.context)
+
+
+def _split(reqs: Sequence[HyReq]) -> tuple[list[HyReq], list[HyReq]]:
+    """(decoding, prefilling), order kept; one pass, no property calls (hot path)."""
+    dec: list[HyReq] = []
+    pre: list[HyReq] = []
+    for r in reqs:
+        (dec if r.computed_tokens >= r.prompt_tokens else pre).append(r)
+    return dec, pre
 
 
 def _chain(first: Sequence[HyReq], rest: Iterable[HyReq]) -> Iterable[HyReq]:

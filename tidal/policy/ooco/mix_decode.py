@@ -12,16 +12,22 @@ from __future__ import annotations
 import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import attrgetter
 
 from tidal.perf.api import BatchShape, StepModel
 from tidal.policy.ooco.config import OverloadMode
-from tidal.policy.tidal_batch import add_decode
+from tidal.policy.tidal_batch import add_decode, largest_fit
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeCandidate:
     req_id: Hashable
     context_tokens: int  # KV length this step attends over (prompt + generated so far)
+
+
+_CTX = attrgetter("context_tokens")
+_HUGE = 1 << 62  # sort key that puts already-probed requests after every real length
 
 
 @dataclass(frozen=True)
@@ -42,19 +48,12 @@ def largest_fitting_prefix(
 
     Returns (k, latency of base ∪ prefix). Requires latency monotone in added requests.
     """
-    prefix = [0]
-    for c in sorted_ctx:
-        prefix.append(prefix[-1] + c)
-    lo, hi = 0, len(sorted_ctx)
-    best_s = model.step_s(base)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lat = model.step_s(add_decode(base, mid, prefix[mid]))
-        if lat <= slo_s:
-            lo, best_s = mid, lat
-        else:
-            hi = mid - 1
-    return lo, best_s
+    prefix = list(accumulate(sorted_ctx, initial=0))
+    # Same answer as a plain binary search over k (latency is monotone in added requests), in
+    # fewer model calls: see `largest_fit`.
+    return largest_fit(
+        lambda k: model.step_s(add_decode(base, k, prefix[k])), len(sorted_ctx), slo_s, prefix
+    )
 
 
 def select_mix_decode(
@@ -70,7 +69,7 @@ def select_mix_decode(
     """OOCO Alg. 2. `base` is any work already fixed in this step (default: nothing)."""
     shape = base if base is not None else BatchShape()
     # Alg. 2 line 1: B <- R_on.
-    on_ctx = sum(r.context_tokens for r in online)
+    on_ctx = sum(map(_CTX, online))
     shape_on = add_decode(shape, len(online), on_ctx)
     lat = model.step_s(shape_on)
     chosen_on = [r.req_id for r in online]
@@ -94,6 +93,16 @@ def select_mix_decode(
     n_probe = min(num_probes, len(offline))
     probe_idx = rng.sample(range(len(offline)), n_probe) if n_probe else []
     tested = set(probe_idx)
+    # NOTE: when all K probes fit together each fits on its own in any order (monotone
+    # latency), so one model call decides them all; otherwise Alg. 2's one-by-one test.
+    if n_probe:
+        probe_ctx = sum(offline[i].context_tokens for i in probe_idx)
+        cand = add_decode(shape, n_probe, probe_ctx)
+        cand_lat = model.step_s(cand)
+        if cand_lat <= slo_s:
+            shape, lat = cand, cand_lat
+            chosen_off = [offline[i].req_id for i in probe_idx]
+            probe_idx = []
     for i in probe_idx:
         r = offline[i]
         cand = add_decode(shape, 1, r.context_tokens)
@@ -103,9 +112,13 @@ def select_mix_decode(
             chosen_off.append(r.req_id)
     # Alg. 2 lines 10-14: sorted binary search over the untested remainder.
     if len(tested) < len(offline) and lat < slo_s:
-        rest = sorted(
-            (r for i, r in enumerate(offline) if i not in tested), key=lambda r: r.context_tokens
-        )
-        k, lat = largest_fitting_prefix(model, shape, [r.context_tokens for r in rest], slo_s)
-        chosen_off.extend(r.req_id for r in rest[:k])
+        ctx = list(map(_CTX, offline))
+        key = ctx
+        if tested:  # tested ones sort last (stable: ties keep index order) and are cut off
+            key = ctx.copy()
+            for i in tested:
+                key[i] = _HUGE
+        rest = sorted(range(len(offline)), key=key.__getitem__)[: len(offline) - len(tested)]
+        k, lat = largest_fitting_prefix(model, shape, list(map(ctx.__getitem__, rest)), slo_s)
+        chosen_off.extend(offline[i].req_id for i in rest[:k])
     return MixDecodeSelection(online=chosen_on, offline=chosen_off, step_s=lat)

@@ -49,14 +49,18 @@ def route_prefill(
     """TaiChi Alg. 2: the feasible instance (Q + E + T < TTFT SLO) with the fewest queued prefill
     tokens, or None when no instance is feasible (lines 13-15). `transfer_s` is the KV transfer
     time of this request (line 5, P-heavy only); `waited_s` is time it has already spent."""
-    best: tuple[int, int] | None = None  # (queued tokens, instance id)
     budget = ttft_slo_s - waited_s
-    for t in targets:
-        q = sum(estimate_prefill_s(t.model, n, t.chunk_tokens, t.decode) for n in t.queued_tokens)
-        e = estimate_prefill_s(t.model, prompt_tokens, t.chunk_tokens, t.decode)
+    # Line 11 takes the feasible instance with the fewest queued prefill tokens, so visit them
+    # in that order and stop at the first feasible one: same answer, fewer model calls. Each
+    # queue estimate stops as soon as it alone breaks the budget (line 6 cannot hold then).
+    for _, t in sorted(((sum(t.queued_tokens), t.instance_id), t) for t in targets):
         tt = transfer_s if t.is_p_heavy else 0.0
-        if q + e + tt < budget:  # line 6
-            load = sum(t.queued_tokens)
-            if best is None or (load, t.instance_id) < best:
-                best = (load, t.instance_id)  # line 11: argmin queued prefill tokens
-    return None if best is None else best[1]
+        e = estimate_prefill_s(t.model, prompt_tokens, t.chunk_tokens, t.decode)
+        q = 0.0
+        for n in t.queued_tokens:
+            if q + e + tt >= budget:
+                break
+            q += estimate_prefill_s(t.model, n, t.chunk_tokens, t.decode)
+        if q + e + tt < budget:  # line 6: Q + E + T < TTFT SLO
+            return t.instance_id
+    return None  # lines 13-15: no instance is feasible
