@@ -3,6 +3,7 @@ plan rejected, online SLOs met at light load, and the ablation flags change beha
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -33,14 +34,20 @@ def workload(n_on: int = 120, n_off: int = 120) -> list[SimRequest]:
     return sorted(reqs, key=lambda r: r.arrival_s)
 
 
-def run(name: str, roles: list[InstanceRole], params: dict[str, object], cpu_workers: int = 0):
+def run(
+    name: str,
+    roles: list[InstanceRole],
+    params: dict[str, object],
+    cpu_workers: int = 0,
+    reqs: list[SimRequest] | None = None,
+):
     setups = [InstanceSetup(r, 2048, 3000, MODEL, KV_BYTES) for r in roles]
     ctx = PolicyContext(len(roles), tuple(roles), SLO, params, seed=3)
     cpu = None
     if cpu_workers:
         cpu = CpuPoolState(cpu_workers, CpuAttnRoofline(KV_BYTES), host_kv_capacity_tokens=10**8)
     sim = Simulator(setups, make_policy(name, ctx), cpu=cpu, horizon_s=1000)
-    return sim.run(workload())
+    return sim.run(workload() if reqs is None else reqs)
 
 
 def attainment(rec) -> float:  # type: ignore[no-untyped-def]
@@ -92,3 +99,27 @@ def test_tidal_unknown_flag_is_named() -> None:
     ctx = PolicyContext(2, tuple(RS), SLO, {"no_such_flag": True})
     with pytest.raises(ValueError, match="no_such_flag"):
         make_policy("tidal", ctx)
+
+
+def _offline_prefilled_on_strict(rec) -> int:  # type: ignore[no-untyped-def]
+    # An offline request prefilled on the strict instance (index 1) never migrates: it is born
+    # there and decodes there; one prefilled on the relaxed instance stays there or is pulled.
+    return sum(
+        1 for r in rec.requests if not r.is_online and r.instance_id == 1 and not r.num_migrations
+    )
+
+
+def test_tidal_strict_instances_prefill_offline_only_with_the_flag() -> None:
+    # An offline backlog (all 120 offline requests in the first 1.2 s) keeps the held queue
+    # non-empty, which is when the strict instance gets offline prefill to fill its budget.
+    reqs = [
+        r if r.req_class is RequestClass.ONLINE else dataclasses.replace(r, arrival_s=0.01 * i)
+        for i, r in enumerate(workload())
+    ]
+    reqs.sort(key=lambda r: r.arrival_s)
+    on = run("tidal", RS, {}, reqs=reqs)
+    off = run("tidal", RS, {"strict_offline_prefill": False}, reqs=reqs)
+    assert _offline_prefilled_on_strict(on) > 0
+    assert _offline_prefilled_on_strict(off) == 0
+    assert all(r.finish_s is not None for r in on.requests)
+    assert attainment(on) >= 0.95  # the online TPOT SLO still holds on the strict instance

@@ -51,7 +51,9 @@ class OmniServePolicy(Policy):
     def route(self, req: ReqState, cluster: ClusterView, now: float) -> Route:
         if not req.is_online:
             return Route.hold("BE: dispatched when an instance has room")
-        best = min(cluster.instances, key=lambda i: (i.num_waiting_tokens, i.num_requests))
+        # NOTE: LS prompts queue only behind LS prefill (§3.3.2 order: BE prefill comes after),
+        # so balance on LS prefill left, not on all queued tokens (BE prompts are ~8k each).
+        best = min(cluster.instances, key=lambda i: (_ls_prefill_left(i), i.num_requests))
         ttft = req.slo.ttft_s if req.slo is not None else self.slo.ttft_s
         if self.cfg.admission_control and not ls_admissible(best, req, ttft, self.cfg):
             return Route.reject("omniserve: LS prefill would miss its TTFT SLO (§3.3.3)")
@@ -62,6 +64,17 @@ class OmniServePolicy(Policy):
 
     def schedule(self, inst: InstanceState, now: float) -> StepPlan:
         return omni_step(inst, now, self.cfg, self.slo.tpot_s, self._slack_steps)
+
+
+def _ls_prefill_left(inst: InstanceState) -> int:
+    n = 0
+    for r in inst.waiting:
+        if r.is_online:
+            n += r.num_prefill_left
+    for r in inst.running:
+        if r.is_online:
+            n += r.num_prefill_left
+    return n
 
 
 def dispatch_be(cluster: ClusterView, buffer: int) -> ClusterActions:
@@ -122,9 +135,14 @@ def omni_step(
             break
         if b.add_prefill(r, bound_s=be_bound) == 0:
             break
+    # NOTE: the §3.3.3 admission test times an LS prompt beside the LS decodes only, so a step
+    # that carries LS prefill must not be lengthened by BE decodes, or admitted prompts miss
+    # their TTFT (BE decodes are tens of long-context reads per step). They pause for that
+    # step (offloaded ones still piggyback below); BE has no latency target.
+    ls_prefilling = any(r.req_id in b.prefill for r in ls_pre)
     offload: list[str] = []
     for r in dec:  # ④ BE decode on the GPU while the bound holds (§3.3.5)
-        if r.is_online:
+        if r.is_online or ls_prefilling:
             continue
         if len(b.decode) < inst.max_batch_reqs and b.add_decode(r, bound_s=be_bound):
             continue

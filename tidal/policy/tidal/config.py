@@ -25,6 +25,22 @@ class TidalConfig:
     """OmniServe §3.3.5: offline decodes evicted for lack of KV decode on the CPU-attention
     workers instead of being swapped/recomputed; piggybacked per §3.3.6."""
 
+    strict_offline_prefill: bool = True
+    """HyGen §4.1 inside latency-strict instances: after OOCO Alg. 2 has picked the decodes,
+    offline prefill chunks fill what is left of the step's latency budget (OOCO's strict
+    instances only decode, so their steps run far below the TPOT SLO once every offline decode
+    the relaxed pool produces fits; that idle budget is where Tidal's extra offline work goes)."""
+    strict_prefill_budget: float = 0.8
+    """Latency budget of a strict step that carries offline prefill, as a fraction of the TPOT
+    SLO (HyGen's L of Alg. 2, with headroom for the online TPOT being a mean over tokens)."""
+    strict_kv_reserve: float = 0.2
+    """Fraction of a strict instance's KV blocks kept free of new offline prefills, for online
+    requests pushed after their prefill (OOCO §3.4.3 push)."""
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.utility_ratio <= 1.0:
             raise ValueError("utility_ratio must be in [0, 1]")
+        if not 0.0 < self.strict_prefill_budget <= 1.0:
+            raise ValueError("strict_prefill_budget must be in (0, 1] (fraction of TPOT SLO)")
+        if not 0.0 <= self.strict_kv_reserve < 1.0:
+            raise ValueError("strict_kv_reserve must be in [0, 1)")

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from tidal.policy.base import (
     ClusterView,
     InstanceState,
+    Phase,
     Policy,
     PolicyContext,
     ReqState,
@@ -27,7 +28,7 @@ from tidal.policy.ooco.policy import OocoPolicy, ooco_config
 from tidal.policy.registry import register_policy
 from tidal.policy.taichi.routing import PrefillTarget, route_prefill
 from tidal.policy.tidal.config import TidalConfig
-from tidal.policy.tidal_adapt import parse_section
+from tidal.policy.tidal_adapt import PlanBuilder, parse_section
 from tidal.policy.tidal_batch import decode_shape
 
 
@@ -91,7 +92,30 @@ class TidalPolicy(OocoPolicy):
                 del self._held[str(rid)]
                 out[r.req_id] = i
                 n_wait += 1
+        if self.tcfg.strict_offline_prefill:
+            self._dispatch_strict(cluster, out)
         return out
+
+    def _dispatch_strict(self, cluster: ClusterView, out: dict[str, int]) -> None:
+        """Offline requests for the strict instances' prefill budget (HyGen's offline queue),
+        while their KV stays above the reserve kept for pushed online requests."""
+        for i in self.strict:
+            inst = cluster.instances[i]
+            n_wait = sum(1 for r in inst.waiting if not r.is_online)
+            free = inst.num_free_blocks - int(self.tcfg.strict_kv_reserve * inst.num_blocks)
+            while n_wait < self.cfg.offline_buffer and self._held:
+                rid = self.order.pick()
+                if rid is None:
+                    break
+                r = self._held[str(rid)]
+                need = inst.blocks_for(r.num_prompt_tokens + self.cfg.gating_expected_output_tokens)
+                if need > free:
+                    break
+                self.order.remove(rid)
+                del self._held[str(rid)]
+                out[r.req_id] = i
+                free -= need
+                n_wait += 1
 
     # ------------------------------------------------------------------ steps
     def _cpu(self, inst: InstanceState) -> bool:
@@ -135,11 +159,39 @@ class TidalPolicy(OocoPolicy):
 
     def schedule_strict(self, inst: InstanceState, now: float) -> StepPlan:
         plan = super().schedule_strict(inst, now)
+        if self._cpu(inst) and plan.swap_out:
+            # Evicted offline decodes keep decoding with CPU attention (OmniServe §3.3.5).
+            return StepPlan(decode=plan.decode, offload=plan.swap_out)
+        if self.tcfg.strict_offline_prefill:
+            plan = self._strict_prefill(inst, plan)
         if not self._cpu(inst):
             return plan
-        if plan.swap_out:  # evicted offline decodes keep decoding with CPU attention
-            return StepPlan(decode=plan.decode, offload=plan.swap_out)
         return self._cpu_batch(inst, plan, now, self.cfg.tpot_slo_s)
+
+    def _strict_prefill(self, inst: InstanceState, plan: StepPlan) -> StepPlan:
+        """HyGen Alg. 1 offline phase on a strict instance: the decodes OOCO Alg. 2 chose stay;
+        offline prefill chunks are added while the step stays within the latency budget."""
+        if plan.swap_out or plan.swap_in or plan.preempt or inst.pending_in:
+            return plan
+        cands = [
+            r
+            for r in inst.running
+            if not r.is_online and r.phase is Phase.RUNNING and not r.is_decoding
+        ]
+        cands += [r for r in inst.waiting if not r.is_online]
+        if not cands:
+            return plan
+        b = PlanBuilder(inst)
+        by_id = {r.req_id: r for r in inst.running}
+        for rid in plan.decode:
+            b.add_decode(by_id[rid])
+        bound = self.tcfg.strict_prefill_budget * self.cfg.tpot_slo_s
+        for r in cands:
+            if b.add_prefill(r, bound_s=bound) == 0:
+                break
+        if not b.prefill:
+            return plan
+        return StepPlan(prefill=b.prefill, decode=plan.decode)
 
     def schedule(self, inst: InstanceState, now: float) -> StepPlan:
         plan = super().schedule(inst, now)
