@@ -28,6 +28,7 @@ from tidal.policy.hygen.batch import HyReq, two_phase_schedule
 from tidal.policy.hygen.config import HygenConfig
 from tidal.policy.hygen.prefix_order import OfflineOrder
 from tidal.policy.registry import register_policy
+from tidal.policy.tidal_adapt import make_room_for_decodes
 
 
 def hy(r: ReqState) -> HyReq:
@@ -89,6 +90,16 @@ class HygenPolicy(Policy):
     def schedule(self, inst: InstanceState, now: float) -> StepPlan:
         cfg = self.cfg
         run = [r for r in inst.running if r.phase is Phase.RUNNING]
+        # NOTE: Alg. 1's PERFORM_PREEMPTION frees offline memory only; when online decodes alone
+        # have outgrown the KV pool (HyGen's engine is vLLM, which then preempts the newest
+        # online requests by recompute) the step would be empty forever. Evict as vLLM does:
+        # offline first (swapped, state retained, §4.1), then the newest online (recompute).
+        victims = make_room_for_decodes(inst, [r for r in run if r.is_online and r.is_decoding])
+        if victims:
+            return StepPlan(
+                swap_out=tuple(r.req_id for r in victims if not r.is_online),
+                preempt=tuple(r.req_id for r in victims if r.is_online),
+            )
         b = two_phase_schedule(
             inst.step_model,
             cfg.latency_budget_s,
@@ -98,7 +109,12 @@ class HygenPolicy(Policy):
             online_running=[hy(r) for r in run if r.is_online],
             online_waiting=[hy(r) for r in inst.waiting if r.is_online],
             offline_running=[hy(r) for r in run if not r.is_online],
-            offline_waiting=(hy(r) for r in inst.waiting if not r.is_online),
+            # NOTE: no new offline prompt starts while offline KV sits swapped out: it would
+            # only be swapped out in turn (memory churn over PCIe, §4.1 retains state to avoid
+            # exactly that); swapped requests come back first, below.
+            offline_waiting=(
+                (hy(r) for r in inst.waiting if not r.is_online) if not inst.swapped else ()
+            ),
         )
         swap_in: list[str] = []
         if not b.preempted and inst.swapped and not any(r.is_online for r in inst.waiting):

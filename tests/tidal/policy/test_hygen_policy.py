@@ -1,0 +1,61 @@
+"""The `hygen` policy's step on states the two-phase scheduler alone cannot progress."""
+
+from __future__ import annotations
+
+from tidal.engine.api import RequestClass
+from tidal.policy.base import InstanceRole, InstanceState, Phase, PolicyContext, ReqState, Slo
+from tidal.policy.registry import make_policy
+from tidal.policy.tidal_batch import LinearStepModel
+
+SLO = Slo(1.0, 0.05)
+
+
+def _inst(num_blocks: int) -> InstanceState:
+    return InstanceState(
+        0, InstanceRole.AGGREGATED, 512, 256, 16, num_blocks, num_blocks, LinearStepModel(), 1.0, 1e9
+    )
+
+
+def _policy():  # type: ignore[no-untyped-def]
+    return make_policy("hygen", PolicyContext(1, (InstanceRole.AGGREGATED,), SLO, {}, seed=0))
+
+
+def _decoding(rid: str, online: bool, ctx: int, inst: InstanceState) -> ReqState:
+    cls = RequestClass.ONLINE if online else RequestClass.OFFLINE
+    r = ReqState(rid, cls, 0.0, ctx, 100, SLO if online else None, instance_id=0)
+    r.phase, r.num_output_tokens, r.num_computed_tokens = Phase.RUNNING, 1, ctx
+    r.num_blocks = inst.blocks_for(ctx)  # full blocks: the next token needs a new one
+    inst.running.append(r)
+    inst.num_free_blocks -= r.num_blocks
+    return r
+
+
+def test_online_decodes_that_outgrow_kv_preempt_the_newest_online() -> None:
+    inst = _inst(8)
+    _decoding("on-a", True, 64, inst)  # 4 blocks
+    _decoding("on-b", True, 64, inst)  # 4 blocks: no block left for either next token
+    plan = _policy().schedule(inst, 0.0)
+    assert plan.preempt == ("on-b",)  # vLLM's choice: the newest online request, recomputed
+    assert not plan.decode
+
+
+def test_offline_kv_goes_first_and_is_swapped_not_dropped() -> None:
+    inst = _inst(8)
+    _decoding("on-a", True, 64, inst)
+    _decoding("off-a", False, 64, inst)
+    plan = _policy().schedule(inst, 0.0)
+    assert plan.swap_out == ("off-a",)  # state retained (§4.1)
+    assert not plan.preempt
+
+
+def test_no_new_offline_prompt_while_offline_kv_is_swapped_out() -> None:
+    inst = _inst(100)
+    swapped = ReqState("off-s", RequestClass.OFFLINE, 0.0, 64, 100, None, instance_id=0)
+    swapped.phase, swapped.num_output_tokens, swapped.num_computed_tokens = Phase.SWAPPED, 1, 64
+    inst.swapped.append(swapped)
+    new = ReqState("off-new", RequestClass.OFFLINE, 0.0, 64, 100, None, instance_id=0)
+    new.phase = Phase.WAITING
+    inst.waiting.append(new)
+    plan = _policy().schedule(inst, 0.0)
+    assert "off-new" not in plan.prefill
+    assert plan.swap_in == ("off-s",)
