@@ -11,9 +11,9 @@ SLO = Slo(1.0, 0.05)
 
 
 def _inst(num_blocks: int) -> InstanceState:
-    return InstanceState(
-        0, InstanceRole.AGGREGATED, 512, 256, 16, num_blocks, num_blocks, LinearStepModel(), 1.0, 1e9
-    )
+    model = LinearStepModel()
+    agg = InstanceRole.AGGREGATED
+    return InstanceState(0, agg, 512, 256, 16, num_blocks, num_blocks, model, 1, 1e9)
 
 
 def _policy():  # type: ignore[no-untyped-def]
