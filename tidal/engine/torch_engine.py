@@ -30,7 +30,6 @@ import dataclasses
 import json
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -38,33 +37,17 @@ import torch
 
 from tidal.engine import kv_transfer as kvt
 from tidal.engine.api import EngineLoad, EngineRequest, RequestClass, StepResult, StepTelemetry
+from tidal.engine.engine_config import EngineConfig, default_dtype
 from tidal.engine.kv_cache import BlockAllocator, block_hashes
 from tidal.engine.llama import LlamaModel
 from tidal.engine.model_config import ModelConfig
 from tidal.engine.runner import StepRunner
 from tidal.engine.sampling import Detokenizer, make_generator
 from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView, StepPlan, StepPlanner
-from tidal.engine.sequence import PartialChunk, SeqStatus, Sequence
+from tidal.engine.sequence import SeqStatus, Sequence
 from tidal.engine.tokenizer import TidalTokenizer
 
-
-@dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = 16  # tokens per KV block
-    kv_cache_tokens: int = 65536  # KV capacity in tokens (rounded down to whole blocks)
-    max_model_len: int | None = None  # prompt + output cap; None = the model's context length
-    token_budget: int = 512  # default planner: tokens per step
-    chunk_size: int = 512  # default planner: prefill tokens per request per step
-    max_num_seqs: int = 256  # default planner: requests per step
-    enable_prefix_cache: bool = True
-    profile_modules: bool = False  # fill StepTelemetry.module_s (adds a sync per module on CUDA)
-    step_log: str | None = None  # append each step's telemetry as a JSON line to this path
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1 or self.kv_cache_tokens < self.block_size:
-            raise ValueError("block_size must be >= 1 and kv_cache_tokens >= block_size")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError("max_model_len must be >= 2")
+__all__ = ["EngineConfig", "TorchEngine", "default_dtype", "load_torch_engine"]
 
 
 class TorchEngine:
@@ -281,58 +264,31 @@ class TorchEngine:
             seq.partial.hidden = seq.partial.hidden.to(self.model.device)
 
     def export_request(self, req_id: str, remove: bool = True) -> bytes:
+        """The request as bytes (tokens, sampling and RNG state, KV of all layers, any
+        preempted partial chunk); with `remove` it also leaves this engine."""
         seq = self.seqs[req_id]
         n = self._kv_tokens(seq)
-        if seq.status == SeqStatus.SWAPPED:
-            kv = seq.swapped_kv
-        elif n:
+        kv = seq.swapped_kv
+        if seq.status == SeqStatus.RUNNING and n:
             kv = kvt.gather_kv(self.kv, kvt.token_slots(seq.block_ids, 0, n, self.block_size))
-        else:
-            kv = None
-        p = seq.partial
-        state: dict[str, Any] = {
-            "model": self.model_name,
-            "shape": list(self.kv.shape[:2]) + list(self.kv.shape[3:]),
-            "request": kvt.request_to_dict(seq.req),
-            "token_ids": seq.token_ids,
-            "num_computed": seq.num_computed,
-            "emitted": seq.detok.emitted,
-            "kv": kv,
-            "partial": None if p is None else [p.num_tokens, p.layer, p.hidden.to("cpu")],
-            "rng": None if seq.generator is None else seq.generator.get_state(),
-        }
-        data = kvt.pack(state)
+        data = kvt.export_seq(seq, kv, self.model_name, self._kv_shape())
         if remove:
             self.abort(req_id)
         return data
 
     def import_request(self, data: bytes) -> None:
-        st = kvt.unpack(data)
-        shape = list(self.kv.shape[:2]) + list(self.kv.shape[3:])
-        if st["shape"] != shape:
-            raise ValueError(f"exported KV shape {st['shape']} does not match this model {shape}")
-        req = kvt.request_from_dict(st["request"])
-        if req.req_id in self.seqs:
-            raise ValueError(f"request id {req.req_id!r} is already in this engine")
-        seq = Sequence(
-            req=req,
-            token_ids=list(st["token_ids"]),
-            num_prompt=len(req.prompt_token_ids),
-            detok=Detokenizer(self.tokenizer, req.sampling.stop),
-            generator=make_generator(req.sampling),
-        )
-        seq.detok.emitted = st["emitted"]
-        if seq.generator is not None and st["rng"] is not None:
-            seq.generator.set_state(st["rng"])
-        seq.num_computed = int(st["num_computed"])
-        if st["partial"] is not None:
-            n, layer, hidden = st["partial"]
-            seq.partial = PartialChunk(
-                int(n), int(layer), hidden.to(self.model.device, self.model.dtype)
-            )
-        if st["kv"] is not None:
-            self._place_kv(seq, st["kv"])
-        self.seqs[req.req_id] = seq
+        """Continue a request exported by an engine of the same model."""
+        seq, kv = kvt.import_seq(data, self.tokenizer, self._kv_shape(), self.model.device)
+        if seq.req_id in self.seqs:
+            raise ValueError(f"request id {seq.req_id!r} is already in this engine")
+        if seq.partial is not None:
+            seq.partial.hidden = seq.partial.hidden.to(self.model.dtype)
+        if kv is not None:
+            self._place_kv(seq, kv)
+        self.seqs[seq.req_id] = seq
+
+    def _kv_shape(self) -> list[int]:
+        return list(self.kv.shape[:2]) + list(self.kv.shape[3:])  # (L, 2, Hk, D)
 
     def _place_kv(self, seq: Sequence, kv: torch.Tensor) -> None:
         n = kv.shape[2]
@@ -424,17 +380,6 @@ class TorchEngine:
             self._release_blocks(seq)
         seq.swapped_kv = None
         seq.partial = None
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 / AMX), else fp32."""
-    if device.type == "cuda":
-        return torch.bfloat16
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return torch.float32
-    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
 
 
 def load_torch_engine(
