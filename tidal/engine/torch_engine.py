@@ -98,6 +98,7 @@ class TorchEngine:
         self._preempt_at = 0.0
         self.last_step_preempted = False
         self.last_preempt_latency_s: float | None = None
+        self.num_recompute_preemptions = 0  # requests that lost their KV to memory pressure
         self._log: TextIO | None = None
         if cfg.step_log:
             Path(cfg.step_log).parent.mkdir(parents=True, exist_ok=True)
@@ -353,6 +354,7 @@ class TorchEngine:
         seq.status = SeqStatus.RUNNING
 
     def _preempt_recompute(self, seq: Sequence) -> None:
+        self.num_recompute_preemptions += 1
         self._release_blocks(seq)
         seq.num_computed = 0
         seq.partial = None

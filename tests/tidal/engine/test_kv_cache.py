@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tidal.engine.api import EngineRequest, SamplingParams
@@ -53,43 +53,53 @@ def test_allocator_never_leaks_or_double_frees(ops: list[tuple[str, int]], num_b
 
 engine_ops = st.lists(
     st.tuples(
-        st.sampled_from(["add", "step", "step", "abort", "swap", "preempt"]), st.integers(0, 5)
+        st.sampled_from(["add", "add", "step", "step", "step", "abort", "swap", "swap", "preempt"]),
+        st.integers(0, 5),
     ),
-    min_size=1,
-    max_size=25,
+    min_size=5,
+    max_size=40,
 )
 
 
 @settings(
-    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(ops=engine_ops)
 def test_engine_random_admit_finish_preempt_keeps_kv_consistent(
     make_engine: Any, ops: list[tuple[str, int]]
 ) -> None:
-    # 80 KV tokens for up to 6 requests of 5..30 prompt tokens: memory preemption happens.
-    e = make_engine(kv_cache_tokens=80, block_size=8, chunk_size=8, token_budget=16)
-    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    # 64 KV tokens for up to 6 requests of 8..33 prompt tokens: memory preemption happens.
+    e = make_engine(kv_cache_tokens=64, block_size=8, chunk_size=8, token_budget=16)
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     for op, k in ops:
         rid = f"r{k}"
         if op == "add" and rid not in e.seqs:
-            e.add(EngineRequest(rid, [k + 1] * (5 + 5 * k), sp))
+            e.add(EngineRequest(rid, [k + 1] * (8 + 5 * k), sp))
         elif op == "step" and e.has_work():
-            e.step()
+            before = e.num_recompute_preemptions
+            for _ in range(3):
+                if e.has_work():
+                    e.step()
+            if e.num_recompute_preemptions > before:
+                event("recompute preemption (KV full)")
         elif op == "abort":
             e.abort(rid)
         elif op == "swap" and rid in e.seqs:
             s = e.seqs[rid]
             if s.status == "running":
                 e.swap_out(rid)
+                event("swap out")
             elif s.status == "swapped" and e.allocator.can_allocate(
                 -(-s.swapped_kv.shape[2] // 8) if s.swapped_kv is not None else 0
             ):
                 e.swap_in(rid)
+                event("swap in")
         elif op == "preempt" and e.has_work():
             e.model.layer_hook = lambda layer, n: layer == 1 and e.request_preempt()
             e.step()
             e.model.layer_hook = None
+            if e.last_step_preempted:
+                event("layer-boundary preemption")
         e.check_integrity()
     for rid in list(e.seqs):
         assert e.abort(rid)

@@ -163,6 +163,7 @@ def test_kv_pressure_preempts_by_recompute_without_changing_output(make_engine: 
     for rid, (p, sp) in REQS.items():
         e.add(EngineRequest(rid, p, sp))
     assert drain(e) == ref
+    assert e.num_recompute_preemptions > 0  # 9 blocks for 16 blocks' worth of requests
 
 
 def test_explicit_plan_and_step_log(make_engine: Any, tmp_path: Path) -> None:
