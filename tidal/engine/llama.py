@@ -178,30 +178,47 @@ class LlamaModel:
         # than F.linear (measured with MKL/oneDNN, fp32, M = 1..8), so layer weights are kept
         # transposed there; CUDA's GEMMs take either layout at full speed.
         self.transposed = device.type == "cpu"
+        # a state saved by `fused_state()` already holds the fused, laid-out matrices
+        fused = "tidal.transposed" in state
+        if fused and bool(state["tidal.transposed"].item()) != self.transposed:
+            raise ValueError("fused state was saved for another device's weight layout")
 
-        def lw(w: torch.Tensor) -> torch.Tensor:
+        def lw(*names: str, key: str = "") -> torch.Tensor:
+            """Fused matrix of `names` stacked on the output dim, in this model's layout."""
+            if fused:
+                return get(key)
+            ws = [get(n) for n in names]
+            w = torch.cat(ws) if len(ws) > 1 else ws[0]
+            # NOTE: .t().contiguous() is a fast transpose kernel; cat of transposed views is 10x
+            # slower (measured), and load time counts (< 2 s from the cache)
             return w.t().contiguous() if self.transposed else w
 
         # a second, transposed copy of the LM head for single-row logits on CPU
-        self.lm_head_t = self.lm_head.t().contiguous() if self.transposed else None
+        self.lm_head_t: torch.Tensor | None = None
+        if self.transposed:
+            self.lm_head_t = get("tidal.lm_head_t") if fused else self.lm_head.t().contiguous()
         self.layers: list[LayerWeights] = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             bias = None
-            if config.attention_bias:
+            if config.attention_bias and fused:
+                bias = get(f"tidal.{i}.qkv_bias")
+            elif config.attention_bias:
                 bias = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"])
             self.layers.append(
                 LayerWeights(
                     in_norm=get(p + "input_layernorm.weight"),
                     post_norm=get(p + "post_attention_layernorm.weight"),
-                    qkv=lw(torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"])),
+                    qkv=lw(*(a + f"{x}_proj.weight" for x in "qkv"), key=f"tidal.{i}.qkv"),
                     qkv_bias=bias,
-                    o=lw(get(a + "o_proj.weight")),
+                    o=lw(a + "o_proj.weight", key=f"tidal.{i}.o"),
                     gate_up=lw(
-                        torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+                        p + "mlp.gate_proj.weight",
+                        p + "mlp.up_proj.weight",
+                        key=f"tidal.{i}.gate_up",
                     ),
-                    down=lw(get(p + "mlp.down_proj.weight")),
+                    down=lw(p + "mlp.down_proj.weight", key=f"tidal.{i}.down"),
                 )
             )
         inv, self.rope_scale = rope_inv_freq(config)
@@ -213,6 +230,27 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         # called as hook(layer, num_rows) after each layer; tests use it to inject a preemption
         self.layer_hook: Callable[[int, int], None] | None = None
+
+    def fused_state(self) -> dict[str, torch.Tensor]:
+        """Weights as this model holds them (fused, laid out), so a later load copies nothing."""
+        out = {
+            "tidal.transposed": torch.tensor([int(self.transposed)]),
+            "model.embed_tokens.weight": self.embed,
+            "model.norm.weight": self.norm,
+        }
+        if self.lm_head is not self.embed:
+            out["lm_head.weight"] = self.lm_head
+        if self.lm_head_t is not None:
+            out["tidal.lm_head_t"] = self.lm_head_t
+        for i, lay in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            out[p + "input_layernorm.weight"] = lay.in_norm
+            out[p + "post_attention_layernorm.weight"] = lay.post_norm
+            out |= {f"tidal.{i}.qkv": lay.qkv, f"tidal.{i}.o": lay.o}
+            out |= {f"tidal.{i}.gate_up": lay.gate_up, f"tidal.{i}.down": lay.down}
+            if lay.qkv_bias is not None:
+                out[f"tidal.{i}.qkv_bias"] = lay.qkv_bias
+        return out
 
     def weight_bytes(self, with_lm_head: bool = True) -> int:
         """Bytes of weights one decode step reads (the embedding gather is negligible)."""

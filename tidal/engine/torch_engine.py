@@ -393,16 +393,14 @@ def load_torch_engine(
     """Load a model (None = the embedded SmolLM2-135M-Instruct GGUF; else an HF directory or a
     GGUF file) and build an engine. `kwargs` are `EngineConfig` fields, plus `model_name` and
     `planner`. Raises `ModelLoadError` (one line naming the path) for a missing/corrupt model."""
-    from tidal.engine.weights import EMBEDDED_NAME, embedded_model_path, load_checkpoint
+    from tidal.engine.weights import EMBEDDED_NAME, build_model, embedded_model_path
 
     path = embedded_model_path() if model is None else Path(model)
-    config, state, tok, _ = load_checkpoint(path)
     dev = torch.device(device)
     dt = getattr(torch, dtype) if dtype else default_dtype(dev)
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
-    lm = LlamaModel(config, state, dev, dt)
-    del state
+    lm, tok = build_model(path, dev, dt)
     name = kwargs.pop("model_name", None) or (EMBEDDED_NAME if model is None else path.stem)
     planner = kwargs.pop("planner", None)
     return TorchEngine(lm, tok, name, EngineConfig(**kwargs), planner)
