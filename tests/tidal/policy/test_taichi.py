@@ -81,3 +81,22 @@ def test_config_sliders() -> None:
     assert TaichiConfig(num_p_heavy=1).p_heavy_count(4) == 1
     with pytest.raises(ValueError, match="memory_watermark"):
         TaichiConfig(memory_watermark=1.5)
+
+
+def test_sliders_default_to_the_configured_chunk_sizes() -> None:
+    from tidal.policy.base import ClusterView, InstanceRole, InstanceState, PolicyContext, Slo
+    from tidal.policy.registry import make_policy
+    from tidal.policy.tidal_batch import LinearStepModel
+
+    roles = (InstanceRole.P_HEAVY, InstanceRole.D_HEAVY)
+    insts = [
+        InstanceState(i, r, c, 256, 16, 1000, 1000, LinearStepModel(), 1, 1e9)
+        for i, (r, c) in enumerate(zip(roles, (1024, 128), strict=True))
+    ]
+    cluster = ClusterView(insts, [], 1e9)
+    slo = Slo(3.0, 0.1)
+    kept = make_policy("taichi", PolicyContext(2, roles, slo, {}, seed=0)).tick(cluster, 0.0)
+    assert kept.set_chunk_size == {}  # the experiment's S_p = 1024 and S_d = 128 stay
+    params = {"chunk_p": 2048, "chunk_d": 256}
+    given = make_policy("taichi", PolicyContext(2, roles, slo, params, seed=0)).tick(cluster, 0.0)
+    assert given.set_chunk_size == {0: 2048, 1: 256}

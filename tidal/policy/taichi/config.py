@@ -14,10 +14,11 @@ class TaichiConfig:
 
     num_p_heavy: int = -1
     """R_PD as a count: how many instances are P-heavy (the first ones); -1 = half, rounded up."""
-    chunk_p: int = 1024
-    """S_p: chunk size (tokens per step) of P-heavy instances."""
-    chunk_d: int = 256
-    """S_d: chunk size of D-heavy instances."""
+    chunk_p: int = 0
+    """S_p: chunk size (tokens per step) of P-heavy instances; 0 keeps each instance's configured
+    chunk size (the experiment file's `instances[].chunk_size`, where TaiChi's sliders live)."""
+    chunk_d: int = 0
+    """S_d: chunk size of D-heavy instances; 0 keeps the configured one."""
     memory_watermark: float = 0.95
     """M of Alg. 1: D-heavy HBM use above this fraction degrades its longest decodes (§3.3 ②)."""
     approach_factor: float = 0.96
@@ -33,8 +34,8 @@ class TaichiConfig:
     def __post_init__(self) -> None:
         if self.num_p_heavy < -1:
             raise ValueError("num_p_heavy must be >= 0, or -1 for half the instances")
-        if self.chunk_p < 1 or self.chunk_d < 1:
-            raise ValueError("chunk_p (S_p) and chunk_d (S_d) must be >= 1 token")
+        if self.chunk_p < 0 or self.chunk_d < 0:
+            raise ValueError("chunk_p (S_p) and chunk_d (S_d) must be >= 1 token (0: configured)")
         if not 0 < self.memory_watermark <= 1:
             raise ValueError("memory_watermark M must be in (0, 1]")
         if not 0 < self.approach_factor <= 1:

@@ -70,7 +70,7 @@ class TaichiPolicy(Policy):
             PrefillTarget(
                 i.instance_id,
                 self.roles[i.instance_id] is InstanceRole.P_HEAVY,
-                self.chunks[i.instance_id],
+                i.chunk_size,
                 [r.num_prefill_left for r in i.waiting],
                 decode_shape([r.num_computed_tokens for r in i.running if r.is_decoding]),
                 i.step_model,
@@ -116,7 +116,8 @@ class TaichiPolicy(Policy):
             self._configured = True
             return ClusterActions(
                 set_role=dict(enumerate(self.roles)),
-                set_chunk_size=dict(enumerate(self.chunks)),
+                # NOTE: only sliders given in the policy's params; 0 keeps the experiment's.
+                set_chunk_size={i: c for i, c in enumerate(self.chunks) if c > 0},
             )
         if not self.cfg.flowing_decode or now < self._next_flow:
             return ClusterActions()
