@@ -66,10 +66,12 @@ class HygenPolicy(Policy):
             self._tokens = min(1.0, self._tokens + (now - self._bucket_t) * cap)
             self._bucket_t = now
         out: dict[str, int] = {}
+        bucket_empty = False
         for inst in cluster.instances:
             n_wait = sum(1 for r in inst.waiting if not r.is_online)
             while n_wait < self.cfg.offline_buffer and self._held:
                 if cap > 0 and self._tokens < 1.0:
+                    bucket_empty = True
                     break
                 rid = self.order.pick()
                 if rid is None:
@@ -83,8 +85,10 @@ class HygenPolicy(Policy):
                 n_wait += 1
                 if cap > 0:
                     self._tokens -= 1.0
-        if cap > 0 and not out and self._held:
-            return ClusterActions(next_tick_s=now + 1.0 / cap)
+        if bucket_empty and not out:
+            # Wake when the next token is due; only when the bucket (not a full instance) is
+            # what held the dispatch back, else a large cap would tick every 1/cap seconds.
+            return ClusterActions(next_tick_s=now + (1.0 - self._tokens) / cap)
         return ClusterActions(dispatch=out) if out else ClusterActions()
 
     def schedule(self, inst: InstanceState, now: float) -> StepPlan:
