@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from nats.aio.client import Client as NATS
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.common.bus import BusUnavailable, connect
 from services.common.heartbeat import heartbeat_loop
@@ -52,6 +53,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         f"{where}: {first.get('msg', 'invalid')}" if where else first.get("msg", "invalid"),
         where or None,
     )
+
+
+class ArrivalTime:
+    """ASGI middleware: stamps each request's arrival before any parsing, for server-side TTFT."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrival_s"] = time.monotonic()
+        await self.app(scope, receive, send)
 
 
 def create_app(nc: NATS, gateway_id: str, max_inflight: int = 1024) -> FastAPI:
@@ -89,6 +102,7 @@ def create_app(nc: NATS, gateway_id: str, max_inflight: int = 1024) -> FastAPI:
     app = FastAPI(title="Tidal gateway", version="0.1.0", lifespan=lifespan)
     app.state.metrics = GatewayMetrics()
     app.state.gateway_id = gateway_id
+    app.add_middleware(ArrivalTime)
     app.include_router(openai.router)
     app.include_router(ops.router)
 

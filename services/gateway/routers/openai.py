@@ -76,12 +76,17 @@ class _Call:
         }
 
     def tidal_info(self) -> dict[str, Any]:
-        return {
+        info: dict[str, Any] = {
             "request_class": self.req_class,
             "instance": self.handle.instance_id,
             "engine": self.handle.ack.engine,
             "emulated": self.handle.ack.is_emulated,
         }
+        if self.first_token_s is not None:
+            # From the request reaching the gateway to its first token leaving the instance:
+            # the server's share of TTFT, without the client's own time.
+            info["server_ttft_ms"] = round((self.first_token_s - self.arrival_s) * 1e3, 3)
+        return info
 
     def headers(self) -> dict[str, str]:
         return {
@@ -159,7 +164,7 @@ async def _start(
         tpot_slo_ms=tpot_ms,
         arrival_unix_s=time.time(),
     )
-    arrival = time.monotonic()
+    arrival = getattr(request.state, "arrival_s", time.monotonic())
     handle = await bus.submit(gen)
     return _Call(kind, body.model, req_class, handle, metrics, arrival)
 
