@@ -173,6 +173,9 @@ def test_bad_header_and_bad_completion_prompt_get_400(stack: Stack) -> None:
         headers={"X-Tidal-Class": "vip"},
     )
     assert r.status_code == 400 and "X-Tidal-Class" in r.json()["error"]["message"]
+    metrics = httpx.get(stack.base_url.removesuffix("/v1") + "/metrics").text
+    assert 'req_class="vip"' not in metrics  # client values never become metric labels
+    assert 'req_class="invalid"' in metrics
     r = httpx.post(stack.base_url + "/completions", json={"model": MODEL, "prompt": ["a", "b"]})
     assert r.status_code == 400
     with pytest.raises(openai.BadRequestError):

@@ -151,6 +151,7 @@ async def _start(
     bus: GatewayBus,
     metrics: GatewayMetrics,
 ) -> _Call:
+    """Resolve the request class and SLOs (ApiError on a bad header), then route and submit."""
     req_class, ttft_ms, tpot_ms = resolve_class_and_slo(body, dict(request.headers))
     gen = GenerateRequest(
         req_id=uuid.uuid4().hex,
@@ -173,11 +174,15 @@ async def _serve(
     kind: str, body: Any, request: Request, bus: GatewayBus, metrics: GatewayMetrics
 ) -> Any:
     endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    req_class = body.request_class or request.headers.get("x-tidal-class", "online")
     try:
         call = await _start(kind, body, request, bus, metrics)
     except ApiError as exc:
-        metrics.requests.labels(req_class, endpoint, str(exc.status)).inc()
+        # NOTE: a metric label never takes a client's raw value: a rejected request is counted
+        # under its class only when that class was valid.
+        req_class = body.request_class or request.headers.get("x-tidal-class", "online")
+        req_class = req_class.strip().lower()
+        label = req_class if req_class in ("online", "offline") else "invalid"
+        metrics.requests.labels(label, endpoint, str(exc.status)).inc()
         raise
     metrics.requests.labels(call.req_class, endpoint, "200").inc()
     if body.stream:
