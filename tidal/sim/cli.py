@@ -1,4 +1,4 @@
-"""``tidal sim run | max-offline | goodput``: the simulator's commands. Output is simulated."""
+"""``tidal sim run | max-offline | goodput | max-online``: the simulator's commands (simulated)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     g.add_argument("--max-rps", type=float, default=1024.0, help="stop growing the load here")
     g.add_argument("--iters", type=int, default=6, help="bisection steps")
     g.set_defaults(func=cmd_goodput)
+    o = sp.add_parser(
+        "max-online", help="OOCO §5.2 step 1: largest online trace scale pure online serving meets"
+    )
+    _common(o)
+    o.add_argument("--policy", default="base-pd", help="policy serving online only")
+    o.add_argument("--violation", type=float, default=1.0, help="online violation cap, %%")
+    o.add_argument("--start-scale", type=float, default=0.25, help="first scale factor probed")
+    o.add_argument("--max-scale", type=float, default=64.0, help="stop growing the scale here")
+    o.add_argument("--iters", type=int, default=6, help="bisection steps")
+    o.set_defaults(func=cmd_max_online)
 
 
 def _config(args: argparse.Namespace) -> SimConfig:
@@ -290,6 +300,48 @@ def cmd_max_offline(args: argparse.Namespace) -> int:
 
 def cmd_goodput(args: argparse.Namespace) -> int:
     return _search_cmd(args, "goodput")
+
+
+def cmd_max_online(args: argparse.Namespace) -> int:
+    """OOCO §5.2: calibrate the online trace scale on pure online serving."""
+    from tidal.sim.search import max_online
+
+    cfg = _config(args)
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    with _progress(search=True) as prog:
+        task = prog.add_task(f"{args.policy} probes", total=None)
+
+        def on_probe(p: str, x: float, s: dict[str, Any]) -> None:
+            prog.update(task, advance=1, description=f"{p} probes (last scale {x:g})")
+
+        res = max_online(
+            cfg, args.policy, args.violation, args.start_scale, args.max_scale, args.iters, on_probe
+        )
+    b = res.best or {}
+    summary = {
+        "label": "simulated",
+        "config": cfg.name,
+        "method": "max-online",
+        "policy": args.policy,
+        "slo": {"ttft_s": cfg.slo.ttft_s, "tpot_s": cfg.slo.tpot_s},
+        "threshold": args.violation,
+        "duration_s": cfg.duration_s,
+        "seed": cfg.seed,
+        "wall_s": time.perf_counter() - t0,
+        "max_online_scale": res.best_rate,
+        "online_requests_per_s": b.get("online", {}).get("num_requests", 0) / cfg.duration_s,
+        "online_violation_pct": b.get("online", {}).get("violation_pct"),
+        "probes": [_probe_row(x, s) for x, s in res.probes],
+    }
+    _write(out, summary)
+    console.print(
+        f"[simulated] {args.policy}: online scale {res.best_rate:.4g} "
+        f"({summary['online_requests_per_s']:.3g} req/s) at "
+        f"{summary['online_violation_pct'] or 0.0:.2f}% online violation, no offline load"
+    )
+    console.print(f"wrote {out / 'summary.json'}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

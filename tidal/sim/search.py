@@ -5,6 +5,8 @@
   effective offline throughput.
 * `goodput` — TaiChi §4.1 (after DistServe): the highest online request rate at which SLO
   attainment stays >= the target.
+* `max_online` — OOCO §5.2's first step: the largest online trace scale factor (§5.1.3) at
+  which pure online serving (no offline stream) stays within the violation cap.
 
 Both grow the load geometrically until the condition fails, then bisect. Every probe is a full
 deterministic run, so the answer is a function of (config, seed).
@@ -13,7 +15,7 @@ deterministic run, so the answer is a function of (config, seed).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tidal.sim.build import simulate, with_offline_rate, with_online_rate
@@ -130,4 +132,36 @@ def goodput(
         return bool(s["online"]["slo_attainment_pct"] >= attainment_pct)
 
     best, best_s, probes, _ = _search(probe, ok, start_rps, max_rps, iters)
+    return SearchResult(policy, best, best_s, probes)
+
+
+def max_online(
+    cfg: SimConfig,
+    policy: str,
+    violation_pct: float,
+    start_scale: float = 0.25,
+    max_scale: float = 64.0,
+    iters: int = 6,
+    on_probe: Callable[[str, float, dict[str, Any]], None] | None = None,
+) -> SearchResult:
+    """OOCO §5.2: "determine the traffic scaling factor for online requests such that the
+    system can just meet the online traffic peak without SLO violations" — the largest
+    §5.1.3 scale of the online trace at which `policy`, serving online requests only, keeps
+    the online violation rate <= `violation_pct`. `best_rate` is that scale factor."""
+    if cfg.online is None:
+        raise ValueError("the config has no online stream to scale")
+    online = cfg.online
+
+    def probe(scale: float) -> dict[str, Any]:
+        c = replace(cfg, online=replace(online, rate=None, scale=scale), offline=None)
+        s = summarize(simulate(c, policy), c.duration_s, policy, cfg.name)
+        s["online_scale"] = scale
+        if on_probe:
+            on_probe(policy, scale, s)
+        return s
+
+    def ok(s: dict[str, Any]) -> bool:
+        return bool(s["online"]["violation_pct"] <= violation_pct)
+
+    best, best_s, probes, _ = _search(probe, ok, start_scale, max_scale, iters)
     return SearchResult(policy, best, best_s, probes)
