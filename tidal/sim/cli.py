@@ -291,6 +291,13 @@ def _probe_row(x: float, s: dict[str, Any]) -> dict[str, float]:
         "offline_tokens_per_s": s["offline"]["tokens_per_s"],
         "offline_requests_per_s": s["offline"]["requests_per_s"],
         "goodput_rps": s["online"]["goodput_rps"],
+        # Throughput in tokens processed (prompt + output of finished requests): HyGen §5.2's
+        # "total throughput" against pure online serving.
+        "online_total_tokens_per_s": s["online"]["total_tokens_per_s"],
+        "offline_total_tokens_per_s": s["offline"]["total_tokens_per_s"],
+        "online_tokens_per_s": s["online"]["tokens_per_s"],
+        "tbt_mean_s": s["online"]["tbt_s"]["mean"],
+        "ttft_p99_s": s["online"]["ttft_s"]["p99"],
     }
 
 
