@@ -52,10 +52,19 @@ class Budget:
     shape: BatchShape = field(default_factory=BatchShape)
     prefill: dict[Hashable, int] = field(default_factory=dict)  # req_id -> tokens this step
     decode: list[Hashable] = field(default_factory=list)  # req_ids decoding this step
-    context: dict[Hashable, int] = field(default_factory=dict)  # req_id -> KV tokens before step
+    decode_context: list[int] = field(default_factory=list)  # KV tokens of each `decode` entry
+    prefill_context: dict[Hashable, int] = field(default_factory=dict)  # req_id -> KV tokens
     # step_s() of the shape last evaluated (the model is pure: same shape, same latency)
     _memo_shape: BatchShape | None = field(default=None, repr=False, compare=False)
     _memo_s: float = field(default=0.0, repr=False, compare=False)
+
+    @property
+    def context(self) -> dict[Hashable, int]:
+        """req_id -> KV tokens before the step, for every batched request (built once: the
+        decodes are kept as parallel lists, the decision's hot path)."""
+        ctx = dict(zip(self.decode, self.decode_context, strict=True))
+        ctx.update(self.prefill_context)
+        return ctx
 
     def step_s(self) -> float:
         if self._memo_shape is not self.shape:
@@ -72,33 +81,32 @@ class Budget:
         self.shape, self.free_blocks = cand, self.free_blocks - need
         self.chunk_tokens -= 1
         self.decode.append(r.req_id)
-        self.context[r.req_id] = r.computed_tokens
+        self.decode_context.append(r.computed_tokens)
         return True
 
     def add_decodes_forced(self, reqs: Sequence[HyReq]) -> None:
         """`try_decode(r, force=True)` for each of `reqs` in order, with one shape update: the
         latency budget does not apply, so only memory can turn a request away."""
-        kv, need = _decode_needs(reqs, self.block_size)
+        cs, need = _decode_needs(reqs, self.block_size)
         free = self.free_blocks
         grow = _positive_sum(need)
-        if kv is not None and grow <= free:
+        if grow <= free:
             # Every decode fits (the common case): batch them all without a per-request loop.
-            self.decode.extend(kv)
-            self.context.update(kv)
-            n, ctx = len(kv), sum(kv.values())
+            self.decode.extend([r.req_id for r in reqs])
+            self.decode_context.extend(cs)
+            n, ctx = len(cs), sum(cs)
             free -= grow
         else:
             n = ctx = 0
-            for r, k in zip(reqs, need, strict=True):
+            for r, c, k in zip(reqs, cs, need, strict=True):
                 if k > free:
                     continue
                 if k > 0:
                     free -= k
-                c = r.computed_tokens
                 n += 1
                 ctx += c
                 self.decode.append(r.req_id)
-                self.context[r.req_id] = c
+                self.decode_context.append(c)
         self.shape = add_decode(self.shape, n, ctx)
         self.free_blocks = free
         self.chunk_tokens -= n
@@ -106,8 +114,7 @@ class Budget:
     def add_decode_prefix(self, reqs: Sequence[HyReq]) -> None:
         """Batch the longest prefix of `reqs` whose decodes fit the latency and memory budgets
         (a few model calls, `largest_fit`, instead of one per request)."""
-        kv, need = _decode_needs(reqs, self.block_size)
-        cs = list(kv.values()) if kv is not None else [r.computed_tokens for r in reqs]
+        cs, need = _decode_needs(reqs, self.block_size)
         ctx = list(accumulate(cs, initial=0))
         # Memory and chunk bounds are monotone prefix conditions: cut them first, exactly.
         hi = min(len(reqs), max(0, self.chunk_tokens))
@@ -127,16 +134,8 @@ class Budget:
         elif grow:
             self.free_blocks -= _positive_sum(need[:lo])
         self.chunk_tokens -= lo
-        if kv is not None and lo == len(reqs):
-            self.decode.extend(kv)
-            self.context.update(kv)
-        elif kv is not None:
-            self.decode.extend(islice(kv, lo))
-            self.context.update(islice(kv.items(), lo))
-        else:
-            taken = reqs[:lo]
-            self.decode.extend([r.req_id for r in taken])
-            self.context.update({r.req_id: r.computed_tokens for r in taken})
+        self.decode.extend([r.req_id for r in islice(reqs, lo)])
+        self.decode_context.extend(cs[:lo])
 
     def max_prefill(self, r: HyReq, ignore_memory: bool = False) -> int:
         """PREDICTOR.get_max_prefill(t, c, m, r): the longest chunk within every budget."""
@@ -161,7 +160,7 @@ class Budget:
         self.chunk_tokens -= tokens
         self.free_blocks -= need
         self.prefill[r.req_id] = tokens
-        self.context[r.req_id] = r.computed_tokens
+        self.prefill_context[r.req_id] = r.computed_tokens
 
 
 def slo_aware_schedule(
@@ -249,13 +248,13 @@ def _split(reqs: Sequence[HyReq]) -> tuple[list[HyReq], list[HyReq]]:
     return dec, pre
 
 
-def _decode_needs(reqs: Sequence[HyReq], bs: int) -> tuple[dict[Hashable, int] | None, list[int]]:
-    """({req_id: KV tokens} in order, or None if an id repeats; KV blocks one more token adds
-    per request, ceil((c + 1) / bs) - held = (c + bs) // bs - held). Two comprehensions with
-    plain attribute reads, the fastest form on CPython 3.11 (this is the decision's hot path)."""
-    kv = {r.req_id: r.computed_tokens for r in reqs}
+def _decode_needs(reqs: Sequence[HyReq], bs: int) -> tuple[list[int], list[int]]:
+    """(KV tokens, KV blocks one more token adds) per decoding request; the blocks are
+    ceil((c + 1) / bs) - held = (c + bs) // bs - held. Comprehensions over plain attribute
+    reads: the fastest form on CPython 3.11 (this is the decision's hot path)."""
+    cs = [r.computed_tokens for r in reqs]
     need = [(r.computed_tokens + bs) // bs - r.held_blocks for r in reqs]
-    return (kv if len(kv) == len(reqs) else None), need
+    return cs, need
 
 
 def _positive_sum(xs: list[int]) -> int:

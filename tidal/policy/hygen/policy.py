@@ -10,6 +10,7 @@ back in when the offline phase has room.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import replace
 
 from tidal.policy.base import (
@@ -91,6 +92,32 @@ class HygenPolicy(Policy):
             return ClusterActions(next_tick_s=now + (1.0 - self._tokens) / cap)
         return ClusterActions(dispatch=out) if out else ClusterActions()
 
+    def _offline_waiting(self, inst: InstanceState, run: list[ReqState]) -> Iterable[HyReq]:
+        """The waiting offline requests the offline phase may start, in queue order.
+
+        HyGen runs on Sarathi-Serve (§5.1), which allocates the KV blocks of a request's whole
+        prompt when it admits it (`can_allocate`, then `_allocate`) and stops admitting at the
+        first request that does not fit. The simulator allocates chunk by chunk, so without
+        this gate every step would start more offline prompts than memory can finish, and
+        online growth would preempt them again and again (recompute churn)."""
+        waiting = (r for r in inst.waiting if not r.is_online)
+        if not self.cfg.admit_whole_prompt:
+            return map(hy, waiting)
+        # Blocks already promised to running prefills (their prompts were admitted whole).
+        free = inst.num_free_blocks - sum(
+            max(0, inst.blocks_for(r.prefill_target) - r.num_blocks)
+            for r in run
+            if r.num_computed_tokens < r.prefill_target
+        )
+        out: list[HyReq] = []
+        for r in waiting:
+            need = inst.blocks_for(r.prefill_target) - r.num_blocks
+            if need > free:
+                break
+            free -= need
+            out.append(hy(r))
+        return out
+
     def schedule(self, inst: InstanceState, now: float) -> StepPlan:
         cfg = self.cfg
         run = [r for r in inst.running if r.phase is Phase.RUNNING]
@@ -98,12 +125,14 @@ class HygenPolicy(Policy):
         # have outgrown the KV pool (HyGen's engine is vLLM, which then preempts the newest
         # online requests by recompute) the step would be empty forever. Evict as vLLM does:
         # offline first (swapped, state retained, §4.1), then the newest online (recompute).
+        swap = cfg.offline_preemption == "swap"
         victims = make_room_for_decodes(inst, [r for r in run if r.is_online and r.is_decoding])
         if victims:
-            return StepPlan(
-                swap_out=tuple(r.req_id for r in victims if not r.is_online),
-                preempt=tuple(r.req_id for r in victims if r.is_online),
-            )
+            off = tuple(r.req_id for r in victims if not r.is_online)
+            on = tuple(r.req_id for r in victims if r.is_online)
+            if swap:
+                return StepPlan(swap_out=off, preempt=on)
+            return StepPlan(preempt=off + on)
         b = two_phase_schedule(
             inst.step_model,
             cfg.latency_budget_s,
@@ -116,9 +145,7 @@ class HygenPolicy(Policy):
             # NOTE: no new offline prompt starts while offline KV sits swapped out: it would
             # only be swapped out in turn (memory churn over PCIe, §4.1 retains state to avoid
             # exactly that); swapped requests come back first, below.
-            offline_waiting=(
-                (hy(r) for r in inst.waiting if not r.is_online) if not inst.swapped else ()
-            ),
+            offline_waiting=(() if inst.swapped else self._offline_waiting(inst, run)),
         )
         swap_in: list[str] = []
         if not b.preempted and inst.swapped and not any(r.is_online for r in inst.waiting):
@@ -131,10 +158,12 @@ class HygenPolicy(Policy):
         repeat = cfg.decode_repeat if decode and not prefill and not inst.waiting else 1
         if b.preempted or swap_in:
             repeat = 1
+        preempted = tuple(str(x) for x in b.preempted)
         return StepPlan(
             prefill=prefill,
             decode=decode,
-            swap_out=tuple(str(x) for x in b.preempted),
+            swap_out=preempted if swap else (),
+            preempt=() if swap else preempted,
             swap_in=tuple(swap_in),
             max_repeat=repeat,
         )
