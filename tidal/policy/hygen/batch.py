@@ -10,6 +10,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import accumulate, islice
 from operator import attrgetter
 
@@ -146,12 +147,16 @@ class Budget:
         if hi <= 0:
             return 0
         shape, done, now_s = self.shape, r.computed_tokens, self.step_s()
-        # Latency is monotone in the chunk length; `largest_fit` is the binary search's answer.
-        # k = 0 is the step as it stands (add_prefill returns `shape` itself): no model call.
+        step_s, limit = self.model.step_s, self.latency_s
+        # Latency is monotone in the chunk length, so when one more token already breaks the
+        # budget the answer is 0; that is the usual end of a step's offline phase (Alg. 1
+        # line 26), so it is asked first, with one model call.
+        if hi > 1 and step_s(add_prefill(shape, 1, done)) > limit:
+            return 0
+        # `largest_fit` is the binary search's answer. k = 0 is the step as it stands
+        # (add_prefill returns `shape` itself): no model call.
         return largest_fit(
-            lambda k: now_s if k <= 0 else self.model.step_s(add_prefill(shape, k, done)),
-            hi,
-            self.latency_s,
+            lambda k: now_s if k <= 0 else step_s(add_prefill(shape, k, done)), hi, limit
         )[0]
 
     def take_prefill(self, r: HyReq, tokens: int) -> None:
@@ -201,7 +206,16 @@ class HybridBatch:
     preempted: list[Hashable]  # offline req_ids preempted (state retained, back in queue)
     shape: BatchShape  # aggregate shape of the step
     step_s: float  # predicted step latency, seconds
-    context: dict[Hashable, int] = field(default_factory=dict)  # req_id -> KV tokens before step
+    decode_context: Sequence[int] = ()  # KV tokens before the step of each `decode` entry
+    prefill_context: dict[Hashable, int] = field(default_factory=dict)  # the same, prefills
+
+    @cached_property
+    def context(self) -> dict[Hashable, int]:
+        """req_id -> KV tokens before the step, for every batched request (built on first use:
+        the scheduler's callers rarely read it, and it is the decision's largest object)."""
+        ctx = dict(zip(self.decode, self.decode_context, strict=True))
+        ctx.update(self.prefill_context)
+        return ctx
 
 
 def two_phase_schedule(
@@ -227,16 +241,21 @@ def two_phase_schedule(
     on_dec, on_pre = _split(online_running)
     slo_aware_schedule(b, on_dec, [*on_pre, *online_waiting], online_phase=True)
     # Lines 14-17: give back offline memory the online phase consumed.
-    kept = list(offline_running)
+    kept: Sequence[HyReq] = offline_running
     preempted: list[Hashable] = []
-    while b.free_blocks < off_held and kept:
-        victim = kept.pop()  # newest first: the least progress to retain
-        off_held -= victim.held_blocks
-        preempted.append(victim.req_id)
+    if b.free_blocks < off_held:
+        left = list(offline_running)
+        while b.free_blocks < off_held and left:
+            victim = left.pop()  # newest first: the least progress to retain
+            off_held -= victim.held_blocks
+            preempted.append(victim.req_id)
+        kept = left
     b.free_blocks -= off_held
     off_dec, off_pre = _split(kept)
     slo_aware_schedule(b, off_dec, _chain(off_pre, offline_waiting), online_phase=False)
-    return HybridBatch(b.prefill, b.decode, preempted, b.shape, b.step_s(), b.context)
+    return HybridBatch(
+        b.prefill, b.decode, preempted, b.shape, b.step_s(), b.decode_context, b.prefill_context
+    )
 
 
 def _split(reqs: Sequence[HyReq]) -> tuple[list[HyReq], list[HyReq]]:
@@ -318,9 +337,19 @@ def reconcile_on_arrival(
             decode.remove(rid)
             b.chunk_tokens += 1
         b.shape = _without(b.shape, n, ctx)
-    context = {r: c for r, c in planned.context.items() if r in prefill or r in decode}
-    context.update({r.req_id: r.computed_tokens for r in arrivals if r.req_id in prefill})
-    return HybridBatch(prefill, decode, [*planned.preempted], b.shape, b.step_s(), context)
+    context = planned.context
+    prefill_context = {r: context[r] for r in prefill if r in context}
+    prefill_context.update({r.req_id: r.computed_tokens for r in arrivals if r.req_id in prefill})
+    decode_context = [context[r] for r in decode]
+    return HybridBatch(
+        prefill,
+        decode,
+        [*planned.preempted],
+        b.shape,
+        b.step_s(),
+        decode_context,
+        prefill_context,
+    )
 
 
 def _without(shape: BatchShape, prefill_tokens: int, context_tokens: int) -> BatchShape:
