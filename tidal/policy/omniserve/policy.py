@@ -13,6 +13,7 @@ from __future__ import annotations
 from tidal.policy.base import (
     ClusterActions,
     ClusterView,
+    CpuPoolState,
     InstanceState,
     Phase,
     Policy,
@@ -98,6 +99,27 @@ def dispatch_be(cluster: ClusterView, buffer: int) -> ClusterActions:
     return ClusterActions(dispatch=out) if out else ClusterActions()
 
 
+class _HostRoom:
+    """Host memory left for offloaded KV while a plan is built (the simulator rejects a plan
+    that parks more than `host_kv_capacity_tokens`; 0 means unlimited)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, cpu: CpuPoolState | None) -> None:
+        if cpu is None:
+            self.left = -1
+        elif cpu.host_kv_capacity_tokens <= 0:
+            self.left = 1 << 62
+        else:
+            self.left = cpu.host_kv_capacity_tokens - cpu.host_kv_tokens
+
+    def take(self, r: ReqState) -> bool:
+        if r.num_computed_tokens > self.left:
+            return False
+        self.left -= r.num_computed_tokens
+        return True
+
+
 def omni_step(
     inst: InstanceState, now: float, cfg: OmniConfig, tpot_s: float, slack: dict[int, int]
 ) -> StepPlan:
@@ -113,9 +135,8 @@ def omni_step(
     if victims:
         # Out of KV: BE decodes go to the CPU workers (or are preempted without them).
         gone = {r.req_id for r in victims}
-        to_cpu = [
-            r.req_id for r in victims if cpu is not None and r.is_decoding and not r.is_online
-        ]
+        room = _HostRoom(cpu)
+        to_cpu = [r.req_id for r in victims if r.is_decoding and not r.is_online and room.take(r)]
         return StepPlan(
             offload=tuple(to_cpu), preempt=tuple(x for x in gone if x not in set(to_cpu))
         )
@@ -141,16 +162,18 @@ def omni_step(
     # step (offloaded ones still piggyback below); BE has no latency target.
     ls_prefilling = any(r.req_id in b.prefill for r in ls_pre)
     offload: list[str] = []
+    room = _HostRoom(cpu)
     for r in dec:  # ④ BE decode on the GPU while the bound holds (§3.3.5)
         if r.is_online or ls_prefilling:
             continue
         if len(b.decode) < inst.max_batch_reqs and b.add_decode(r, bound_s=be_bound):
             continue
-        if cpu is not None and cpu.host_kv_tokens < cpu.host_kv_capacity_tokens:
+        if room.take(r):
             offload.append(r.req_id)  # overflow: attention on the CPU workers
     if ls_blocked and cpu is not None:
         # LS prompt waits for KV: move BE decodes to the CPU to make room.
-        offload += [r.req_id for r in dec if not r.is_online and r.req_id not in b.decode][:4]
+        more = [r for r in dec if not r.is_online and r.req_id not in b.decode]
+        offload += [r.req_id for r in more[:4] if r.req_id not in offload and room.take(r)]
     cpu_decode: list[str] = []
     if cpu is not None and inst.offloaded and cpu.busy_until_s <= now + 1e-12:
         ready = len(inst.offloaded)

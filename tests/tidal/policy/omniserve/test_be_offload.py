@@ -125,3 +125,16 @@ def test_no_swap_in_while_the_gpu_has_ls_prefill_waiting() -> None:
     for _ in range(6):
         plan = pol.schedule(inst, 0.0)
         assert not plan.recall and plan.prefill == {"ls": 200}
+
+
+def test_offload_stops_at_host_memory_capacity() -> None:
+    # Host memory holds two 500k-token contexts: of the three BE decodes past the TPOT bound only
+    # the first two are offloaded, the third waits on the GPU (the simulator would reject more).
+    cpu = _cpu()
+    cpu.host_kv_capacity_tokens = 1_000_000
+    inst = _inst(1_000_000, cpu)
+    for i in range(6):
+        _be_decode(f"be{i}", inst, 500_000, 31_251)
+    plan = _policy().schedule(inst, 0.0)
+    assert plan.decode == ("be0", "be1", "be2")
+    assert plan.offload == ("be3", "be4")
