@@ -126,7 +126,12 @@ class HygenPolicy(Policy):
         # online requests by recompute) the step would be empty forever. Evict as vLLM does:
         # offline first (swapped, state retained, §4.1), then the newest online (recompute).
         swap = cfg.offline_preemption == "swap"
-        victims = make_room_for_decodes(inst, [r for r in run if r.is_online and r.is_decoding])
+        # Sarathi-Serve (recompute) frees a slot for every decode, offline ones included, by
+        # preempting the newest running request (`_schedule`, phase 1); otherwise offline
+        # decodes that filled the KV pool would wait forever for a block.
+        victims = make_room_for_decodes(
+            inst, [r for r in run if r.is_decoding and (r.is_online or not swap)]
+        )
         if victims:
             off = tuple(r.req_id for r in victims if not r.is_online)
             on = tuple(r.req_id for r in victims if r.is_online)

@@ -91,3 +91,12 @@ def test_running_prefills_keep_the_rest_of_their_prompt() -> None:
 def test_config_rejects_unknown_preemption_mode() -> None:
     with pytest.raises(ValueError):
         HygenConfig(offline_preemption="drop")
+
+
+def test_offline_decodes_that_fill_the_pool_preempt_the_newest_offline() -> None:
+    inst = _inst(8)
+    _decoding("off-old", False, 64, inst)  # 4 blocks
+    _decoding("off-new", False, 64, inst)  # 4 blocks: no block left for either next token
+    plan = _policy(SARATHI).schedule(inst, 0.0)
+    assert plan.preempt == ("off-new",)  # Sarathi-Serve: the newest request gives way
+    assert not plan.is_empty
