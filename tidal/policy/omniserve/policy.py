@@ -47,6 +47,7 @@ class OmniServePolicy(Policy):
         self.cfg = cfg
         self.slo = ctx.online_slo
         self._slack_steps: dict[int, int] = {}
+        self._cpu_pending: dict[int, int] = {}
         self.be_buffer = 2
 
     def route(self, req: ReqState, cluster: ClusterView, now: float) -> Route:
@@ -64,7 +65,7 @@ class OmniServePolicy(Policy):
         return dispatch_be(cluster, self.be_buffer)
 
     def schedule(self, inst: InstanceState, now: float) -> StepPlan:
-        return omni_step(inst, now, self.cfg, self.slo.tpot_s, self._slack_steps)
+        return omni_step(inst, now, self.cfg, self.slo.tpot_s, self._slack_steps, self._cpu_pending)
 
 
 def _ls_prefill_left(inst: InstanceState) -> int:
@@ -105,13 +106,13 @@ class _HostRoom:
 
     __slots__ = ("left",)
 
-    def __init__(self, cpu: CpuPoolState | None) -> None:
+    def __init__(self, cpu: CpuPoolState | None, in_flight: int = 0) -> None:
         if cpu is None:
             self.left = -1
         elif cpu.host_kv_capacity_tokens <= 0:
             self.left = 1 << 62
         else:
-            self.left = cpu.host_kv_capacity_tokens - cpu.host_kv_tokens
+            self.left = cpu.host_kv_capacity_tokens - cpu.host_kv_tokens - in_flight
 
     def take(self, r: ReqState) -> bool:
         if r.num_computed_tokens > self.left:
@@ -121,9 +122,19 @@ class _HostRoom:
 
 
 def omni_step(
-    inst: InstanceState, now: float, cfg: OmniConfig, tpot_s: float, slack: dict[int, int]
+    inst: InstanceState,
+    now: float,
+    cfg: OmniConfig,
+    tpot_s: float,
+    slack: dict[int, int],
+    cpu_pending: dict[int, int] | None = None,
 ) -> StepPlan:
-    """One OmniServe step on `inst` (§3.3.2 order)."""
+    """One OmniServe step on `inst` (§3.3.2 order). `cpu_pending`: per instance, the CPU decodes
+    of its last plan, whose new host KV tokens may still be in flight (the pool is shared)."""
+    iid = inst.instance_id
+    pending = {} if cpu_pending is None else cpu_pending
+    pending[iid] = 0  # this instance is free, so its last step's tokens are in
+    in_flight = sum(pending.values())
     d = cfg.num_layers
     bound = tpot_s - d * cfg.comm_overhead_per_layer_s
     cpu = inst.cpu if cfg.cpu_offload else None
@@ -135,7 +146,7 @@ def omni_step(
     if victims:
         # Out of KV: BE decodes go to the CPU workers (or are preempted without them).
         gone = {r.req_id for r in victims}
-        room = _HostRoom(cpu)
+        room = _HostRoom(cpu, in_flight)
         to_cpu = [r.req_id for r in victims if r.is_decoding and not r.is_online and room.take(r)]
         return StepPlan(
             offload=tuple(to_cpu), preempt=tuple(x for x in gone if x not in set(to_cpu))
@@ -162,29 +173,41 @@ def omni_step(
     # step (offloaded ones still piggyback below); BE has no latency target.
     ls_prefilling = any(r.req_id in b.prefill for r in ls_pre)
     offload: list[str] = []
-    room = _HostRoom(cpu)
+    room = _HostRoom(cpu, in_flight)
+    # The one-shot KV copy of an offload crosses PCIe inside this step (the simulator times it
+    # there), so it spends the same TPOT budget as GPU work: §3.3.5 offloads only while the LS
+    # decoding SLO holds; a BE decode that fits neither waits for a later step.
+    copy_per_token_s = inst.kv_bytes_per_token / inst.pcie_bytes_per_s
+    copy_s = 0.0
     for r in dec:  # ④ BE decode on the GPU while the bound holds (§3.3.5)
         if r.is_online or ls_prefilling:
             continue
-        if len(b.decode) < inst.max_batch_reqs and b.add_decode(r, bound_s=be_bound):
+        if len(b.decode) < inst.max_batch_reqs and b.add_decode(r, bound_s=be_bound - copy_s):
             continue
-        if room.take(r):
+        c = r.num_computed_tokens * copy_per_token_s
+        if b.step_s() + copy_s + c <= bound and room.take(r):
             offload.append(r.req_id)  # overflow: attention on the CPU workers
+            copy_s += c
     if ls_blocked and cpu is not None:
         # LS prompt waits for KV: move BE decodes to the CPU to make room.
         more = [r for r in dec if not r.is_online and r.req_id not in b.decode]
-        offload += [r.req_id for r in more[:4] if r.req_id not in offload and room.take(r)]
+        for r in more[:4]:
+            c = r.num_computed_tokens * copy_per_token_s
+            if r.req_id not in offload and b.step_s() + copy_s + c <= bound and room.take(r):
+                offload.append(r.req_id)
+                copy_s += c
     cpu_decode: list[str] = []
     if cpu is not None and inst.offloaded and cpu.busy_until_s <= now + 1e-12:
         ready = len(inst.offloaded)
         # §3.3.6: all offloaded requests are at the same layer in this step model; the greedy
         # layer-wise admission reduces to one count.
-        got = piggyback_admission(inst.step_model, b.shape, [ready], bound)
-        n = got[0]
+        got = piggyback_admission(inst.step_model, b.shape, [ready], bound - copy_s)
+        # Each CPU decode adds one KV token in host memory, like a GPU decode needs its block.
+        n = min(got[0], max(room.left, 0))
         order = sorted(inst.offloaded, key=lambda r: r.last_token_s or 0.0)
         cpu_decode = [r.req_id for r in order[:n]]
+        pending[iid] = len(cpu_decode)
     recall: list[str] = []
-    iid = inst.instance_id
     has_slack = not offload and b.step_s() <= be_bound and not ls_pre
     slack[iid] = slack.get(iid, 0) + 1 if has_slack else 0
     patience = cfg.swap_in_patience_steps if cfg.delayed_swap_in else 0

@@ -138,3 +138,27 @@ def test_offload_stops_at_host_memory_capacity() -> None:
     plan = _policy().schedule(inst, 0.0)
     assert plan.decode == ("be0", "be1", "be2")
     assert plan.offload == ("be3", "be4")
+
+
+def test_cpu_decodes_need_host_room_for_their_new_token() -> None:
+    # Three offloaded decodes, host memory one token short of their next tokens: only two of them
+    # decode on the CPU this step (each new token is one more KV token in host memory).
+    cpu = _cpu()
+    inst = _inst(10_000, cpu)
+    _offloaded(inst, 3)
+    cpu.host_kv_capacity_tokens = cpu.host_kv_tokens + 2
+    plan = _policy().schedule(inst, 0.0)
+    assert len(plan.cpu_decode) == 2
+
+
+def test_offload_copies_spend_the_tpot_budget() -> None:
+    # Same overflow as above, but each 500k-token KV copy takes 19 ms on PCIe: ~160 ms of GPU
+    # work leaves ~40 ms, so two copies fit the 200 ms bound and the third BE decode waits for
+    # a later step (§3.3.5).
+    inst = _inst(1_000_000, _cpu())
+    inst.pcie_bytes_per_s = 500_000 / 0.019  # bytes/s, at 1 B of KV per token
+    for i in range(6):
+        _be_decode(f"be{i}", inst, 500_000, 31_251)
+    plan = _policy().schedule(inst, 0.0)
+    assert plan.decode == ("be0", "be1", "be2")
+    assert plan.offload == ("be3", "be4")
