@@ -71,7 +71,7 @@ class TaichiPolicy(Policy):
                 i.instance_id,
                 self.roles[i.instance_id] is InstanceRole.P_HEAVY,
                 i.chunk_size,
-                [r.num_prefill_left for r in i.waiting],
+                _queued_prefill(i),
                 decode_shape([r.num_computed_tokens for r in i.running if r.is_decoding]),
                 i.step_model,
             )
@@ -162,6 +162,16 @@ class TaichiPolicy(Policy):
     # -------------------------------------------------------------- steps
     def schedule(self, inst: InstanceState, now: float) -> StepPlan:
         return chunked_prefill_step(inst)
+
+
+def _queued_prefill(inst: InstanceState) -> list[int]:
+    """Alg. 2 line 3 / §3.4: "the total estimated execution time of the remaining prefill tasks on
+    the instance" -- the unfinished prompts of running (partially prefilled) requests first, in
+    the order the chunked step serves them, then the waiting queue. Counting only `waiting`
+    hid a long prompt as soon as its first chunk ran (and under-estimated Q most on small-chunk
+    D-heavy instances, where a prompt stays partially prefilled for many steps)."""
+    run = [r.num_prefill_left for r in inst.running if r.phase is Phase.RUNNING]
+    return [n for n in run if n > 0] + [r.num_prefill_left for r in inst.waiting]
 
 
 def _movable(r: ReqState, asked: set[str]) -> bool:

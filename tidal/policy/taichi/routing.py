@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,11 +25,17 @@ class PrefillTarget:
 def estimate_prefill_s(
     model: StepModel, tokens: int, chunk: int, decode: BatchShape, cached: int = 0
 ) -> float:
-    """Estimate(len, chunk, batch): seconds to prefill `tokens` in chunks of `chunk` beside the
-    decode batch. Full chunks are charged at the mean cached length, which is exact for latency
-    models linear in attention pairs and costs two model calls instead of one per chunk."""
+    """Estimate(len, chunk, batch): seconds to prefill `tokens` beside the decode batch. The chunk
+    is a per-step token budget that the batch's decodes draw on first (Sarathi-Serve / vLLM
+    chunked prefill, on which TaiChi runs, §3.5), so each step prefills `chunk - decodes`
+    tokens; a batch that fills the budget never prefills (infinite). Full chunks are charged at
+    the mean cached length, which is exact for latency models linear in attention pairs and
+    costs two model calls instead of one per chunk."""
     if tokens <= 0:
         return 0.0
+    chunk -= decode.num_decode_reqs
+    if chunk <= 0:
+        return math.inf
     n_full, rest = divmod(tokens, chunk)
     total = 0.0
     if n_full:
