@@ -1,7 +1,8 @@
 """Where the GPU time of an `omniserve` run goes (simulated): for every step the policy plans,
 the step model's time of the whole step, of the step without its BE decodes, and of its LS work
-alone, summed over the run. The BE-decode share bounds what CPU attention can give back to BE
-prefill. Usage (from the repository root):
+alone, summed over the run; and, averaged over those steps, the free share of the instance's GPU
+KV and its BE decodes resident on the GPU. The BE-decode share bounds what CPU attention can give
+back to BE prefill. Usage (from the repository root):
 
     .venv/bin/python docs/results/omniserve/gpu_time_split.py [--set KEY=VALUE ...]
 """
@@ -56,14 +57,23 @@ def main() -> None:
             acc["be_prefill_s"] += no_be_dec - ls
             acc["ls_s"] += ls
             acc["steps"] += 1
+            acc["free_kv"] += inst.num_free_blocks / inst.num_blocks
+            acc["be_resident"] += sum(1 for r in inst.running if not r.is_online and r.is_decoding)
         return plan
 
     omni.omni_step = counted  # type: ignore[assignment]
     simulate(cfg, "omniserve")
     t = acc["step_s"]
-    out = {k: round(v / t, 4) for k, v in acc.items() if k.endswith("_s") and k != "step_s"}
-    out["mean_step_s"] = round(t / acc["steps"], 4)
-    print(json.dumps({"label": "simulated", "gpu_time_share": out}))
+    share = {k: round(v / t, 4) for k, v in acc.items() if k.endswith("_s") and k != "step_s"}
+    n = acc["steps"]
+    out = {
+        "label": "simulated",
+        "gpu_time_share": share,
+        "mean_step_s": round(t / n, 4),
+        "mean_free_gpu_kv_fraction": round(acc["free_kv"] / n, 3),
+        "mean_be_decodes_on_gpu_per_instance": round(acc["be_resident"] / n, 1),
+    }
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
