@@ -58,7 +58,7 @@ class TaichiPolicy(Policy):
         self._configured = False
         self._next_flow = 0.0
         self._ref: dict[str, tuple[float, int]] = {}  # req_id -> (time, tokens) TPOT reset point
-        self._asked: set[str] = set()
+        self._asked: dict[str, int] = {}  # req_id -> instance a flow sent it to (in flight)
 
     # -------------------------------------------------------------- routing (Alg. 2)
     def route(self, req: ReqState, cluster: ClusterView, now: float) -> Route:
@@ -126,8 +126,12 @@ class TaichiPolicy(Policy):
         d_hosts = self._hosts(cluster, InstanceRole.D_HEAVY)
         p_hosts = self._hosts(cluster, InstanceRole.P_HEAVY)
         for inst in cluster.instances:
+            for r in inst.running:  # flows that landed here may be chosen again
+                if self._asked.get(r.req_id) == inst.instance_id:
+                    del self._asked[r.req_id]
             reqs = [self._flow_req(r, now) for r in inst.running if _movable(r, self._asked)]
-            if self.roles[inst.instance_id] is InstanceRole.P_HEAVY:
+            back = self.roles[inst.instance_id] is InstanceRole.P_HEAVY
+            if back:
                 chosen = select_backflow(reqs, self.slo.tpot_s, self.cfg.approach_factor)
                 hosts = d_hosts
             else:
@@ -141,19 +145,24 @@ class TaichiPolicy(Policy):
                 if dst is None:
                     break
                 moves.append(Migration(rid, dst))
-                self._asked.add(rid)
-                self._ref[rid] = (now, -1)  # reset the TPOT clock on arrival (§3.3 ③)
+                self._asked[rid] = dst
+                if back:
+                    # §3.3 ③: "upon flowing back, the decode request is logically treated as a
+                    # new request, with its output length reset": TPOT and length restart when
+                    # it lands. A degrading flow (②) keeps its clock: the TPOT it banked on the
+                    # D-heavy instance is the margin the P-heavy instance may spend.
+                    self._ref[rid] = (now, -1)
         if len(self._asked) > 4096:
             live = {r.req_id for i in cluster.instances for r in i.running}
-            self._asked &= live
+            self._asked = {k: v for k, v in self._asked.items() if k in live}
         return ClusterActions(migrate=tuple(moves), next_tick_s=self._next_flow)
 
     def _flow_req(self, r: ReqState, now: float) -> FlowReq:
-        t0, n0 = self._ref.get(r.req_id, (r.first_token_s or now, 1))
+        first = r.first_token_s if r.first_token_s is not None else now
+        t0, n0 = self._ref.get(r.req_id, (first, 1))
         if n0 < 0:  # landed after a flow: restart its TPOT measurement here
             t0, n0 = now, r.num_output_tokens
             self._ref[r.req_id] = (t0, n0)
-            self._asked.discard(r.req_id)
         n = r.num_output_tokens - n0
         last = r.last_token_s if r.last_token_s is not None else now
         tpot = (last - t0) / n if n > 0 else 0.0
@@ -174,7 +183,7 @@ def _queued_prefill(inst: InstanceState) -> list[int]:
     return [n for n in run if n > 0] + [r.num_prefill_left for r in inst.waiting]
 
 
-def _movable(r: ReqState, asked: set[str]) -> bool:
+def _movable(r: ReqState, asked: dict[str, int]) -> bool:
     # NOTE: skip requests about to finish: a deferred migration of a finished request fails.
     near_end = r.max_output_tokens - r.num_output_tokens <= 5
     return r.phase is Phase.RUNNING and r.is_decoding and r.req_id not in asked and not near_end
