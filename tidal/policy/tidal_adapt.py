@@ -49,6 +49,12 @@ class PlanBuilder:
         self.decode.append(r.req_id)
         return True
 
+    def add_tokens(self, n: int) -> None:
+        """`n` tokens through the token-wise layers only: piggybacked CPU-attention decodes
+        (OmniServe §3.3.6) add GEMM rows but no GPU attention context."""
+        self.shape = add_decode(self.shape, n, 0)
+        self.chunk_left -= n
+
     def add_prefill(self, r: ReqState, bound_s: float | None = None, cap: int | None = None) -> int:
         """Prefill the longest chunk of `r` that fits the chunk, blocks and `bound_s`."""
         left = r.num_prefill_left

@@ -25,6 +25,14 @@ class TidalConfig:
     """OmniServe §3.3.5: offline decodes evicted for lack of KV decode on the CPU-attention
     workers instead of being swapped/recomputed; piggybacked per §3.3.6."""
 
+    cpu_overflow: bool = True
+    """OmniServe §3.3.5 on latency-strict instances: "BE decoding requests that cannot be
+    scheduled on GPUs will be offloaded to CPUs for Attention computation". The step budget goes
+    to offline prefill before offline decode (OmniServe's order, §3.3.1), so offline decodes are
+    moved to the CPU-attention workers (longest context first, one per step) while one CPU step
+    over the offloaded set stays within the TPOT SLO; their token-wise layers are piggybacked
+    (§3.3.6). Needs `cpu_offload` and CPU workers; without it the host CPUs only take KV-evicted
+    decodes, which never happens while GPU KV is plentiful."""
     strict_offline_prefill: bool = True
     """HyGen §4.1 inside latency-strict instances: after OOCO Alg. 2 has picked the decodes,
     offline prefill chunks fill what is left of the step's latency budget (OOCO's strict

@@ -28,6 +28,7 @@ from tidal.policy.ooco.policy import OocoPolicy, ooco_config
 from tidal.policy.registry import register_policy
 from tidal.policy.taichi.routing import PrefillTarget, route_prefill
 from tidal.policy.tidal.config import TidalConfig
+from tidal.policy.tidal.overflow import cpu_overflow_step
 from tidal.policy.tidal_adapt import PlanBuilder, parse_section
 from tidal.policy.tidal_batch import decode_shape
 
@@ -162,6 +163,12 @@ class TidalPolicy(OocoPolicy):
         if self._cpu(inst) and plan.swap_out:
             # Evicted offline decodes keep decoding with CPU attention (OmniServe §3.3.5).
             return StepPlan(decode=plan.decode, offload=plan.swap_out)
+        if (
+            self._cpu(inst)
+            and self.tcfg.cpu_overflow
+            and not (plan.swap_in or plan.preempt or inst.pending_in)
+        ):
+            return cpu_overflow_step(self, inst, plan, now)
         if self.tcfg.strict_offline_prefill:
             plan = self._strict_prefill(inst, plan)
         if not self._cpu(inst):
