@@ -1,0 +1,54 @@
+"""Tidal's CPU-attention overflow on strict instances (OmniServe §3.3.5 inside OOCO's pool)."""
+
+from __future__ import annotations
+
+from tests.tidal.policy.test_tidal_policies import RS, run
+from tidal.engine.api import RequestClass
+from tidal.policy.base import CpuPoolState, InstanceRole, InstanceState, Phase, ReqState
+from tidal.policy.tidal.overflow import pick_offloads
+from tidal.policy.tidal_batch import LinearStepModel
+from tidal.sim.models import CpuAttnRoofline
+
+# 1,000 B of KV per token, one worker at 1 MB/s, no overhead: 1 s of CPU per 1,000 context tokens.
+CPU_MODEL = CpuAttnRoofline(1000.0, bytes_per_s_per_worker=1e6, overhead_s=0.0)
+
+
+def decoding(rid: str, ctx: int, left: int = 100) -> ReqState:
+    r = ReqState(rid, RequestClass.OFFLINE, 0.0, ctx - 1, left + 1)
+    r.phase, r.num_computed_tokens, r.num_output_tokens = Phase.RUNNING, ctx, 1
+    return r
+
+
+def strict(offloaded: list[ReqState], capacity: int = 0, parked: int = 0) -> InstanceState:
+    cpu = CpuPoolState(1, CPU_MODEL, host_kv_tokens=parked, host_kv_capacity_tokens=capacity)
+    inst = InstanceState(
+        0, InstanceRole.STRICT, 512, 256, 16, 1000, 1000, LinearStepModel(), 1000.0, 1e9, cpu
+    )
+    inst.offloaded = offloaded
+    return inst
+
+
+def test_longest_context_that_keeps_the_cpu_step_within_the_bound() -> None:
+    # 299 context tokens already on the CPU; candidates of 500, 800 and 100 tokens.
+    inst = strict([decoding("x", 299)])
+    cands = [decoding("a", 500), decoding("b", 800), decoding("c", 100)]
+    # Bound 1.2 s: 299 + 800 + 2 new tokens = 1,101 tokens -> 1.101 s fits, the longest goes.
+    assert pick_offloads(inst, cands, 1.2) == ["b"]
+    # Bound 1.0 s: the longest does not fit, and nothing shorter is tried (one per step).
+    assert pick_offloads(inst, cands, 1.0) == []
+
+
+def test_skips_requests_about_to_finish_and_respects_host_memory() -> None:
+    cands = [decoding("a", 800, left=3), decoding("b", 600), decoding("c", 200)]
+    assert pick_offloads(strict([]), cands, 10.0) == ["b"]  # "a" has 3 tokens to go
+    # Host memory: 1,000 tokens, 500 parked: "b" (600) does not fit, "c" (200) does.
+    assert pick_offloads(strict([], capacity=1000, parked=500), cands, 10.0) == ["c"]
+
+
+def test_overflow_uses_the_host_cpus_when_gpu_kv_is_plentiful() -> None:
+    on = run("tidal", RS, {}, cpu_workers=4)
+    off = run("tidal", RS, {"cpu_overflow": False}, cpu_workers=4)
+    for rec in (on, off):
+        assert all(r.finish_s is not None for r in rec.requests)
+    assert on.num_offloads > 0  # offline decodes moved to the CPU-attention workers
+    assert off.num_offloads == 0  # without it, only KV evictions would offload (none here)
