@@ -86,7 +86,12 @@ class TaichiPolicy(Policy):
         if self.cfg.on_infeasible == "reject":
             return Route.reject("taichi: no instance meets the TTFT SLO")
         if self.cfg.on_infeasible == "random":
-            return Route.to(self.rng.randrange(len(insts)))
+            # §3.4: the paper's experiments assign an infeasible request to a random instance.
+            # NOTE: drawn among instances whose chunk budget is not used up by decodes: on one
+            # that is (a D-heavy chunk of 128 under flowing decode) the prompt would wait for
+            # minutes instead of merely missing its TTFT.
+            live = [t.instance_id for t in targets if t.chunk_tokens > t.decode.num_decode_reqs]
+            return Route.to(self.rng.choice(live) if live else self.rng.randrange(len(insts)))
         return Route.to(min(insts, key=lambda i: (i.num_waiting_tokens, i.instance_id)).instance_id)
 
     # -------------------------------------------------------------- flowing decode (Alg. 1)
