@@ -66,3 +66,21 @@ def test_degrading_keeps_the_clock_and_back_flow_restarts_it() -> None:
     pol.tick(c, 5.0)
     flow = pol._flow_req(r, 5.0)
     assert (flow.output_tokens, flow.tpot_s) == (0, 0.0)
+
+
+def test_infeasible_request_is_never_sent_where_decodes_use_up_the_chunk() -> None:
+    # A 3,000-token prompt cannot meet a 10 ms TTFT anywhere (Alg. 2 returns ∅), so the paper's
+    # experiments pick a random instance -- but not the D-heavy one whose chunk of 256 is all
+    # decodes (300 of them): it would never prefill the prompt.
+    pol = make_policy("taichi", PolicyContext(2, ROLES, Slo(0.01, 0.2), {}, seed=0))
+    c = _cluster((100, 100))
+    busy = []
+    for k in range(300):
+        r = _decode(5, 1.0, 1)
+        r.req_id = f"d{k}"
+        busy.append(r)
+    c.instances[1].running = busy
+    req = ReqState("new", RequestClass.ONLINE, 0.0, 3000, 10, slo=Slo(0.01, 0.2))
+    assert {pol.route(req, c, 0.0).instance_id for _ in range(20)} == {0}
+    c.instances[1].running = busy[:10]  # room again: the draw covers both instances
+    assert {pol.route(req, c, 0.0).instance_id for _ in range(40)} == {0, 1}
