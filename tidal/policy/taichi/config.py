@@ -24,8 +24,9 @@ class TaichiConfig:
     approach_factor: float = 0.96
     """α of Alg. 1: a P-heavy decode whose TPOT exceeds α·SLO flows back (§3.3 ③)."""
     on_infeasible: Infeasible = "random"
-    """Alg. 2 returns ∅: 'random' instance (the paper's experiments), 'reject' (early rejection)
-    or 'least-loaded' (fewest queued prefill tokens)."""
+    """Alg. 2 returns ∅: 'random' instance (the paper's experiments; drawn among instances whose
+    chunk budget is not all decodes), 'reject' (early rejection) or 'least-loaded' (fewest
+    queued prefill tokens)."""
     length_aware_routing: bool = True
     """§3.4 Alg. 2; False routes every prefill to the least-loaded P-heavy instance."""
     flowing_decode: bool = True

@@ -2,7 +2,8 @@
 
 Instances get their role and chunk size from the sliders (R_PD, S_p, S_d) on the first tick.
 Arrivals are routed by length-aware prefill scheduling (Alg. 2; an infeasible request goes to a
-random instance, as in the paper's experiments, or is rejected / sent to the least-loaded one).
+random instance that can prefill, as in the paper's experiments, or is rejected / sent to the
+least-loaded one).
 Prefilled requests start decoding on the least-used D-heavy instance (§3.3 ①); every
 `flow_interval_s` the flowing-decode rules (Alg. 1) degrade D-heavy decodes above the memory
 watermark to P-heavy instances and bring P-heavy decodes above α·SLO back. Each instance runs
