@@ -128,6 +128,9 @@ class _Gemm:
     dout: float
 
 
+_GEMM_MEMO_MAX = 1 << 16  # token counts remembered per model (a few MB at most)
+
+
 @dataclass
 class RooflineModel:
     """A `StepModel`: `step_s(batch)` costs a handful of float operations."""
@@ -175,6 +178,7 @@ class RooflineModel:
             for g in self.gemms
         )
         self._any_eff = any(e is not None for e in self._eff)
+        self._gemm_memo: dict[float, float] = {}
 
     def gemm_s(self, n: float) -> tuple[float, ...]:
         """Each GEMM's time on n tokens (one layer), launch included: the per-kernel view."""
@@ -196,7 +200,16 @@ class RooflineModel:
         return x * _interp(e[0], e[1], n) if e is not None else x
 
     def layer_gemm_s(self, n: float) -> float:
-        """Time of one layer's GEMMs on n tokens, launches included."""
+        """Time of one layer's GEMMs on n tokens, launches included. Memoised per token count:
+        schedulers ask about the same few counts (chunk sizes, batch sizes) over and over."""
+        hit = self._gemm_memo.get(n)
+        if hit is None:
+            hit = self._layer_gemm_s(n)
+            if len(self._gemm_memo) < _GEMM_MEMO_MAX:
+                self._gemm_memo[n] = hit
+        return hit
+
+    def _layer_gemm_s(self, n: float) -> float:
         if n <= 0:
             return 0.0
         t = self._tile

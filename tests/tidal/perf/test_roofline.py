@@ -122,3 +122,13 @@ def test_step_time_grows_with_work() -> None:
         t = m.step_s(BatchShape(num_prefill_tokens=n, num_prefill_reqs=1, prefill_attn_pairs=n * n))
         assert t > prev
         prev = t
+
+
+def test_gemm_memo_returns_what_the_formula_gives(toy_model, toy_params) -> None:
+    m = RooflineModel(toy_model, toy_params)
+    counts = [1, 7, 128, 512, 513, 2048, 0, -3]
+    first = [m.layer_gemm_s(n) for n in counts]
+    assert [m.layer_gemm_s(n) for n in counts] == first  # served from the memo
+    assert first == [m._layer_gemm_s(n) for n in counts]  # same as computing afresh
+    shape = BatchShape(num_prefill_tokens=300, num_prefill_reqs=1, prefill_attn_pairs=300 * 300)
+    assert m.step_s(shape) == m.step_s(shape)
