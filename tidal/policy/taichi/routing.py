@@ -46,6 +46,30 @@ def estimate_prefill_s(
     return total
 
 
+def queue_lower_bound_s(
+    model: StepModel, queued_tokens: Sequence[int], chunk: int, decode: BatchShape
+) -> float:
+    """A cheap lower bound on the sum of `estimate_prefill_s` over a queue, in at most two model
+    calls: every full chunk costs at least the chunk with nothing cached, every partial chunk at
+    least the decode batch alone. Valid for step models that never get faster with more prefill
+    tokens or a longer cached prefix (the roofline and the fitted linear models)."""
+    eff = chunk - decode.num_decode_reqs
+    if eff <= 0:
+        return math.inf if any(n > 0 for n in queued_tokens) else 0.0
+    full = partial = 0
+    for n in queued_tokens:
+        if n > 0:
+            q, r = divmod(n, eff)
+            full += q
+            partial += r > 0
+    bound = 0.0
+    if full:
+        bound += full * model.step_s(add_prefill(decode, eff, 0))
+    if partial:
+        bound += partial * model.step_s(decode)
+    return bound
+
+
 def route_prefill(
     prompt_tokens: int,
     targets: Sequence[PrefillTarget],
@@ -63,6 +87,14 @@ def route_prefill(
     for _, t in sorted(((sum(t.queued_tokens), t.instance_id), t) for t in targets):
         tt = transfer_s if t.is_p_heavy else 0.0
         e = estimate_prefill_s(t.model, prompt_tokens, t.chunk_tokens, t.decode)
+        if e + tt >= budget:
+            continue
+        # A queue whose lower bound already breaks the budget is infeasible without estimating
+        # each request (the usual case when every instance is busy; same answer, fewer calls).
+        if e + tt + queue_lower_bound_s(t.model, t.queued_tokens, t.chunk_tokens, t.decode) >= (
+            budget
+        ):
+            continue
         q = 0.0
         for n in t.queued_tokens:
             if q + e + tt >= budget:
