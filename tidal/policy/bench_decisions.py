@@ -59,14 +59,18 @@ def cases(model: StepModel, rng: random.Random) -> dict[str, Callable[[], object
     }
 
 
-def bench(model: StepModel, repeats: int) -> list[tuple[str, float, float]]:
-    """(name, median µs, p90 µs) per algorithm."""
+def bench(model: StepModel, repeats: int, cold: bool = False) -> list[tuple[str, float, float]]:
+    """(name, median µs, p90 µs) per algorithm. `cold` empties the step model's memo (the
+    roofline remembers GEMM times per token count) before every timed decision."""
+    memo = getattr(model, "_gemm_memo", None) if cold else None
     out = []
     for name, fn in cases(model, random.Random(0)).items():
         for _ in range(20):
             fn()  # warm-up
         ts = []
         for _ in range(repeats):
+            if memo is not None:
+                memo.clear()
             t0 = time.perf_counter()
             fn()
             ts.append((time.perf_counter() - t0) * 1e6)
@@ -80,12 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=300, help="timed runs per algorithm")
     ap.add_argument("--model", default="qwen2.5-7b", help="model for the roofline step model")
     ap.add_argument("--hardware", default="a100-80gb", help="hardware for the roofline model")
+    ap.add_argument(
+        "--cold", action="store_true", help="empty the step model's memo before every decision"
+    )
     args = ap.parse_args(argv)
     from tidal.perf import make_step_model
 
     model = make_step_model(args.model, args.hardware)
     print(f"scheduling cost per decision, {N}-request batch, {args.model} roofline on CPU:")
-    for name, med, p90 in bench(model, args.repeats):
+    if args.cold:
+        print("(cold: the roofline's per-token-count memo is emptied before every decision)")
+    for name, med, p90 in bench(model, args.repeats, args.cold):
         print(f"  {name:36s} median {med:8.1f} µs   p90 {p90:8.1f} µs")
     return 0
 
