@@ -33,16 +33,24 @@ def test_longest_context_that_keeps_the_cpu_step_within_the_bound() -> None:
     inst = strict([decoding("x", 299)])
     cands = [decoding("a", 500), decoding("b", 800), decoding("c", 100)]
     # Bound 1.2 s: 299 + 800 + 2 new tokens = 1,101 tokens -> 1.101 s fits, the longest goes.
-    assert pick_offloads(inst, cands, 1.2) == ["b"]
-    # Bound 1.0 s: the longest does not fit, and nothing shorter is tried (one per step).
-    assert pick_offloads(inst, cands, 1.0) == []
+    assert pick_offloads(inst, [], cands, 1.2, None) == ["b"]
+    # Bound 1.0 s: "b" does not fit, the next longest does (299 + 500 + 2 -> 0.801 s).
+    assert pick_offloads(inst, [], cands, 1.0, None) == ["a"]
+    assert pick_offloads(inst, [], cands, 0.3, None) == []  # not even "c" (0.401 s)
 
 
-def test_skips_requests_about_to_finish_and_respects_host_memory() -> None:
-    cands = [decoding("a", 800, left=3), decoding("b", 600), decoding("c", 200)]
-    assert pick_offloads(strict([]), cands, 10.0) == ["b"]  # "a" has 3 tokens to go
-    # Host memory: 1,000 tokens, 500 parked: "b" (600) does not fit, "c" (200) does.
-    assert pick_offloads(strict([], capacity=1000, parked=500), cands, 10.0) == ["c"]
+def test_decodes_alg2_left_out_go_before_planned_ones() -> None:
+    # §3.3.5 offloads what cannot be scheduled on the GPU first, however short.
+    planned, left_out = [decoding("b", 800)], [decoding("c", 100)]
+    assert pick_offloads(strict([]), left_out, planned, 10.0, None) == ["c"]
+    assert pick_offloads(strict([]), [], planned, 10.0, None) == ["b"]
+
+
+def test_respects_host_memory() -> None:
+    cands = [decoding("b", 600), decoding("c", 200)]
+    # 500 tokens of host room: "b" (600 + its next token) does not fit, "c" does.
+    assert pick_offloads(strict([]), [], cands, 10.0, 500) == ["c"]
+    assert pick_offloads(strict([]), [], cands, 10.0, 200) == []  # 200 + 1 > 200
 
 
 def test_overflow_uses_the_host_cpus_when_gpu_kv_is_plentiful() -> None:

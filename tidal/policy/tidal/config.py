@@ -27,10 +27,11 @@ class TidalConfig:
 
     cpu_overflow: bool = True
     """OmniServe §3.3.5 on latency-strict instances: "BE decoding requests that cannot be
-    scheduled on GPUs will be offloaded to CPUs for Attention computation". The step budget goes
-    to offline prefill before offline decode (OmniServe's order, §3.3.1), so offline decodes are
-    moved to the CPU-attention workers (longest context first, one per step) while one CPU step
-    over the offloaded set stays within the TPOT SLO; their token-wise layers are piggybacked
+    scheduled on GPUs will be offloaded to CPUs for Attention computation" -- the offline decodes
+    OOCO Alg. 2 left out go first; then, Tidal's own rule, a planned offline decode may move so
+    its GPU time goes to offline prefill (OmniServe's order puts BE prefill before BE decode,
+    §3.3.2). One per step, longest context first, while one CPU step over the offloaded set
+    stays within the budget and its KV copy fits the step; token-wise layers are piggybacked
     (§3.3.6). Needs `cpu_offload` and CPU workers; without it the host CPUs only take KV-evicted
     decodes, which never happens while GPU KV is plentiful."""
     strict_offline_prefill: bool = True

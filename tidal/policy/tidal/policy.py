@@ -65,8 +65,8 @@ class TidalPolicy(OocoPolicy):
                 i,
                 True,
                 insts[i].chunk_size,
-                [r.num_prefill_left for r in insts[i].waiting if r.is_online],
-                decode_shape([]),
+                _online_prefill_left(insts[i]),
+                decode_shape([]),  # offline work on relaxed instances yields to online (§3.4.1)
                 insts[i].step_model,
             )
             for i in self.relaxed
@@ -206,6 +206,14 @@ class TidalPolicy(OocoPolicy):
             return plan
         # Idle GPU but offloaded work left: give it its CPU steps.
         return self._cpu_batch(inst, plan, now, self.cfg.tpot_slo_s)
+
+
+def _online_prefill_left(inst: InstanceState) -> list[int]:
+    """TaiChi Alg. 2 line 3 on a relaxed instance: the unfinished online prompts, partially
+    prefilled ones first (§3.4 "the remaining prefill tasks"); offline prefill does not count,
+    because OOCO preempts it at layer granularity for online prefill (§3.4.1)."""
+    run = [r.num_prefill_left for r in inst.running if r.is_online and r.phase is Phase.RUNNING]
+    return [n for n in run if n > 0] + [r.num_prefill_left for r in inst.waiting if r.is_online]
 
 
 @register_policy("tidal")
