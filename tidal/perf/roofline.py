@@ -209,6 +209,10 @@ class RooflineModel:
                 self._gemm_memo[n] = hit
         return hit
 
+    def clear_memo(self) -> None:
+        """Forget remembered GEMM times (benchmarks of a cold decision)."""
+        self._gemm_memo.clear()
+
     def _layer_gemm_s(self, n: float) -> float:
         if n <= 0:
             return 0.0

@@ -62,15 +62,15 @@ def cases(model: StepModel, rng: random.Random) -> dict[str, Callable[[], object
 def bench(model: StepModel, repeats: int, cold: bool = False) -> list[tuple[str, float, float]]:
     """(name, median µs, p90 µs) per algorithm. `cold` empties the step model's memo (the
     roofline remembers GEMM times per token count) before every timed decision."""
-    memo = getattr(model, "_gemm_memo", None) if cold else None
+    clear = getattr(model, "clear_memo", None) if cold else None
     out = []
     for name, fn in cases(model, random.Random(0)).items():
         for _ in range(20):
             fn()  # warm-up
         ts = []
         for _ in range(repeats):
-            if memo is not None:
-                memo.clear()
+            if clear is not None:
+                clear()
             t0 = time.perf_counter()
             fn()
             ts.append((time.perf_counter() - t0) * 1e6)
