@@ -43,6 +43,9 @@ from tidal.policy.tidal_adapt import PlanBuilder, make_room_for_decodes, split_r
 from tidal.policy.tidal_batch import decode_shape
 
 FLOW_INTERVAL_S = 0.05  # how often flowing decode re-evaluates, seconds
+# A flow still on another instance this long after it was asked was refused (no room on arrival,
+# or preempted before its step ended); it may be chosen again. Transfers take milliseconds.
+ASK_TIMEOUT_S = 1.0
 
 
 class TaichiPolicy(Policy):
@@ -59,7 +62,8 @@ class TaichiPolicy(Policy):
         self._configured = False
         self._next_flow = 0.0
         self._ref: dict[str, tuple[float, int]] = {}  # req_id -> (time, tokens) TPOT reset point
-        self._asked: dict[str, int] = {}  # req_id -> instance a flow sent it to (in flight)
+        # req_id -> (instance a flow sent it to, when): in flight until it lands or times out
+        self._asked: dict[str, tuple[int, float]] = {}
 
     # -------------------------------------------------------------- routing (Alg. 2)
     def route(self, req: ReqState, cluster: ClusterView, now: float) -> Route:
@@ -132,8 +136,9 @@ class TaichiPolicy(Policy):
         d_hosts = self._hosts(cluster, InstanceRole.D_HEAVY)
         p_hosts = self._hosts(cluster, InstanceRole.P_HEAVY)
         for inst in cluster.instances:
-            for r in inst.running:  # flows that landed here may be chosen again
-                if self._asked.get(r.req_id) == inst.instance_id:
+            for r in inst.running:  # flows that landed (or were refused) may be chosen again
+                a = self._asked.get(r.req_id)
+                if a is not None and (a[0] == inst.instance_id or now - a[1] > ASK_TIMEOUT_S):
                     del self._asked[r.req_id]
             reqs = [self._flow_req(r, now) for r in inst.running if _movable(r, self._asked)]
             back = self.roles[inst.instance_id] is InstanceRole.P_HEAVY
@@ -151,7 +156,7 @@ class TaichiPolicy(Policy):
                 if dst is None:
                     break
                 moves.append(Migration(rid, dst))
-                self._asked[rid] = dst
+                self._asked[rid] = (dst, now)
                 if back:
                     # §3.3 ③: "upon flowing back, the decode request is logically treated as a
                     # new request, with its output length reset": TPOT and length restart when
@@ -189,10 +194,10 @@ def _queued_prefill(inst: InstanceState) -> list[int]:
     return [n for n in run if n > 0] + [r.num_prefill_left for r in inst.waiting]
 
 
-def _movable(r: ReqState, asked: dict[str, int]) -> bool:
-    # NOTE: skip requests about to finish: a deferred migration of a finished request fails.
-    near_end = r.max_output_tokens - r.num_output_tokens <= 5
-    return r.phase is Phase.RUNNING and r.is_decoding and r.req_id not in asked and not near_end
+def _movable(r: ReqState, asked: dict[str, tuple[int, float]]) -> bool:
+    # The true remaining output length is unknown to a scheduler, so a request about to finish
+    # may be chosen; its deferred migration is then refused by the cluster, which is harmless.
+    return r.phase is Phase.RUNNING and r.is_decoding and r.req_id not in asked
 
 
 def chunked_prefill_step(inst: InstanceState) -> StepPlan:

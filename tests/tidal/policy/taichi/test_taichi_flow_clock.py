@@ -84,3 +84,19 @@ def test_infeasible_request_is_never_sent_where_decodes_use_up_the_chunk() -> No
     assert {pol.route(req, c, 0.0).instance_id for _ in range(20)} == {0}
     c.instances[1].running = busy[:10]  # room again: the draw covers both instances
     assert {pol.route(req, c, 0.0).instance_id for _ in range(40)} == {0, 1}
+
+
+def test_a_refused_flow_may_be_chosen_again_after_the_timeout() -> None:
+    # The flow to P-heavy is asked at t = 1 s but the request is still on D-heavy afterwards (the
+    # cluster refused the move): it is not asked twice while in flight, and again once the
+    # request has stayed put for longer than ASK_TIMEOUT_S.
+    from tidal.policy.taichi.policy import ASK_TIMEOUT_S
+
+    ctx = PolicyContext(2, ROLES, Slo(3.0, 0.2), {"memory_watermark": 0.5}, seed=0)
+    pol = make_policy("taichi", ctx)
+    c = _cluster((100, 30))
+    pol.tick(c, 0.0)
+    c.instances[1].running = [_decode(51, 5.0, 1)]
+    assert [m.dst for m in pol.tick(c, 1.0).migrate] == [0]
+    assert pol.tick(c, 1.0 + ASK_TIMEOUT_S / 2).migrate == ()  # still in flight
+    assert [m.dst for m in pol.tick(c, 2.0 + ASK_TIMEOUT_S).migrate] == [0]
