@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tidal.perf.api import BatchShape, StepModel
+from tidal.policy.base import ReqState
 from tidal.policy.tidal_batch import add_decode, add_prefill
 
 
@@ -89,3 +90,10 @@ def piggyback_admission(
         if lo:
             slack -= (model.step_s(add_decode(shape, lo, 0)) - base) / d
     return out
+
+
+def oldest_first(offloaded: Sequence[ReqState], n: int) -> tuple[str, ...]:
+    """The `n` offloaded requests to piggyback this step (§3.3.6): those whose last token is
+    oldest, so no CPU decode waits behind newer ones."""
+    order = sorted(offloaded, key=lambda r: r.last_token_s or 0.0)
+    return tuple(r.req_id for r in order[:n])

@@ -24,7 +24,7 @@ from tidal.policy.base import (
     parse_params,
 )
 from tidal.policy.omniserve.config import OmniConfig
-from tidal.policy.omniserve.control import admit_ls, piggyback_admission
+from tidal.policy.omniserve.control import admit_ls, oldest_first, piggyback_admission
 from tidal.policy.registry import register_policy
 from tidal.policy.tidal_adapt import PlanBuilder, make_room_for_decodes, split_running
 from tidal.policy.tidal_batch import decode_shape
@@ -204,8 +204,7 @@ def omni_step(
         got = piggyback_admission(inst.step_model, b.shape, [ready], bound - copy_s)
         # Each CPU decode adds one KV token in host memory, like a GPU decode needs its block.
         n = min(got[0], max(room.left, 0))
-        order = sorted(inst.offloaded, key=lambda r: r.last_token_s or 0.0)
-        cpu_decode = [r.req_id for r in order[:n]]
+        cpu_decode = list(oldest_first(inst.offloaded, n))
         pending[iid] = len(cpu_decode)
     recall: list[str] = []
     has_slack = not offload and b.step_s() <= be_bound and not ls_pre

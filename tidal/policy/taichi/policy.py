@@ -76,7 +76,7 @@ class TaichiPolicy(Policy):
                 i.instance_id,
                 self.roles[i.instance_id] is InstanceRole.P_HEAVY,
                 i.chunk_size,
-                _queued_prefill(i),
+                queued_prefill(i),
                 decode_shape([r.num_computed_tokens for r in i.running if r.is_decoding]),
                 i.step_model,
             )
@@ -184,14 +184,21 @@ class TaichiPolicy(Policy):
         return chunked_prefill_step(inst)
 
 
-def _queued_prefill(inst: InstanceState) -> list[int]:
+def queued_prefill(inst: InstanceState, online_only: bool = False) -> list[int]:
     """Alg. 2 line 3 / §3.4: "the total estimated execution time of the remaining prefill tasks on
     the instance" -- the unfinished prompts of running (partially prefilled) requests first, in
     the order the chunked step serves them, then the waiting queue. Counting only `waiting`
     hid a long prompt as soon as its first chunk ran (and under-estimated Q most on small-chunk
-    D-heavy instances, where a prompt stays partially prefilled for many steps)."""
-    run = [r.num_prefill_left for r in inst.running if r.phase is Phase.RUNNING]
-    return [n for n in run if n > 0] + [r.num_prefill_left for r in inst.waiting]
+    D-heavy instances, where a prompt stays partially prefilled for many steps). `online_only`
+    leaves offline prompts out (Tidal's relaxed instances, where OOCO preempts offline prefill
+    at layer granularity for online prefill, §3.4.1)."""
+    run = [
+        r.num_prefill_left
+        for r in inst.running
+        if r.phase is Phase.RUNNING and (r.is_online or not online_only)
+    ]
+    wait = [r.num_prefill_left for r in inst.waiting if r.is_online or not online_only]
+    return [n for n in run if n > 0] + wait
 
 
 def _movable(r: ReqState, asked: dict[str, tuple[int, float]]) -> bool:

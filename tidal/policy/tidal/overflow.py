@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tidal.policy.base import InstanceState, Phase, ReqState, StepPlan
-from tidal.policy.omniserve.control import piggyback_admission
+from tidal.policy.omniserve.control import oldest_first, piggyback_admission
 from tidal.policy.tidal_adapt import PlanBuilder
 
 if TYPE_CHECKING:
@@ -56,6 +56,17 @@ def pick_offloads(
     return []
 
 
+def offline_prefill_candidates(inst: InstanceState) -> list[ReqState]:
+    """Offline prompts a strict step may prefill (HyGen §4.1 offline phase): partially
+    prefilled ones first, then the waiting queue."""
+    cands = [
+        r
+        for r in inst.running
+        if not r.is_online and r.phase is Phase.RUNNING and not r.is_decoding
+    ]
+    return cands + [r for r in inst.waiting if not r.is_online]
+
+
 def cpu_overflow_step(
     pol: TidalPolicy, inst: InstanceState, plan: StepPlan, now: float
 ) -> StepPlan:
@@ -94,8 +105,7 @@ def cpu_overflow_step(
             if raw_room is not None:  # new host tokens must fit beside the moved KV
                 k = min(k, max(0, raw_room - moved_tokens))
             if k > 0:
-                order = sorted(inst.offloaded, key=lambda r: r.last_token_s or 0.0)
-                cpu_dec = tuple(r.req_id for r in order[:k])
+                cpu_dec = oldest_first(inst.offloaded, k)
                 b.add_tokens(k)
         per_token = inst.kv_bytes_per_token / inst.pcie_bytes_per_s
         copy_s = moved_tokens * per_token
@@ -106,13 +116,7 @@ def cpu_overflow_step(
         off = []
         b, cpu_dec, copy_s = build(off)
     if pol.tcfg.strict_offline_prefill:
-        cands = [
-            r
-            for r in inst.running
-            if not r.is_online and r.phase is Phase.RUNNING and not r.is_decoding
-        ]
-        cands += [r for r in inst.waiting if not r.is_online]
-        for r in cands:
+        for r in offline_prefill_candidates(inst):
             if b.add_prefill(r, bound_s=budget - copy_s) == 0:
                 break
     if not (b.decode or b.prefill or cpu_dec or off):

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from tidal.policy.base import (
     ClusterView,
     InstanceState,
-    Phase,
     Policy,
     PolicyContext,
     ReqState,
@@ -22,13 +21,14 @@ from tidal.policy.base import (
 )
 from tidal.policy.hygen.prefix_order import OfflineOrder
 from tidal.policy.omniserve.config import OmniConfig
-from tidal.policy.omniserve.control import piggyback_admission
+from tidal.policy.omniserve.control import oldest_first, piggyback_admission
 from tidal.policy.omniserve.policy import ls_admissible
 from tidal.policy.ooco.policy import OocoPolicy, ooco_config
 from tidal.policy.registry import register_policy
+from tidal.policy.taichi.policy import queued_prefill
 from tidal.policy.taichi.routing import PrefillTarget, route_prefill
 from tidal.policy.tidal.config import TidalConfig
-from tidal.policy.tidal.overflow import cpu_overflow_step
+from tidal.policy.tidal.overflow import cpu_overflow_step, offline_prefill_candidates
 from tidal.policy.tidal_adapt import PlanBuilder, parse_section
 from tidal.policy.tidal_batch import decode_shape
 
@@ -65,7 +65,7 @@ class TidalPolicy(OocoPolicy):
                 i,
                 True,
                 insts[i].chunk_size,
-                _online_prefill_left(insts[i]),
+                queued_prefill(insts[i], online_only=True),
                 decode_shape([]),  # offline work on relaxed instances yields to online (§3.4.1)
                 insts[i].step_model,
             )
@@ -133,11 +133,10 @@ class TidalPolicy(OocoPolicy):
         n = piggyback_admission(inst.step_model, shape, [len(inst.offloaded)], bound)[0]
         if n <= 0:
             return plan
-        order = sorted(inst.offloaded, key=lambda r: r.last_token_s or 0.0)
         return StepPlan(
             prefill=plan.prefill,
             decode=plan.decode,
-            cpu_decode=tuple(r.req_id for r in order[:n]),
+            cpu_decode=oldest_first(inst.offloaded, n),
             preempt=plan.preempt,
             swap_out=plan.swap_out,
             swap_in=plan.swap_in,
@@ -180,12 +179,7 @@ class TidalPolicy(OocoPolicy):
         offline prefill chunks are added while the step stays within the latency budget."""
         if plan.swap_out or plan.swap_in or plan.preempt or inst.pending_in:
             return plan
-        cands = [
-            r
-            for r in inst.running
-            if not r.is_online and r.phase is Phase.RUNNING and not r.is_decoding
-        ]
-        cands += [r for r in inst.waiting if not r.is_online]
+        cands = offline_prefill_candidates(inst)
         if not cands:
             return plan
         b = PlanBuilder(inst)
@@ -206,14 +200,6 @@ class TidalPolicy(OocoPolicy):
             return plan
         # Idle GPU but offloaded work left: give it its CPU steps.
         return self._cpu_batch(inst, plan, now, self.cfg.tpot_slo_s)
-
-
-def _online_prefill_left(inst: InstanceState) -> list[int]:
-    """TaiChi Alg. 2 line 3 on a relaxed instance: the unfinished online prompts, partially
-    prefilled ones first (§3.4 "the remaining prefill tasks"); offline prefill does not count,
-    because OOCO preempts it at layer granularity for online prefill (§3.4.1)."""
-    run = [r.num_prefill_left for r in inst.running if r.is_online and r.phase is Phase.RUNNING]
-    return [n for n in run if n > 0] + [r.num_prefill_left for r in inst.waiting if r.is_online]
 
 
 @register_policy("tidal")

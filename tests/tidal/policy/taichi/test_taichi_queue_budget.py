@@ -10,7 +10,7 @@ import pytest
 from tidal.perf.api import BatchShape
 from tidal.policy.base import InstanceRole, InstanceState, Phase, ReqState, RequestClass
 from tidal.policy.taichi import PrefillTarget, estimate_prefill_s, route_prefill
-from tidal.policy.taichi.policy import _queued_prefill
+from tidal.policy.taichi.policy import queued_prefill
 from tidal.policy.tidal_batch import LinearStepModel
 
 TOK = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_ctx_token_s=0.0, per_attn_pair_s=0.0)
@@ -56,4 +56,4 @@ def test_queue_counts_the_unfinished_prompt_of_a_running_request() -> None:
         _req("pre", 1500, 256, 0, Phase.RUNNING),  # two chunks in: 1244 tokens left
     ]
     inst.waiting = [_req("w", 300, 0, 0, Phase.WAITING)]
-    assert _queued_prefill(inst) == [1244, 300]
+    assert queued_prefill(inst) == [1244, 300]
