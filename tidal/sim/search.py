@@ -74,6 +74,26 @@ def _search(
     return good, good_s, probes, False
 
 
+def _prober(
+    cfg: SimConfig,
+    policy: str,
+    configure: Callable[[float], SimConfig],
+    key: str,
+    on_probe: Callable[[str, float, dict[str, Any]], None] | None,
+) -> Callable[[float], dict[str, Any]]:
+    """One probe of a search: simulate `configure(x)`, summarise it, record x under `key`."""
+
+    def probe(x: float) -> dict[str, Any]:
+        c = configure(x)
+        s = summarize(simulate(c, policy), c.duration_s, policy, cfg.name)
+        s[key] = x
+        if on_probe:
+            on_probe(policy, x, s)
+        return s
+
+    return probe
+
+
 def max_offline(
     cfg: SimConfig,
     policy: str,
@@ -85,13 +105,7 @@ def max_offline(
 ) -> SearchResult:
     """OOCO §5.2 for one policy."""
 
-    def probe(qps: float) -> dict[str, Any]:
-        c = with_offline_rate(cfg, qps)
-        s = summarize(simulate(c, policy), c.duration_s, policy, cfg.name)
-        s["offline_qps"] = qps
-        if on_probe:
-            on_probe(policy, qps, s)
-        return s
+    probe = _prober(cfg, policy, lambda qps: with_offline_rate(cfg, qps), "offline_qps", on_probe)
 
     def ok(s: dict[str, Any]) -> bool:
         return bool(s["online"]["violation_pct"] <= violation_pct)
@@ -120,13 +134,7 @@ def goodput(
 ) -> SearchResult:
     """TaiChi §4.1 for one policy: highest online rate with attainment >= target."""
 
-    def probe(rps: float) -> dict[str, Any]:
-        c = with_online_rate(cfg, rps)
-        s = summarize(simulate(c, policy), c.duration_s, policy, cfg.name)
-        s["online_rps"] = rps
-        if on_probe:
-            on_probe(policy, rps, s)
-        return s
+    probe = _prober(cfg, policy, lambda rps: with_online_rate(cfg, rps), "online_rps", on_probe)
 
     def ok(s: dict[str, Any]) -> bool:
         return bool(s["online"]["slo_attainment_pct"] >= attainment_pct)
@@ -152,13 +160,10 @@ def max_online(
         raise ValueError("the config has no online stream to scale")
     online = cfg.online
 
-    def probe(scale: float) -> dict[str, Any]:
-        c = replace(cfg, online=replace(online, rate=None, scale=scale), offline=None)
-        s = summarize(simulate(c, policy), c.duration_s, policy, cfg.name)
-        s["online_scale"] = scale
-        if on_probe:
-            on_probe(policy, scale, s)
-        return s
+    def only_online(scale: float) -> SimConfig:
+        return replace(cfg, online=replace(online, rate=None, scale=scale), offline=None)
+
+    probe = _prober(cfg, policy, only_online, "online_scale", on_probe)
 
     def ok(s: dict[str, Any]) -> bool:
         return bool(s["online"]["violation_pct"] <= violation_pct)
