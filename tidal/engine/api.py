@@ -16,12 +16,24 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tidal.policy.plan import StepPlan
+from tidal.schemas.enums import RequestClass
 
-class RequestClass(enum.StrEnum):
-    """Latency class of a request: `online` has TTFT/TPOT SLOs, `offline` is best effort."""
-
-    ONLINE = "online"
-    OFFLINE = "offline"
+__all__ = [
+    "ControllableEngine",
+    "Engine",
+    "EngineLoad",
+    "EngineRequest",
+    "FinishReason",
+    "RequestClass",
+    "SamplingParams",
+    "SeqSnapshot",
+    "StepPlan",
+    "StepResult",
+    "StepTelemetry",
+    "TokenEvent",
+    "Tokenizer",
+]
 
 
 class FinishReason(enum.StrEnum):
@@ -149,3 +161,68 @@ class Engine(Protocol):
         ...
 
     def load(self) -> EngineLoad: ...
+
+
+@dataclass(frozen=True)
+class SeqSnapshot:
+    """One request inside an engine, as the instance's policy adapter mirrors it into a
+    `tidal.policy.ReqState` before every step."""
+
+    req_id: str
+    req_class: RequestClass
+    arrival_s: float  # the EngineRequest's arrival_s (caller's clock)
+    num_prompt_tokens: int
+    max_output_tokens: int  # sampling.max_tokens
+    num_computed_tokens: int  # tokens whose KV is written for every layer
+    num_output_tokens: int  # generated so far
+    num_blocks: int  # KV blocks held on the device
+    status: str  # "waiting" (no KV) | "running" (KV on device) | "swapped" (KV in host memory)
+    forced_tokens: int = 0  # > 0: a layer-preempted chunk that must resume with exactly this many
+
+
+class ControllableEngine(Engine, Protocol):
+    """An engine a policy can drive step by step: explicit plans, preemption (at a layer
+    boundary, and by recompute), swapping, and export/import for migration. `torch` and `sim`
+    implement it; the instance service's executor (`tidal.engine.executor`) is its only caller.
+    """
+
+    block_size: int  # tokens per KV block
+    num_kv_blocks: int  # KV blocks in total
+    kv_bytes_per_token: float  # bytes of KV one token holds (all layers)
+    last_step_preempted: bool  # the last step was cut at a layer boundary
+    last_preempt_latency_s: float | None  # signal -> free time of the last cut
+
+    def step(self, plan: StepPlan | None = None) -> StepResult:
+        """Run `plan` (prefill chunks and decodes; its preempt/swap fields are the executor's
+        business, not the engine's), or the engine's own FCFS planner when None."""
+        ...
+
+    def request_preempt(self) -> bool:
+        """Thread-safe: end the running step after its current layer (False: none running).
+        The cut work is kept and resumes without recompute (`SeqSnapshot.forced_tokens`)."""
+        ...
+
+    def preempt(self, req_id: str) -> None:
+        """Drop the request's KV; it waits again and recomputes prompt + output later."""
+        ...
+
+    def swap_out(self, req_id: str) -> None: ...
+
+    def swap_in(self, req_id: str) -> None:
+        """MemoryError if the KV does not fit now."""
+        ...
+
+    def export_request(self, req_id: str, remove: bool = True) -> bytes:
+        """Tokens, sampling state and KV of all layers; another engine of the same model
+        continues it with identical output."""
+        ...
+
+    def import_request(self, data: bytes) -> None:
+        """MemoryError if its KV does not fit; ValueError for a foreign or corrupt payload."""
+        ...
+
+    def snapshot(self) -> list[SeqSnapshot]:
+        """Every request in the engine, in arrival order."""
+        ...
+
+    def num_free_blocks(self) -> int: ...

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tidal.engine.api import RequestClass
+from tidal.schemas.enums import RequestClass
 
 
 @dataclass(frozen=True)

@@ -77,8 +77,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from tidal.engine.api import RequestClass
 from tidal.perf.api import BatchShape, StepModel
+from tidal.policy.plan import IDLE, StepPlan
+from tidal.schemas.enums import RequestClass
 
 __all__ = [
     "BlockBudget",
@@ -240,6 +241,10 @@ class InstanceState:
     num_waiting_tokens: int = 0  # sum of `num_prefill_left` over `waiting` (kept by the caller)
     num_incoming: int = 0  # requests migrating here right now (blocks already reserved)
     busy_until_s: float = 0.0  # end of the step in flight
+    # What the instance half of a policy leaves for its cluster half (name -> value). It is the
+    # only state the halves share: it travels in the instance's `InstanceReport`, and the
+    # simulator passes it through the same report, so both halves can run in different processes.
+    hints: dict[str, float] = field(default_factory=dict)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -318,38 +323,6 @@ class ClusterActions:
 NO_ACTIONS = ClusterActions()
 
 
-@dataclass(frozen=True, slots=True)
-class StepPlan:
-    """One step of one instance: everything the batch scheduler decided."""
-
-    prefill: Mapping[str, int] = field(default_factory=dict)  # req_id -> prompt tokens this step
-    decode: tuple[str, ...] = ()  # req_ids decoding one token, attention on the GPU
-    cpu_decode: tuple[str, ...] = ()  # offloaded req_ids decoding one token, attention on CPU
-    preempt: tuple[str, ...] = ()  # running req_ids: drop KV, requeue at head, recompute later
-    swap_out: tuple[str, ...] = ()  # running req_ids: KV to host memory, paused
-    swap_in: tuple[str, ...] = ()  # swapped req_ids: KV back to the GPU
-    offload: tuple[str, ...] = ()  # running req_ids: KV to host, decode on CPU-attention workers
-    recall: tuple[str, ...] = ()  # offloaded req_ids: KV back to the GPU
-    max_repeat: int = 1  # decode-only plans: steps it may run back to back (speed hint)
-    preemptible_layers: int = 0  # > 0: an online request arriving at this instance during
-    # this step cuts it at the next of this many equal layer boundaries and its work is
-    # discarded (OOCO §3.4.1 layer-level preemption); set it only on offline-only steps
-
-    @property
-    def is_empty(self) -> bool:
-        return not (
-            self.prefill
-            or self.decode
-            or self.cpu_decode
-            or self.preempt
-            or self.swap_out
-            or self.swap_in
-            or self.offload
-            or self.recall
-        )
-
-
-IDLE = StepPlan()
 
 
 def shape_of(prefill: Sequence[tuple[ReqState, int]], decode: Sequence[ReqState]) -> BatchShape:

@@ -7,6 +7,8 @@ names are built by `tidal.schemas.subjects`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -41,7 +43,8 @@ class Heartbeat(msgspec.Struct, frozen=True):
 
 
 class RouteRequest(msgspec.Struct, frozen=True):
-    """Gateway -> scheduler: where should this request run?"""
+    """Gateway -> scheduler: where should this request run? The reply may come late: a request
+    the policy holds (`Route.hold`) is answered when `tick` dispatches it."""
 
     req_id: str
     model: str
@@ -49,6 +52,9 @@ class RouteRequest(msgspec.Struct, frozen=True):
     max_tokens: int
     num_prompt_chars: int  # a length hint; instances tokenise
     exclude: list[str] = []  # instance ids that already failed this request
+    num_prompt_tokens: int = 0  # the gateway's estimate (0: the scheduler estimates from chars)
+    ttft_slo_ms: float | None = None  # online only; None: the scheduler's default SLO
+    tpot_slo_ms: float | None = None
 
 
 class RouteReply(msgspec.Struct, frozen=True):
@@ -56,8 +62,9 @@ class RouteReply(msgspec.Struct, frozen=True):
 
     instance_id: str = ""
     error_code: str = ""  # "" | "unknown_model" | "no_capacity" | "offline_paused"
+    # | "rejected" (the policy's admission control) | "queue_full" (the held queue is full)
     message: str = ""
-    retry_after_s: float = 0.0  # set with "no_capacity" / "offline_paused"
+    retry_after_s: float = 0.0  # set with every error but "unknown_model"
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -93,6 +100,10 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     arrival_unix_s: float = 0.0
+    # Recompute after a lost instance: tokens the client already has, fed as input and never
+    # streamed again; `seq` of the first new chunk continues from `first_seq`.
+    resume_token_ids: list[int] = []
+    first_seq: int = 0
 
 
 class GenerateAck(msgspec.Struct, frozen=True):
@@ -118,8 +129,131 @@ class TokenChunk(msgspec.Struct, frozen=True):
     instance_id: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     logprobs: list[float] = []
+    token_ids: list[int] = []  # the chunk's tokens (a recompute resumes from them)
     is_emulated: bool = False
     error: str = ""
+
+
+class ReqReport(msgspec.Struct, frozen=True, array_like=True):
+    """One request on an instance, as its `InstanceReport` carries it (`tidal.policy.ReqState`'s
+    fields that a live system knows). Times are Unix seconds."""
+
+    req_id: str
+    req_class: str  # "online" | "offline"
+    phase: str  # a `tidal.policy.Phase` value: waiting | running | swapped | offloaded | migrating
+    arrival_unix_s: float
+    num_prompt_tokens: int
+    max_output_tokens: int  # the request's max_tokens (a live system does not know the true one)
+    num_computed_tokens: int  # tokens whose KV is resident
+    num_output_tokens: int
+    num_blocks: int  # GPU KV blocks it holds
+    ttft_slo_s: float = 0.0  # online only (0: none)
+    tpot_slo_s: float = 0.0
+    start_unix_s: float = 0.0  # first computed (0: not yet)
+    first_token_unix_s: float = 0.0
+    last_token_unix_s: float = 0.0
+    max_tbt_s: float = 0.0
+    num_preemptions: int = 0
+    num_migrations: int = 0
+
+
+class InstanceReport(msgspec.Struct, frozen=True):
+    """Instance -> scheduler on `subjects.instance_state(id)`, after each step (rate-limited) and
+    when idle: everything the scheduler's `ClusterView` holds about the instance."""
+
+    instance_id: str
+    index: int  # the instance's slot in the cluster (`InstanceState.instance_id`)
+    seq: int  # increases by one per report; a late, older report is dropped
+    sent_unix_s: float
+    role: str
+    chunk_size: int
+    max_batch_reqs: int
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_bytes_per_token: float
+    step_model: str  # spec of its latency model (`--sim-step-model` syntax), for the policy
+    data_url: str  # its KV data plane, "tcp://host:port"
+    requests: list[ReqReport] = []
+    busy_until_unix_s: float = 0.0  # end of the step in flight (0: idle)
+    policy: str = ""  # the policy its instance half runs
+    # State a policy's instance half leaves for its cluster half (`InstanceState.hints`), e.g.
+    # OOCO's "every offline decode fit this step" that lets `tick` pull more.
+    hints: dict[str, float] = {}
+    draining: bool = False
+    num_preemptions: int = 0  # layer-boundary preemptions since start
+    num_steps: int = 0
+    last_step_ms: float = 0.0
+    emulated: bool = False
+
+
+class PreemptSignal(msgspec.Struct, frozen=True):
+    """Scheduler -> instance on `subjects.instance_preempt(id)`: cut the offline step in flight
+    at the next layer boundary (OOCO §3.4.1); `req_id` is the online arrival that needs it."""
+
+    req_id: str = ""
+    reason: str = ""
+
+
+class MigrateCommand(msgspec.Struct, frozen=True):
+    """Scheduler -> source instance (request/reply on `subjects.instance_migrate(src)`): move
+    `req_id`, KV included, to `dst_instance_id`. Answered by a `MigrateResult`."""
+
+    req_id: str
+    dst_instance_id: str
+    kind: str  # "push" (online, after prefill) | "pull" (offline decode to a strict instance)
+
+
+class MigrateResult(msgspec.Struct, frozen=True):
+    """Source -> scheduler: what became of a `MigrateCommand`."""
+
+    req_id: str
+    outcome: str  # "ok" | "refused" | "failed" | "unknown_request" | "busy"
+    message: str = ""
+    num_bytes: int = 0
+    transfer_s: float = 0.0
+    total_s: float = 0.0
+
+
+class MigrateOffer(msgspec.Struct, frozen=True):
+    """Source -> target (request/reply on `subjects.migrate_offer(dst)`): reserve room for this
+    request's KV. The bytes then go over the data plane; nothing starts before the commit."""
+
+    req_id: str
+    src_instance_id: str
+    kind: str  # "push" | "pull"
+    num_kv_tokens: int
+    num_bytes: int
+    checksum: str  # blake2b hex of the payload
+    reply_subject: str  # where the request's tokens go (the gateway's subject)
+    next_seq: int  # seq of the next chunk the request will stream
+    req_class: str
+    ttft_slo_s: float = 0.0
+    tpot_slo_s: float = 0.0
+    arrival_unix_s: float = 0.0
+
+
+class MigrateOfferReply(msgspec.Struct, frozen=True):
+    ok: bool
+    reason: str = ""  # why it refused: "no_room" | "draining" | "duplicate" | ...
+    data_url: str = ""  # where to send the bytes ("tcp://host:port")
+    ticket: str = ""  # names the reservation on the data plane and in the commit
+
+
+class MigrateCommit(msgspec.Struct, frozen=True):
+    """Source -> target (request/reply on `subjects.migrate_commit(dst)`) after the bytes landed
+    and the source stopped the request: start running it. Answered by `MigrateOfferReply`."""
+
+    req_id: str
+    ticket: str
+
+
+class MigrateAbort(msgspec.Struct, frozen=True):
+    """Source -> target: drop the reservation (the source keeps or already re-took the request)."""
+
+    req_id: str
+    ticket: str
+    reason: str = ""
 
 
 class CancelRequest(msgspec.Struct, frozen=True):
@@ -147,3 +281,29 @@ class CtlOfflineAdmission(msgspec.Struct, frozen=True):
 
 class CtlError(msgspec.Struct, frozen=True):
     error: str
+
+
+class CtlPolicy(msgspec.Struct, frozen=True):
+    """`tidal.ctl.policy` reply, and `tidal.ctl.policy.set` request (fields left out keep their
+    value): the policy every half runs, its params, and the default online SLO."""
+
+    policy: str = ""
+    params: dict[str, Any] | None = None  # the policy's own config section
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+
+
+class CtlRoles(msgspec.Struct, frozen=True):
+    """`tidal.ctl.roles`: set instance roles and chunk sizes (TaiChi's sliders R_PD, S_p, S_d
+    are these: how many instances are P-heavy, and each kind's chunk)."""
+
+    roles: dict[str, str] = {}  # instance id -> role
+    chunk_sizes: dict[str, int] = {}  # instance id -> tokens per step
+
+
+class CtlDrain(msgspec.Struct, frozen=True):
+    """`tidal.ctl.drain`: take no new work on the instance; its running requests migrate away
+    (or finish) and it can then be stopped."""
+
+    instance_id: str
+    undrain: bool = False

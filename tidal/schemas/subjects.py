@@ -21,7 +21,13 @@ HEARTBEAT_ALL = f"{PREFIX}.hb.>"
 CTL_STATUS = f"{PREFIX}.ctl.status"
 CTL_OFFLINE_PAUSE = f"{PREFIX}.ctl.offline.pause"
 CTL_OFFLINE_RESUME = f"{PREFIX}.ctl.offline.resume"
+CTL_POLICY = f"{PREFIX}.ctl.policy"  # show the policy (JSON)
+CTL_POLICY_SET = f"{PREFIX}.ctl.policy.set"  # switch policy / params / default SLO (JSON)
+CTL_POLICY_CHANGED = f"{PREFIX}.evt.policy"  # scheduler -> instances: run this policy now
+CTL_ROLES = f"{PREFIX}.ctl.roles"  # instance roles and chunk sizes (TaiChi sliders)
+CTL_DRAIN = f"{PREFIX}.ctl.drain"  # drain (or undrain) an instance
 CTL_ALL = f"{PREFIX}.ctl.>"
+INSTANCE_STATE_ALL = f"{PREFIX}.inst.*.state"
 
 SERVICE_KINDS = ("gateway", "scheduler", "instance", "cpu_attn")
 
@@ -45,3 +51,38 @@ def instance_submit(instance_id: str) -> str:
 
 def gateway_tokens(gateway_id: str) -> str:
     return f"{PREFIX}.gw.{check_token(gateway_id, 'gateway id')}.tokens"
+
+
+def instance_state(instance_id: str) -> str:
+    """Instance -> scheduler: `InstanceReport`s."""
+    return f"{PREFIX}.inst.{check_token(instance_id, 'instance id')}.state"
+
+
+def instance_preempt(instance_id: str) -> str:
+    """Scheduler -> instance: `PreemptSignal`."""
+    return f"{PREFIX}.inst.{check_token(instance_id, 'instance id')}.preempt"
+
+
+def instance_migrate(instance_id: str) -> str:
+    """Scheduler -> source instance: `MigrateCommand` (request/reply)."""
+    return f"{PREFIX}.inst.{check_token(instance_id, 'instance id')}.migrate"
+
+
+def instance_control(instance_id: str) -> str:
+    """Scheduler -> instance: `CtlRoles` / `CtlDrain` for this instance (JSON request/reply)."""
+    return f"{PREFIX}.inst.{check_token(instance_id, 'instance id')}.ctl"
+
+
+def migrate_offer(instance_id: str) -> str:
+    """Source -> target instance: `MigrateOffer` (request/reply)."""
+    return f"{PREFIX}.mig.{check_token(instance_id, 'instance id')}.offer"
+
+
+def migrate_commit(instance_id: str) -> str:
+    """Source -> target instance: `MigrateCommit` (request/reply)."""
+    return f"{PREFIX}.mig.{check_token(instance_id, 'instance id')}.commit"
+
+
+def migrate_abort(instance_id: str) -> str:
+    """Source -> target instance: `MigrateAbort`."""
+    return f"{PREFIX}.mig.{check_token(instance_id, 'instance id')}.abort"

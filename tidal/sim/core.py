@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tidal.engine.api import RequestClass
+from tidal.schemas.enums import RequestClass
 from tidal.perf.api import StepModel
 from tidal.policy.base import (
     ClusterActions,

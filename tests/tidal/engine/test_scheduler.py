@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.engine.api import RequestClass
+from tidal.schemas.enums import RequestClass
 from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView, StepPlan
 
 

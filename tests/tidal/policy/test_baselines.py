@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tidal.engine.api import RequestClass
+from tidal.schemas.enums import RequestClass
 from tidal.policy import InstanceRole, PolicyContext, Slo, make_policy
 from tidal.policy.base import ClusterView, InstanceState, Phase, ReqState, RouteAction
 from tidal.policy.baselines.chunked import MAX_REPEAT, chunked_plan

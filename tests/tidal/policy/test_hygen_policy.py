@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tidal.engine.api import RequestClass
+from tidal.schemas.enums import RequestClass
 from tidal.policy.base import InstanceRole, InstanceState, Phase, PolicyContext, ReqState, Slo
 from tidal.policy.registry import make_policy
 from tidal.policy.tidal_batch import LinearStepModel

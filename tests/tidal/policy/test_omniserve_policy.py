@@ -3,7 +3,7 @@ requests are routed by LS prefill queued (BE prompts do not count)."""
 
 from __future__ import annotations
 
-from tidal.engine.api import RequestClass
+from tidal.schemas.enums import RequestClass
 from tidal.policy.base import (
     ClusterView,
     InstanceRole,

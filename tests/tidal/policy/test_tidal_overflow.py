@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.tidal.policy.test_tidal_policies import RS, run
-from tidal.engine.api import RequestClass
+from tidal.schemas.enums import RequestClass
 from tidal.policy.base import CpuPoolState, InstanceRole, InstanceState, Phase, ReqState
 from tidal.policy.tidal.overflow import pick_offloads
 from tidal.policy.tidal_batch import LinearStepModel

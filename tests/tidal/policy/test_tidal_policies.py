@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tidal.engine.api import RequestClass
+from tidal.schemas.enums import RequestClass
 from tidal.policy.base import CpuPoolState, InstanceRole, PolicyContext, Slo
 from tidal.policy.registry import available_policies, make_policy
 from tidal.policy.tidal_batch import LinearStepModel

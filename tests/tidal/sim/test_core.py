@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.engine.api import RequestClass
+from tidal.schemas.enums import RequestClass
 from tidal.policy import InstanceRole, PolicyContext, Slo, make_policy
 from tidal.policy.base import InstanceState, Policy, StepPlan
 from tidal.sim.core import InstanceSetup, Simulator

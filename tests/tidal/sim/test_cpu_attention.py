@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tidal.engine.api import RequestClass
+from tidal.schemas.enums import RequestClass
 from tidal.policy.base import CpuPoolState, InstanceRole, InstanceState, Policy, StepPlan
 from tidal.sim.core import InstanceSetup, Simulator
 from tidal.sim.models import CpuAttnRoofline, LinearStepModel

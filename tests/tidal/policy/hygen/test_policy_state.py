@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.engine.api import RequestClass
+from tidal.schemas.enums import RequestClass
 from tidal.policy.base import InstanceRole, InstanceState, Phase, PolicyContext, ReqState, Slo
 from tidal.policy.hygen import HygenConfig
 from tidal.policy.registry import make_policy

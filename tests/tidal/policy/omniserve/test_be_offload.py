@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.engine.api import RequestClass
+from tidal.schemas.enums import RequestClass
 from tidal.policy.base import (
     CpuPoolState,
     InstanceRole,
