@@ -84,14 +84,18 @@ class Supervisor:
 
     def plan(self) -> list[Child]:
         a = self.args
-        children = [self._service("scheduler-0", "services.scheduler")]
+        policy_args = ["--policy", a.policy] + (["--config", a.config] if a.config else [])
+        children = [self._service("scheduler-0", "services.scheduler", *policy_args)]
         children += [self._service(f"cpu-attn-{i}", "services.cpu_attn") for i in range(a.cpu_attn)]
-        roles = parse_roles(a.instances)
+        roles = parse_roles(a.instances) if a.instances else config_roles(a.config, a.policy)
         # NOTE: instances share this machine's cores; without a split, each torch engine would
         # start one thread per core and they would fight over them.
         threads = max(1, (os.cpu_count() or 1) // max(1, len(roles)))
         for i, role in enumerate(roles):
             extra = [
+                *policy_args,
+                "--index",
+                str(i),
                 "--role",
                 role,
                 "--engine",
@@ -227,9 +231,18 @@ def parse_roles(spec: str) -> list[str]:
     return roles
 
 
+def config_roles(config: str, policy: str) -> list[str]:
+    """The instance roles of `policy` in `config` (the default config if empty)."""
+    from services.common.live_config import load_live_config
+
+    return [g.role for g in load_live_config(config, policy).slots]
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
-        parse_roles(args.instances)
+        if args.instances:
+            parse_roles(args.instances)
+        config_roles(args.config, args.policy)  # a bad config or policy fails here, not later
         if args.port < 1 or args.port > 65535:
             raise ValueError(f"--port {args.port} is not a TCP port")
         if args.cpu_attn < 0:
@@ -266,9 +279,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
     p.add_argument(
+        "--config",
+        default="",
+        help="cluster config YAML: instance roles, chunk sizes, SLO, policy params "
+        "(default: configs/embedded.yaml)",
+    )
+    p.add_argument(
+        "--policy",
+        default="tidal",
+        help="scheduling policy the scheduler and every instance run (tidal policies lists them)",
+    )
+    p.add_argument(
         "--instances",
-        default="relaxed,strict",
-        help="comma-separated instance roles, one instance each",
+        default="",
+        help="comma-separated instance roles, one instance each (default: the config's)",
     )
     p.add_argument("--cpu-attn", type=int, default=1, help="number of CPU-attention workers")
     p.add_argument("--host", default="127.0.0.1", help="gateway address")

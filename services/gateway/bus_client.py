@@ -1,8 +1,11 @@
 """The gateway's side of the bus: route a request, submit it, and stream its tokens back.
 
 One subscription per gateway (`subjects.gateway_tokens(id)`) carries every request's tokens; they
-are dispatched by request id to per-request queues. If the instance running a request dies before
-its first token, the request is routed again elsewhere; after that, it ends with an error.
+are dispatched by request id to per-request queues and delivered strictly in `seq` order, from
+whichever instance runs the request now: a migrated request's chunks come from its new instance
+(announced by a `moved_to` chunk), and a chunk whose `seq` was already delivered is dropped. If
+the instance running a request dies, the request is routed again elsewhere and recomputed from its
+prompt plus the tokens already streamed (`resume_token_ids`): the client sees no repeated text.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.common.bus import subscribe
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
@@ -24,6 +29,8 @@ from tidal.schemas.messages import (
     GenerateAck,
     GenerateRequest,
     InstanceDown,
+    InstanceReport,
+    MigrationEvent,
     RouteReply,
     RouteRequest,
     TokenChunk,
@@ -32,13 +39,19 @@ from tidal.schemas.messages import (
 log = logging.getLogger("tidal.gateway")
 
 MAX_ROUTE_ATTEMPTS = 3
-ROUTE_TIMEOUT_S = 2.0
+MAX_RECOMPUTES = 3  # a request survives this many lost instances
+ROUTE_TIMEOUT_S = 2.0  # models and other quick questions
+# A route may be held by the policy until it has room (Route.hold); the scheduler answers late.
+HELD_ROUTE_TIMEOUT_S = {"online": 30.0, "offline": 600.0}
 SUBMIT_TIMEOUT_S = 5.0
 
 _ROUTE_ERRORS = {  # scheduler error code -> HTTP status
     "unknown_model": 404,
     "no_capacity": 503,
     "offline_paused": 503,
+    "rejected": 429,  # the policy's admission control
+    "queue_full": 429,  # the scheduler's held queue is full
+    "invalid_request": 400,
 }
 _ACK_ERRORS = {"context_length_exceeded": 400, "invalid_request": 400}
 
@@ -60,8 +73,12 @@ class RequestHandle:
     instance_id: str = ""
     ack: GenerateAck = field(default_factory=lambda: GenerateAck(ok=False))
     queue: asyncio.Queue[TokenChunk | _Down] = field(default_factory=asyncio.Queue)
-    num_chunks: int = 0
+    num_chunks: int = 0  # chunks delivered = the next seq expected
     is_finished: bool = False
+    early: dict[int, TokenChunk] = field(default_factory=dict)  # seq -> chunk that came early
+    token_ids: list[int] = field(default_factory=list)  # streamed so far (for a recompute)
+    num_recomputes: int = 0
+    num_migrations: int = 0
 
     async def batches(self) -> AsyncIterator[list[TokenChunk]]:
         """The request's chunks in order, in batches of whatever has arrived: a burst of tokens
@@ -72,9 +89,7 @@ class RequestHandle:
                 items.append(self.queue.get_nowait())
             batch: list[TokenChunk] = []
             for item in items:
-                chunk = await self._accept(item)
-                if chunk is not None:
-                    batch.append(chunk)
+                batch += await self._accept(item)
                 if self.is_finished:
                     break
             if batch:
@@ -85,38 +100,73 @@ class RequestHandle:
             for chunk in batch:
                 yield chunk
 
-    async def _accept(self, item: TokenChunk | _Down) -> TokenChunk | None:
+    async def _accept(self, item: TokenChunk | _Down) -> list[TokenChunk]:
         if isinstance(item, _Down):
             if item.instance_id != self.instance_id:
-                return None  # a stale notice about an instance this request already left
-            if self.num_chunks == 0:
-                log.warning(
-                    "request %s lost on %s before its first token; re-routing",
-                    self.request.req_id,
-                    item.instance_id,
-                )
-                await self.bus.place(self, exclude=[item.instance_id])
-                return None
-            self.is_finished = True
-            self.bus.release(self)
-            return TokenChunk(
+                return []  # a stale notice about an instance this request already left
+            return await self._lost(item)
+        if item.req_id != self.request.req_id:
+            return []
+        if item.moved_to:
+            if item.seq >= self.num_chunks:  # not a notice older than what we already have
+                self.instance_id = item.moved_to
+                self.num_migrations += 1
+            return []
+        if item.seq < self.num_chunks:
+            return []  # already delivered (a duplicate after a migration race)
+        self.early[item.seq] = item
+        out: list[TokenChunk] = []
+        while self.num_chunks in self.early:
+            chunk = self.early.pop(self.num_chunks)
+            self.num_chunks += 1
+            self.instance_id = chunk.instance_id
+            self.token_ids += chunk.token_ids
+            out.append(chunk)
+            if chunk.finish_reason is not None:
+                self.is_finished = True
+                self.bus.release(self)
+                break
+        return out
+
+    async def _lost(self, down: _Down) -> list[TokenChunk]:
+        """The instance running the request died: run it elsewhere, resuming after what the
+        client already has (recompute), or end it with an error if that keeps failing."""
+        if self.num_recomputes < MAX_RECOMPUTES:
+            self.num_recomputes += 1
+            log.warning(
+                "request %s lost on %s after %d token(s); recomputing elsewhere",
+                self.request.req_id,
+                down.instance_id,
+                len(self.token_ids),
+            )
+            self.request = msgspec.structs.replace(
+                self.request, resume_token_ids=list(self.token_ids), first_seq=self.num_chunks
+            )
+            self.early.clear()
+            try:
+                await self.bus.place(self, exclude=[down.instance_id])
+                return []
+            except ApiError as exc:
+                reason = f"{down.reason}; no instance took it again: {exc.message}"
+            except Exception as exc:
+                reason = f"{down.reason}; re-routing failed: {exc}"
+        else:
+            reason = f"{down.reason} ({self.num_recomputes} recomputes already)"
+        self.is_finished = True
+        self.bus.release(self)
+        return [
+            TokenChunk(
                 req_id=self.request.req_id,
                 seq=self.num_chunks,
                 text="",
                 num_tokens=0,
                 num_prompt_tokens=self.ack.num_prompt_tokens,
                 num_output_tokens=0,
-                instance_id=item.instance_id,
+                instance_id=down.instance_id,
                 finish_reason="error",
-                error=f"instance {item.instance_id} failed mid-request: {item.reason}",
+                error=f"instance {down.instance_id} failed mid-request: {reason}",
             )
-        if item.req_id != self.request.req_id or item.instance_id != self.instance_id:
-            return None
-        self.num_chunks += 1
-        if item.finish_reason is not None:
-            self.is_finished = True
-            self.bus.release(self)
-        return item
+        ]
 
     async def cancel(self, reason: str = "client disconnected") -> None:
         if self.is_finished:
@@ -128,8 +178,11 @@ class RequestHandle:
 
 
 class GatewayBus:
-    def __init__(self, nc: NATS, gateway_id: str, max_inflight: int) -> None:
+    def __init__(
+        self, nc: NATS, gateway_id: str, max_inflight: int, metrics: GatewayMetrics | None = None
+    ) -> None:
         self.nc = nc
+        self.metrics = metrics
         self.gateway_id = gateway_id
         self.reply_subject = subjects.gateway_tokens(gateway_id)
         self.max_inflight = max_inflight
@@ -138,6 +191,17 @@ class GatewayBus:
     async def start(self) -> None:
         await subscribe(self.nc, self.reply_subject, TokenChunk, self._on_chunk)
         await subscribe(self.nc, subjects.INSTANCE_DOWN, InstanceDown, self._on_down)
+        if self.metrics is not None:
+            await subscribe(self.nc, subjects.MIGRATION_EVENTS, MigrationEvent, self._on_mig)
+            await subscribe(self.nc, subjects.INSTANCE_STATE_ALL, InstanceReport, self._on_rep)
+
+    async def _on_mig(self, ev: MigrationEvent, _: Msg) -> None:
+        assert self.metrics is not None
+        self.metrics.on_migration(ev)
+
+    async def _on_rep(self, rep: InstanceReport, _: Msg) -> None:
+        assert self.metrics is not None
+        self.metrics.on_report(rep)
 
     async def _on_chunk(self, chunk: TokenChunk, _: Msg) -> None:
         handle = self.handles.get(chunk.req_id)
@@ -192,7 +256,8 @@ class GatewayBus:
                 continue
             ack = codec.decode(reply.data, GenerateAck)
             if ack.ok:
-                handle.ack = ack
+                if not handle.ack.ok:  # keep the first ack: a recompute's prompt holds outputs
+                    handle.ack = ack
                 return
             if ack.error_code == "draining":
                 tried.append(route.instance_id)
@@ -217,9 +282,12 @@ class GatewayBus:
             num_prompt_chars=len(req.prompt or "")
             + sum(len(m.content) for m in req.messages or []),
             exclude=exclude,
+            ttft_slo_ms=req.ttft_slo_ms,
+            tpot_slo_ms=req.tpot_slo_ms,
         )
+        timeout = HELD_ROUTE_TIMEOUT_S.get(req.req_class, ROUTE_TIMEOUT_S)
         try:
-            msg = await self.nc.request(subjects.ROUTE, codec.encode(ask), timeout=ROUTE_TIMEOUT_S)
+            msg = await self.nc.request(subjects.ROUTE, codec.encode(ask), timeout=timeout)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
             raise ApiError(
                 503,
@@ -235,7 +303,9 @@ class GatewayBus:
                 status,
                 route.message,
                 code=route.error_code,
-                type_="invalid_request_error" if status == 404 else "server_error",
+                type_={404: "invalid_request_error", 400: "invalid_request_error"}.get(
+                    status, "rate_limit_error" if status == 429 else "server_error"
+                ),
                 param="model" if status == 404 else None,
                 retry_after_s=route.retry_after_s or None,
             )

@@ -73,7 +73,7 @@ def create_app(nc: NATS, gateway_id: str, max_inflight: int = 1024) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        bus = GatewayBus(nc, gateway_id, max_inflight)
+        bus = GatewayBus(nc, gateway_id, max_inflight, app.state.metrics)
         await bus.start()
         app.state.nc, app.state.bus = nc, bus
         started = time.time()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tidal.schemas.messages import InstanceReport, MigrationEvent
+
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -48,3 +50,72 @@ class GatewayMetrics:
             ["req_class"],
             registry=self.registry,
         )
+
+        self.slo = Counter(
+            "tidal_slo_requests",
+            "Finished online requests by whether they met their TTFT and TPOT SLO "
+            '(attainment = attained="true" / all)',
+            ["req_class", "attained", "emulated"],
+            registry=self.registry,
+        )
+        # Cluster-wide, from the bus (the scheduler's migration events, the instances' reports).
+        self.preemptions = Counter(
+            "tidal_preemptions",
+            "Offline steps cut at a layer boundary for an online arrival (OOCO §3.4.1)",
+            ["instance"],
+            registry=self.registry,
+        )
+        self.migrations = Counter(
+            "tidal_migrations",
+            "Migrations by kind (push: online after prefill; pull: offline decode) and outcome",
+            ["kind", "outcome"],
+            registry=self.registry,
+        )
+        self.migration_seconds = Histogram(
+            "tidal_migration_seconds",
+            "Whole migration handshake, KV transfer included, successful ones",
+            ["kind"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.kv_transfer_bytes = Counter(
+            "tidal_kv_transfer_bytes",
+            "KV bytes moved between instances on the data plane",
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "tidal_queue_depth",
+            "Requests waiting (no KV yet) on each instance, by class",
+            ["instance", "req_class"],
+            registry=self.registry,
+        )
+        self.kv_usage = Gauge(
+            "tidal_kv_cache_usage_perc",
+            "Share of each instance's KV blocks in use (0-1)",
+            ["instance"],
+            registry=self.registry,
+        )
+        self._preempt_seen: dict[str, int] = {}  # instance -> count in its last report
+
+    def on_migration(self, ev: MigrationEvent) -> None:
+        self.migrations.labels(ev.kind, ev.outcome).inc()
+        if ev.outcome == "ok":
+            self.migration_seconds.labels(ev.kind).observe(ev.total_s)
+            self.kv_transfer_bytes.inc(ev.num_bytes)
+
+    def on_report(self, rep: InstanceReport) -> None:
+        iid = rep.instance_id
+        seen = self._preempt_seen.get(iid, 0)
+        if rep.num_preemptions < seen:  # the instance restarted
+            seen = 0
+        if rep.num_preemptions > seen:
+            self.preemptions.labels(iid).inc(rep.num_preemptions - seen)
+        self._preempt_seen[iid] = rep.num_preemptions
+        waiting = {"online": 0, "offline": 0}
+        for r in rep.requests:
+            if r.phase == "waiting":
+                waiting[r.req_class] = waiting.get(r.req_class, 0) + 1
+        for cls, n in waiting.items():
+            self.queue_depth.labels(iid, cls).set(n)
+        if rep.num_blocks:
+            self.kv_usage.labels(iid).set(1 - rep.num_free_blocks / rep.num_blocks)

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from typing import Any
 
-from tidal.engine.api import Engine
-from tidal.engine.sim import ZERO_STEP_MODEL, LinearStepModel, SimEngine, SimEngineConfig
+from tidal.engine.api import ControllableEngine
+from tidal.engine.sim import DEFAULT_SIM_STEP_MODEL, ZERO_STEP_MODEL, SimEngine, SimEngineConfig
 from tidal.perf.api import StepModel
+from tidal.perf.linear import LinearStepModel
 
 ENGINES = ("sim", "torch")
 
 
 def parse_step_model(spec: str) -> StepModel:
-    """`zero`, `linear` (defaults), `linear:BASE_S,PREFILL_TOKEN_S,DECODE_REQ_S,CONTEXT_TOKEN_S`,
-    or `MODEL@HARDWARE` for a `tidal.perf` model (e.g. `llama-2-7b@a100-80gb`)."""
+    """`zero`, `linear` (`DEFAULT_SIM_STEP_MODEL`), `linear:BASE_S,PER_TOKEN_S,DECODE_REQ_S,
+    CTX_TOKEN_S` (a `LinearStepModel`: seconds per step, per token, per decoding request, per
+    decode context token), or `MODEL@HARDWARE` for a `tidal.perf` model (e.g.
+    `llama-2-7b@a100-80gb`)."""
     if spec == "zero":
         return ZERO_STEP_MODEL
     if spec == "linear":
-        return LinearStepModel()
+        return DEFAULT_SIM_STEP_MODEL
     if spec.startswith("linear:"):
         try:
             coeffs = [float(x) for x in spec.removeprefix("linear:").split(",")]
@@ -26,7 +30,14 @@ def parse_step_model(spec: str) -> StepModel:
             raise ValueError(f"--sim-step-model {spec!r}: coefficients must be numbers") from None
         if len(coeffs) != 4:
             raise ValueError(f"--sim-step-model {spec!r}: linear takes exactly 4 coefficients")
-        return LinearStepModel(*coeffs)
+        base_s, per_token_s, per_decode_req_s, per_ctx_token_s = coeffs
+        return LinearStepModel(
+            base_s=base_s,
+            per_token_s=per_token_s,
+            per_decode_req_s=per_decode_req_s,
+            per_ctx_token_s=per_ctx_token_s,
+            per_attn_pair_s=0.0,
+        )
     if "@" in spec:
         from tidal import perf
 
@@ -39,10 +50,18 @@ def parse_step_model(spec: str) -> StepModel:
     raise ValueError(f"--sim-step-model {spec!r}: expected zero, linear[:...] or MODEL@HARDWARE")
 
 
-def build_engine(args: argparse.Namespace) -> Engine:
+def build_engine(args: argparse.Namespace) -> ControllableEngine:
     if args.engine == "sim":
+        # The engine waits its emulated step time itself (interruptible at layer boundaries).
+        sim: dict[str, Any] = {}
+        if kv_tokens := getattr(args, "kv_cache_tokens", 0):
+            sim["num_kv_blocks"] = kv_tokens // SimEngineConfig.block_size
         config = SimEngineConfig(
-            model_name=args.model or "tidal-sim", max_model_len=args.max_model_len or 8192
+            model_name=args.model or "tidal-sim",
+            max_model_len=args.max_model_len or 8192,
+            realtime=True,
+            tokenizer=getattr(args, "tokenizer", "") or "",
+            **sim,
         )
         return SimEngine(config, parse_step_model(args.sim_step_model))
     if args.engine == "torch":
@@ -53,7 +72,9 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
             torch.set_num_threads(args.num_threads)
         kwargs = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-        engine: Engine = torch_engine.load_torch_engine(
+        if kv_tokens := getattr(args, "kv_cache_tokens", 0):
+            kwargs["kv_cache_tokens"] = kv_tokens
+        engine: ControllableEngine = torch_engine.load_torch_engine(
             args.model or None, device=args.device, **kwargs
         )
         return engine

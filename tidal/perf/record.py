@@ -40,8 +40,8 @@ def record_engine_log(
     import torch
 
     from tidal.engine.api import EngineRequest, SamplingParams
-    from tidal.engine.scheduler import StepPlan
     from tidal.engine.torch_engine import load_torch_engine
+    from tidal.policy.plan import StepPlan
 
     if threads:
         torch.set_num_threads(threads)  # NOTE: oversubscribed threads make CPU steps erratic
@@ -79,7 +79,7 @@ def record_engine_log(
             v = views[0]
             plan[v.req_id] = 1 if v.is_decode else min(64, v.num_pending)
         t0 = time.thread_time()
-        eng.step(StepPlan(plan))
+        eng.step(StepPlan(prefill=plan))
         cpu_s.append(time.thread_time() - t0)
         if progress:
             progress(i + 1)

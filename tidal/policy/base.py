@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from tidal.perf.api import BatchShape, StepModel
-from tidal.policy.plan import IDLE, StepPlan
+from tidal.policy.plan import StepPlan
 from tidal.schemas.enums import RequestClass
 
 __all__ = [
@@ -321,8 +321,6 @@ class ClusterActions:
 
 
 NO_ACTIONS = ClusterActions()
-
-
 
 
 def shape_of(prefill: Sequence[tuple[ReqState, int]], decode: Sequence[ReqState]) -> BatchShape:

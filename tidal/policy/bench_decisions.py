@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable
 
 from tidal.perf.api import StepModel
+from tidal.policy.batch_shape import decode_shape
 from tidal.policy.hygen.batch import HyReq, two_phase_schedule
 from tidal.policy.omniserve.control import admit_ls, fit_decodes, max_chunk
 from tidal.policy.ooco.migration import length_preference
 from tidal.policy.ooco.mix_decode import DecodeCandidate, select_mix_decode
 from tidal.policy.taichi.flowing import FlowReq, select_degrading
 from tidal.policy.taichi.routing import PrefillTarget, route_prefill
-from tidal.policy.tidal_batch import decode_shape
 
 N = 256
 

@@ -31,6 +31,15 @@ class StepPlan:
     # discarded (OOCO §3.4.1 layer-level preemption); set it only on offline-only steps
 
     @property
+    def num_tokens(self) -> dict[str, int]:
+        """req_id -> tokens computed this step (a decode computes 1)."""
+        return dict(self.prefill) | dict.fromkeys(self.decode, 1)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.prefill.values()) + len(self.decode)
+
+    @property
     def is_empty(self) -> bool:
         return not (
             self.prefill

@@ -130,6 +130,9 @@ class TokenChunk(msgspec.Struct, frozen=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     logprobs: list[float] = []
     token_ids: list[int] = []  # the chunk's tokens (a recompute resumes from them)
+    # Not tokens: the request migrated to this instance id; its next chunk (this `seq`) comes
+    # from there. The gateway follows it.
+    moved_to: str = ""
     is_emulated: bool = False
     error: str = ""
 
@@ -209,6 +212,20 @@ class MigrateResult(msgspec.Struct, frozen=True):
 
     req_id: str
     outcome: str  # "ok" | "refused" | "failed" | "unknown_request" | "busy"
+    message: str = ""
+    num_bytes: int = 0
+    transfer_s: float = 0.0
+    total_s: float = 0.0
+
+
+class MigrationEvent(msgspec.Struct, frozen=True):
+    """Scheduler -> anyone (`subjects.MIGRATION_EVENTS`): a migration ended (for metrics)."""
+
+    req_id: str
+    kind: str  # "push" | "pull"
+    src_instance_id: str
+    dst_instance_id: str
+    outcome: str  # `MigrateResult.outcome`
     message: str = ""
     num_bytes: int = 0
     transfer_s: float = 0.0

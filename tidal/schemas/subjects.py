@@ -15,6 +15,7 @@ SCHEDULER_QUEUE = "scheduler"
 # Broadcasts.
 CANCEL = f"{PREFIX}.req.cancel"
 INSTANCE_DOWN = f"{PREFIX}.evt.instance_down"
+MIGRATION_EVENTS = f"{PREFIX}.evt.migration"
 HEARTBEAT_ALL = f"{PREFIX}.hb.>"
 
 # Control plane: JSON request/reply a person can type.

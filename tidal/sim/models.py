@@ -1,29 +1,8 @@
-"""Small latency models for tests and for the CPU-attention workers."""
+"""The CPU-attention workers' latency model (the linear step model is `tidal.perf.linear`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from tidal.perf.api import BatchShape
-
-
-@dataclass(frozen=True, slots=True)
-class LinearStepModel:
-    """step_s = base + per_token * tokens + per_pair * prefill attention pairs
-    + per_ctx * decode context tokens. Hand-checkable; for tests and quick what-ifs."""
-
-    base_s: float = 0.01
-    per_token_s: float = 0.0
-    per_pair_s: float = 0.0
-    per_ctx_s: float = 0.0
-
-    def step_s(self, batch: BatchShape) -> float:
-        return (
-            self.base_s
-            + self.per_token_s * batch.num_tokens
-            + self.per_pair_s * batch.prefill_attn_pairs
-            + self.per_ctx_s * batch.decode_context_tokens
-        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any
 import tidal.policy.omniserve.policy as omni
 from tidal.perf.api import BatchShape
 from tidal.policy.base import InstanceState, StepPlan
-from tidal.policy.tidal_batch import add_decode, add_prefill
+from tidal.policy.batch_shape import add_decode, add_prefill
 from tidal.sim.build import simulate
 from tidal.sim.config import load_config
 

@@ -107,9 +107,18 @@ class _Call:
         self.metrics.output_tokens.labels(self.req_class, self.emulated).inc(chunk.num_tokens)
 
     def finish(self) -> None:
+        tpot = 0.0
         if self.first_token_s is not None and self.last_token_s is not None and self.num_output > 1:
             tpot = (self.last_token_s - self.first_token_s) / (self.num_output - 1)
             self.metrics.tpot.labels(self.req_class, self.emulated).observe(tpot)
+        req = self.handle.request
+        if self.req_class == "online" and self.first_token_s is not None:
+            ttft_ok = req.ttft_slo_ms is None or (
+                (self.first_token_s - self.arrival_s) * 1e3 <= req.ttft_slo_ms
+            )
+            tpot_ok = req.tpot_slo_ms is None or tpot * 1e3 <= req.tpot_slo_ms
+            ok = "true" if ttft_ok and tpot_ok else "false"
+            self.metrics.slo.labels(self.req_class, ok, self.emulated).inc()
 
     def usage(self) -> dict[str, int]:
         prompt = self.handle.ack.num_prompt_tokens

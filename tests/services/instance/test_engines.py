@@ -1,20 +1,23 @@
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from services.instance.engines import parse_step_model
-from tidal.engine.sim import LinearStepModel
+from services.instance.engines import build_engine, parse_step_model
+from tidal.engine.sim import DEFAULT_SIM_STEP_MODEL, SimEngine
 from tidal.perf.api import BatchShape
+from tidal.perf.linear import LinearStepModel
 
 
 def test_step_model_specs() -> None:
     assert parse_step_model("zero").step_s(BatchShape(num_decode_reqs=8)) == 0.0
-    assert parse_step_model("linear") == LinearStepModel()
-    custom = parse_step_model("linear:0.01,0.001,0.002,0")
-    # 0.01 + 100*0.001 + 2*0.002 = 0.114 s
-    assert custom.step_s(BatchShape(num_prefill_tokens=100, num_decode_reqs=2)) == pytest.approx(
-        0.114
-    )
+    assert parse_step_model("linear") == DEFAULT_SIM_STEP_MODEL
+    custom = parse_step_model("linear:0.01,0.001,0.002,0.0001")
+    assert custom == LinearStepModel(0.01, 0.001, 0.0001, 0.0, 0.002)
+    # 0.01 + (100 + 2)*0.001 + 2*0.002 + 50*0.0001 = 0.121 s
+    shape = BatchShape(num_prefill_tokens=100, num_decode_reqs=2, decode_context_tokens=50)
+    assert custom.step_s(shape) == pytest.approx(0.121)
     perf_model = parse_step_model("llama-2-7b@a100-80gb")
     assert perf_model.step_s(BatchShape(num_decode_reqs=1, decode_context_tokens=100)) > 0
 
@@ -23,3 +26,18 @@ def test_step_model_specs() -> None:
 def test_bad_step_model_specs_are_clear_errors(bad: str) -> None:
     with pytest.raises(ValueError):
         parse_step_model(bad)
+
+
+def test_sim_engine_is_built_realtime_with_the_asked_tokenizer_and_pool() -> None:
+    args = argparse.Namespace(
+        engine="sim",
+        model="",
+        max_model_len=0,
+        kv_cache_tokens=16384,
+        tokenizer="bytes",
+        sim_step_model="zero",
+    )
+    eng = build_engine(args)
+    assert isinstance(eng, SimEngine)
+    assert eng.config.realtime and eng.config.tokenizer == "bytes"
+    assert eng.num_kv_blocks == 16384 // eng.block_size and eng.model_name == "tidal-sim"

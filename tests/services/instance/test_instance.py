@@ -37,6 +37,13 @@ async def instance(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
             "linear:0.02,0,0,0",
             "--max-model-len",
             "256",
+            # A lone instance: a policy that prefills and decodes where the request landed.
+            "--policy",
+            "aggregated",
+            "--role",
+            "aggregated",
+            "--tokenizer",
+            "bytes",
         ]
     )
     stop = asyncio.Event()

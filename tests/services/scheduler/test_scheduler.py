@@ -12,7 +12,13 @@ from nats.aio.client import Client as NATS
 from services.common.bus import connect
 from services.scheduler import main as scheduler_main
 from tidal.schemas import codec, subjects
-from tidal.schemas.messages import Heartbeat, InstanceDown, RouteReply, RouteRequest
+from tidal.schemas.messages import (
+    Heartbeat,
+    InstanceDown,
+    InstanceReport,
+    RouteReply,
+    RouteRequest,
+)
 
 pytestmark = pytest.mark.nats
 
@@ -30,10 +36,36 @@ def make_hb(sid: str, kind: str = "instance", model: str = "m") -> Heartbeat:
     )
 
 
+def make_report(sid: str, index: int, role: str, seq: int = 1) -> InstanceReport:
+    return InstanceReport(
+        instance_id=sid,
+        index=index,
+        seq=seq,
+        sent_unix_s=time.time(),
+        role=role,
+        chunk_size=256,
+        max_batch_reqs=64,
+        block_size=16,
+        num_blocks=1000,
+        num_free_blocks=1000,
+        kv_bytes_per_token=1000.0,
+        step_model="linear",
+        data_url="tcp://127.0.0.1:1",
+    )
+
+
+async def join(nc: NATS, sid: str, index: int, role: str) -> None:
+    """An instance as the scheduler learns it: a heartbeat and a state report."""
+    await nc.publish(subjects.instance_state(sid), codec.encode(make_report(sid, index, role)))
+    await beat(nc, make_hb(sid))
+
+
 @pytest.fixture
 async def cluster(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[NATS]:
     monkeypatch.setenv("TIDAL_HEARTBEAT_S", "0.1")
-    args = scheduler_main.parse_args(["--nats-url", nats_url, "--id", "sched-t"])
+    args = scheduler_main.parse_args(
+        ["--nats-url", nats_url, "--id", "sched-t", "--policy", "aggregated"]
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(scheduler_main.serve(args, stop))
     nc = await connect(nats_url, "test")
@@ -55,9 +87,11 @@ async def status(nc: NATS) -> dict:
     return json.loads((await nc.request(subjects.CTL_STATUS, b"{}", timeout=2)).data)
 
 
-async def route(nc: NATS, model: str = "m", req_class: str = "online") -> RouteReply:
+async def route(
+    nc: NATS, model: str = "m", req_class: str = "online", req_id: str = "r"
+) -> RouteReply:
     ask = RouteRequest(
-        req_id="r", model=model, req_class=req_class, max_tokens=4, num_prompt_chars=3
+        req_id=req_id, model=model, req_class=req_class, max_tokens=4, num_prompt_chars=3
     )
     return codec.decode(
         (await nc.request(subjects.ROUTE, codec.encode(ask), timeout=2)).data, RouteReply
@@ -80,11 +114,13 @@ async def test_status_lists_services_learned_from_heartbeats(cluster: NATS) -> N
     assert inst["emulated"] is True and inst["engine"] == "sim"
 
 
-async def test_routes_round_robin_and_answers_unknown_model(cluster: NATS) -> None:
-    await beat(cluster, make_hb("inst-a"))
-    await beat(cluster, make_hb("inst-b"))
-    picks = {(await route(cluster)).instance_id for _ in range(4)}
-    assert picks == {"inst-a", "inst-b"}
+async def test_routes_by_the_policy_over_reports_and_answers_unknown_model(cluster: NATS) -> None:
+    await join(cluster, "inst-a", 0, "aggregated")
+    await join(cluster, "inst-b", 1, "aggregated")
+    # `aggregated` routes to the instance with the fewest queued prompt tokens; a routed request
+    # counts on its instance until a report shows it, so two arrivals spread over both.
+    picks = [(await route(cluster, req_id=f"r{i}")).instance_id for i in range(2)]
+    assert sorted(picks) == ["inst-a", "inst-b"]
     reply = await route(cluster, model="nope")
     assert reply.error_code == "unknown_model" and "m" in reply.message
 
@@ -96,7 +132,7 @@ async def test_silent_instance_is_forgotten_and_announced(cluster: NATS) -> None
         downs.append(codec.decode(msg.data, InstanceDown))
 
     await cluster.subscribe(subjects.INSTANCE_DOWN, cb=on_down)
-    await beat(cluster, make_hb("inst-a"))
+    await join(cluster, "inst-a", 0, "aggregated")
     assert (await route(cluster)).instance_id == "inst-a"
     await asyncio.sleep(0.8)  # > 4 heartbeats of 0.1 s with no beat from inst-a
     assert [d.instance_id for d in downs] == ["inst-a"]
@@ -104,7 +140,7 @@ async def test_silent_instance_is_forgotten_and_announced(cluster: NATS) -> None
 
 
 async def test_pause_and_resume_offline_admission(cluster: NATS) -> None:
-    await beat(cluster, make_hb("inst-a"))
+    await join(cluster, "inst-a", 0, "aggregated")
     reply = json.loads((await cluster.request(subjects.CTL_OFFLINE_PAUSE, b"", timeout=2)).data)
     assert reply == {"offline_paused": True}
     paused = await route(cluster, req_class="offline")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tidal.engine.api import EngineRequest, FinishReason, RequestClass, SamplingParams
-from tidal.engine.scheduler import StepPlan
 from tidal.engine.torch_engine import TorchEngine
+from tidal.policy.plan import StepPlan
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -171,12 +171,12 @@ def test_explicit_plan_and_step_log(make_engine: Any, tmp_path: Path) -> None:
     e = make_engine(step_log=str(log), profile_modules=True)
     e.add(EngineRequest("a", prompt(20, 1), GREEDY))
     e.add(EngineRequest("b", prompt(6, 2), GREEDY))
-    res = e.step(StepPlan({"a": 5, "b": 6}))
+    res = e.step(StepPlan(prefill={"a": 5, "b": 6}))
     tel = res.telemetry
     assert (tel.num_prefill_tokens, tel.num_decode_tokens, tel.num_requests) == (11, 0, 2)
     assert tel.num_context_tokens == 11 and [ev.req_id for ev in res.events] == ["b"]
     assert set(tel.module_s) == {"qkv", "attention", "o_proj", "mlp"}
-    res = e.step(StepPlan({"a": 15, "b": 1}))
+    res = e.step(StepPlan(prefill={"a": 15, "b": 1}))
     assert (res.telemetry.num_prefill_tokens, res.telemetry.num_decode_tokens) == (15, 1)
     assert res.telemetry.num_context_tokens == 20 + 7
     lines = [json.loads(x) for x in log.read_text().splitlines()]
@@ -188,7 +188,7 @@ def test_explicit_plan_and_step_log(make_engine: Any, tmp_path: Path) -> None:
     parsed = read_step_log(log)
     assert len(parsed) == 2 and parsed.batches[1].num_prefill_tokens == 15
     with pytest.raises(ValueError, match="unknown"):
-        e.step(StepPlan({"nope": 1}))
+        e.step(StepPlan(prefill={"nope": 1}))
 
 
 def test_stop_strings_stop_ids_max_tokens_and_logprobs(make_engine: Any) -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from tidal.schemas.enums import RequestClass
+from tidal.perf.linear import LinearStepModel
 from tidal.policy import InstanceRole, PolicyContext, Slo, make_policy
 from tidal.policy.base import ClusterView, InstanceState, Phase, ReqState, RouteAction
 from tidal.policy.baselines.chunked import MAX_REPEAT, chunked_plan
-from tidal.sim.models import LinearStepModel
+from tidal.schemas.enums import RequestClass
 
 SLO = Slo(1.0, 0.1)
 
@@ -20,7 +20,9 @@ def make_instance(iid: int = 0, blocks: int = 100, chunk: int = 64, role=Instanc
         block_size=16,
         num_blocks=blocks,
         num_free_blocks=blocks,
-        step_model=LinearStepModel(),
+        step_model=LinearStepModel(
+            base_s=0.01, per_token_s=0.0, per_ctx_token_s=0.0, per_attn_pair_s=0.0
+        ),
         kv_bytes_per_token=1.0,
         pcie_bytes_per_s=1.0,
     )

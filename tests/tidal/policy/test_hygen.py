@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from tidal.perf.linear import LinearStepModel
 from tidal.policy.hygen import (
     HyReq,
     OfflineOrder,
@@ -14,7 +15,6 @@ from tidal.policy.hygen import (
     reconcile_on_arrival,
     two_phase_schedule,
 )
-from tidal.policy.tidal_batch import LinearStepModel
 
 # 10 ms + 0.1 ms per token through the GEMMs: a 50 ms budget holds 400 tokens.
 TOK = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_ctx_token_s=0.0, per_attn_pair_s=0.0)

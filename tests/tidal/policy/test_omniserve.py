@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from tidal.perf.linear import LinearStepModel
+from tidal.policy.batch_shape import decode_shape
 from tidal.policy.omniserve import admit_ls, fit_decodes, max_chunk, piggyback_admission
-from tidal.policy.tidal_batch import LinearStepModel, decode_shape
 
 TOK = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_ctx_token_s=0.0, per_attn_pair_s=0.0)
 CTX = LinearStepModel(base_s=0.01, per_token_s=0.0, per_ctx_token_s=1e-5, per_attn_pair_s=0.0)

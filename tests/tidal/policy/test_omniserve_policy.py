@@ -3,7 +3,7 @@ requests are routed by LS prefill queued (BE prompts do not count)."""
 
 from __future__ import annotations
 
-from tidal.schemas.enums import RequestClass
+from tidal.perf.linear import LinearStepModel
 from tidal.policy.base import (
     ClusterView,
     InstanceRole,
@@ -14,7 +14,7 @@ from tidal.policy.base import (
     Slo,
 )
 from tidal.policy.registry import make_policy
-from tidal.policy.tidal_batch import LinearStepModel
+from tidal.schemas.enums import RequestClass
 
 SLO = Slo(2.0, 0.2)
 MODEL = LinearStepModel()

@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal.perf.api import BatchShape
+from tidal.perf.linear import LinearStepModel
+from tidal.policy.batch_shape import decode_shape
 from tidal.policy.ooco import (
     DecodeCandidate,
     InstanceRole,
@@ -26,7 +28,6 @@ from tidal.policy.ooco import (
     should_preempt_offline,
 )
 from tidal.policy.ooco.config import OocoConfig
-from tidal.policy.tidal_batch import LinearStepModel, decode_shape
 
 # step_s = 10 ms + 10 µs per KV token: a step of 1000 KV tokens takes 20 ms.
 CTX_MODEL = LinearStepModel(base_s=0.01, per_token_s=0.0, per_ctx_token_s=1e-5, per_attn_pair_s=0)

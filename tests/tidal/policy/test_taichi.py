@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tidal.perf.api import BatchShape
+from tidal.perf.linear import LinearStepModel
 from tidal.policy.taichi import (
     DecodeHost,
     FlowReq,
@@ -16,7 +17,6 @@ from tidal.policy.taichi import (
     select_backflow,
     select_degrading,
 )
-from tidal.policy.tidal_batch import LinearStepModel
 
 TOK = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_ctx_token_s=0.0, per_attn_pair_s=0.0)
 IDLE = BatchShape()
@@ -84,9 +84,9 @@ def test_config_sliders() -> None:
 
 
 def test_sliders_default_to_the_configured_chunk_sizes() -> None:
+    from tidal.perf.linear import LinearStepModel
     from tidal.policy.base import ClusterView, InstanceRole, InstanceState, PolicyContext, Slo
     from tidal.policy.registry import make_policy
-    from tidal.policy.tidal_batch import LinearStepModel
 
     roles = (InstanceRole.P_HEAVY, InstanceRole.D_HEAVY)
     insts = [

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from tests.tidal.policy.test_tidal_policies import RS, run
-from tidal.schemas.enums import RequestClass
+from tidal.perf.linear import LinearStepModel
 from tidal.policy.base import CpuPoolState, InstanceRole, InstanceState, Phase, ReqState
 from tidal.policy.tidal.overflow import pick_offloads
-from tidal.policy.tidal_batch import LinearStepModel
+from tidal.schemas.enums import RequestClass
 from tidal.sim.models import CpuAttnRoofline
 
 # 1,000 B of KV per token, one worker at 1 MB/s, no overhead: 1 s of CPU per 1,000 context tokens.

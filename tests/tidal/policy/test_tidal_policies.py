@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from tidal.schemas.enums import RequestClass
+from tidal.perf.linear import LinearStepModel
 from tidal.policy.base import CpuPoolState, InstanceRole, PolicyContext, Slo
 from tidal.policy.registry import available_policies, make_policy
-from tidal.policy.tidal_batch import LinearStepModel
+from tidal.schemas.enums import RequestClass
 from tidal.sim.core import InstanceSetup, Simulator
 from tidal.sim.models import CpuAttnRoofline
 from tidal.workload.mix import SimRequest

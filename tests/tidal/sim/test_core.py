@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.schemas.enums import RequestClass
+from tidal.perf.linear import LinearStepModel
 from tidal.policy import InstanceRole, PolicyContext, Slo, make_policy
 from tidal.policy.base import InstanceState, Policy, StepPlan
+from tidal.schemas.enums import RequestClass
 from tidal.sim.core import InstanceSetup, Simulator
-from tidal.sim.models import LinearStepModel
 from tidal.workload.mix import SimRequest
 
 SLO = Slo(1.0, 0.1)
@@ -20,7 +20,9 @@ def make_setup(role: InstanceRole = InstanceRole.AGGREGATED, **kw: object) -> In
         role=role,
         chunk_size=512,
         num_blocks=100,
-        step_model=LinearStepModel(base_s=0.01, per_token_s=0.001),
+        step_model=LinearStepModel(
+            base_s=0.01, per_token_s=0.001, per_ctx_token_s=0.0, per_attn_pair_s=0.0
+        ),
         kv_bytes_per_token=1000.0,
         block_size=16,
     )

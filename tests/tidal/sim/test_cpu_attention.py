@@ -6,11 +6,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from tidal.schemas.enums import RequestClass
+from tidal.perf.linear import LinearStepModel
 from tidal.policy.base import CpuPoolState, InstanceRole, InstanceState, Policy, StepPlan
+from tidal.schemas.enums import RequestClass
 from tidal.sim.core import InstanceSetup, Simulator
-from tidal.sim.models import CpuAttnRoofline, LinearStepModel
+from tidal.sim.models import CpuAttnRoofline
 from tidal.workload.mix import SimRequest
+
+LINEAR = LinearStepModel(base_s=0.01, per_token_s=0.001, per_ctx_token_s=0.0, per_attn_pair_s=0.0)
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ def test_cpu_decode_timing() -> None:
         InstanceRole.AGGREGATED,
         512,
         100,
-        LinearStepModel(0.01, 0.001),
+        LINEAR,
         1000.0,
         pcie_bytes_per_s=1e6,
     )
@@ -68,7 +71,7 @@ def test_cpu_attention_roofline() -> None:
 def test_host_memory_capacity_is_enforced() -> None:
     from tidal.policy.base import PolicyError
 
-    setup = InstanceSetup(InstanceRole.AGGREGATED, 512, 100, LinearStepModel(0.01, 0.001), 1.0)
+    setup = InstanceSetup(InstanceRole.AGGREGATED, 512, 100, LINEAR, 1.0)
     cpu = CpuPoolState(num_workers=1, model=ConstCpu(0.05), host_kv_capacity_tokens=50)
     sim = Simulator([setup], OffloadAll(), cpu=cpu)
     with pytest.raises(PolicyError, match="host memory full"):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.schemas.enums import RequestClass
+from tidal.perf.linear import LinearStepModel
 from tidal.policy.base import InstanceRole, InstanceState, Policy, StepPlan
+from tidal.schemas.enums import RequestClass
 from tidal.sim.core import InstanceSetup, Simulator
-from tidal.sim.models import LinearStepModel
 from tidal.workload.mix import SimRequest
+
+LINEAR = LinearStepModel(base_s=0.01, per_token_s=0.001, per_ctx_token_s=0.0, per_attn_pair_s=0.0)
 
 
 class OnlineFirstPrefill(Policy):
@@ -26,7 +28,7 @@ class OnlineFirstPrefill(Policy):
 
 
 def test_online_arrival_cuts_offline_step_at_next_layer() -> None:
-    setup = InstanceSetup(InstanceRole.RELAXED, 4096, 200, LinearStepModel(0.01, 0.001), 1.0)
+    setup = InstanceSetup(InstanceRole.RELAXED, 4096, 200, LINEAR, 1.0)
     sim = Simulator([setup], OnlineFirstPrefill(), check=True)
     rec = sim.run(
         [
@@ -46,7 +48,7 @@ def test_online_arrival_cuts_offline_step_at_next_layer() -> None:
 
 
 def test_offline_arrival_does_not_cut() -> None:
-    setup = InstanceSetup(InstanceRole.RELAXED, 4096, 200, LinearStepModel(0.01, 0.001), 1.0)
+    setup = InstanceSetup(InstanceRole.RELAXED, 4096, 200, LINEAR, 1.0)
     sim = Simulator([setup], OnlineFirstPrefill(), check=True)
     rec = sim.run(
         [

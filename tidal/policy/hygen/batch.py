@@ -15,7 +15,7 @@ from itertools import accumulate, islice
 from operator import attrgetter
 
 from tidal.perf.api import BatchShape, StepModel
-from tidal.policy.tidal_batch import add_decode, add_prefill, largest_fit
+from tidal.policy.batch_shape import add_decode, add_prefill, largest_fit
 
 
 @dataclass(frozen=True, slots=True)

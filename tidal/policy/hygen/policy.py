@@ -28,8 +28,8 @@ from tidal.policy.base import (
 from tidal.policy.hygen.batch import HyReq, two_phase_schedule
 from tidal.policy.hygen.config import HygenConfig
 from tidal.policy.hygen.prefix_order import OfflineOrder
+from tidal.policy.plan_builder import make_room_for_decodes
 from tidal.policy.registry import register_policy
-from tidal.policy.tidal_adapt import make_room_for_decodes
 
 
 def hy(r: ReqState) -> HyReq:

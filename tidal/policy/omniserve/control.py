@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from tidal.perf.api import BatchShape, StepModel
 from tidal.policy.base import ReqState
-from tidal.policy.tidal_batch import add_decode, add_prefill
+from tidal.policy.batch_shape import add_decode, add_prefill
 
 
 def admit_ls(

@@ -23,11 +23,11 @@ from tidal.policy.base import (
     StepPlan,
     parse_params,
 )
+from tidal.policy.batch_shape import decode_shape
 from tidal.policy.omniserve.config import OmniConfig
 from tidal.policy.omniserve.control import admit_ls, oldest_first, piggyback_admission
+from tidal.policy.plan_builder import PlanBuilder, make_room_for_decodes, split_running
 from tidal.policy.registry import register_policy
-from tidal.policy.tidal_adapt import PlanBuilder, make_room_for_decodes, split_running
-from tidal.policy.tidal_batch import decode_shape
 
 
 def ls_admissible(inst: InstanceState, req: ReqState, ttft_s: float, cfg: OmniConfig) -> bool:
@@ -145,11 +145,12 @@ def omni_step(
     victims = make_room_for_decodes(inst, dec)
     if victims:
         # Out of KV: BE decodes go to the CPU workers (or are preempted without them).
-        gone = {r.req_id for r in victims}
         room = _HostRoom(cpu, in_flight)
         to_cpu = [r.req_id for r in victims if r.is_decoding and not r.is_online and room.take(r)]
+        # NOTE: in victim order; iterating a set of req_ids made runs depend on PYTHONHASHSEED.
         return StepPlan(
-            offload=tuple(to_cpu), preempt=tuple(x for x in gone if x not in set(to_cpu))
+            offload=tuple(to_cpu),
+            preempt=tuple(r.req_id for r in victims if r.req_id not in to_cpu),
         )
     b = PlanBuilder(inst)
     for r in dec:  # ① LS decode: always

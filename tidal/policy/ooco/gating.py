@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.perf.api import BatchShape, StepModel
-from tidal.policy.tidal_batch import add_decode, add_prefill
+from tidal.policy.batch_shape import add_decode, add_prefill
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from tidal.perf.api import BatchShape, StepModel
+from tidal.policy.batch_shape import add_decode
 from tidal.policy.ooco.eviction import choose_victims, is_compute_bound
 from tidal.policy.ooco.mix_decode import DecodeCandidate
-from tidal.policy.tidal_batch import add_decode
 
 
 class PrefKind(StrEnum):

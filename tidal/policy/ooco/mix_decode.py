@@ -16,8 +16,8 @@ from itertools import accumulate
 from operator import attrgetter
 
 from tidal.perf.api import BatchShape, StepModel
+from tidal.policy.batch_shape import add_decode, largest_fit
 from tidal.policy.ooco.config import OverloadMode
-from tidal.policy.tidal_batch import add_decode, largest_fit
 
 
 @dataclass(frozen=True, slots=True)

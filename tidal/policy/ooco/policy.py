@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 
@@ -30,6 +31,7 @@ from tidal.policy.base import (
     StepPlan,
     parse_params,
 )
+from tidal.policy.batch_shape import decode_shape
 from tidal.policy.ooco.config import OocoConfig
 from tidal.policy.ooco.eviction import choose_victims, is_compute_bound
 from tidal.policy.ooco.gating import gate_offline_prefill
@@ -40,11 +42,18 @@ from tidal.policy.ooco.migration import (
     select_for_pull,
 )
 from tidal.policy.ooco.mix_decode import DecodeCandidate, select_mix_decode
+from tidal.policy.plan_builder import PlanBuilder, split_running
 from tidal.policy.registry import register_policy
-from tidal.policy.tidal_adapt import PlanBuilder, split_running
-from tidal.policy.tidal_batch import decode_shape
 
 _EWMA_S = 10.0  # time constant of the online KV-inflow estimate used by gating, seconds
+
+# Hints a strict instance's `schedule` leaves for `tick` (`InstanceState.hints`), the §3.4.3 pull
+# trigger: PULL_SEQ counts the steps in which every decode fit (nothing swapped) with slack
+# under the TPOT SLO; PULL_SHAPE + a `BatchShape` field name holds that field of the latest such
+# step. `tick` pulls once per new count, as if the step had just asked for more work.
+PULL_SEQ = "ooco.pull_seq"
+PULL_SHAPE = "ooco.pull."
+_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(BatchShape))
 
 
 def ooco_config(ctx: PolicyContext, params: dict[str, object] | None = None) -> OocoConfig:
@@ -80,7 +89,7 @@ class OocoPolicy(Policy):
         self._roles_sent = False
         self._kv_rate = 0.0  # online prompt tokens per second (EWMA), for gating
         self._kv_t = 0.0
-        self._pull_ok: dict[int, BatchShape] = {}  # strict id -> last batch when all fit
+        self._pull_seen: dict[int, float] = {}  # strict id -> PULL_SEQ hint last acted on
         self._asked: set[str] = set()  # req_ids whose migration was asked (may be deferred)
 
     # ------------------------------------------------------------------ routing
@@ -129,7 +138,8 @@ class OocoPolicy(Policy):
                 i: r for i, r in enumerate(self.roles) if cluster.instances[i].role is not r
             }
         dispatch = self.dispatch_offline(cluster, now) if cluster.held else {}
-        migrate = self.pull_migrations(cluster) if self._pull_ok else ()
+        ready = self.pull_ready(cluster)
+        migrate = self.pull_migrations(cluster, ready) if ready else ()
         if not (set_role or dispatch or migrate):
             return ClusterActions()
         return ClusterActions(dispatch=dispatch, migrate=migrate, set_role=set_role)
@@ -165,10 +175,25 @@ class OocoPolicy(Policy):
             self._kv_rate,
         ).admit
 
-    def pull_migrations(self, cluster: ClusterView) -> tuple[Migration, ...]:
-        """§3.4.3 pull model with the Alg. 1 length preference."""
+    def pull_ready(self, cluster: ClusterView) -> dict[int, BatchShape]:
+        """Strict instances whose `schedule` found room since the last look (their PULL_SEQ
+        hint moved), each with the batch it ran then; marks them seen."""
+        ready: dict[int, BatchShape] = {}
+        for sid in self.strict:
+            hints = cluster.instances[sid].hints
+            seq = hints.get(PULL_SEQ)
+            if seq is None or seq == self._pull_seen.get(sid):
+                continue
+            self._pull_seen[sid] = seq
+            ready[sid] = BatchShape(**{f: int(hints[PULL_SHAPE + f]) for f in _SHAPE_FIELDS})
+        return ready
+
+    def pull_migrations(
+        self, cluster: ClusterView, ready: dict[int, BatchShape]
+    ) -> tuple[Migration, ...]:
+        """§3.4.3 pull model with the Alg. 1 length preference, toward the `ready` strict
+        instances (id -> the batch of their last step that had room)."""
         out: list[Migration] = []
-        ready, self._pull_ok = self._pull_ok, {}
         if len(self._asked) > 4096:  # forget requests that have long since moved
             self._asked = {
                 r.req_id
@@ -331,7 +356,10 @@ class OocoPolicy(Policy):
                     break
                 swap_in.append(r.req_id)
         if all_in and not swap_in and b.step_s() < cfg.migration_margin * cfg.tpot_slo_s:
-            self._pull_ok[inst.instance_id] = b.shape
+            hints = inst.hints
+            hints[PULL_SEQ] = hints.get(PULL_SEQ, 0.0) + 1.0
+            for f in _SHAPE_FIELDS:
+                hints[PULL_SHAPE + f] = float(getattr(b.shape, f))
         repeat = 1
         if b.decode and all_in and b.step_s() < 0.9 * cfg.tpot_slo_s:
             repeat = cfg.decode_repeat

@@ -28,6 +28,8 @@ from tidal.policy.base import (
     StepPlan,
     parse_params,
 )
+from tidal.policy.batch_shape import decode_shape
+from tidal.policy.plan_builder import PlanBuilder, make_room_for_decodes, split_running
 from tidal.policy.registry import register_policy
 from tidal.policy.taichi.config import TaichiConfig
 from tidal.policy.taichi.flowing import (
@@ -39,8 +41,6 @@ from tidal.policy.taichi.flowing import (
     select_degrading,
 )
 from tidal.policy.taichi.routing import PrefillTarget, route_prefill
-from tidal.policy.tidal_adapt import PlanBuilder, make_room_for_decodes, split_running
-from tidal.policy.tidal_batch import decode_shape
 
 FLOW_INTERVAL_S = 0.05  # how often flowing decode re-evaluates, seconds
 # A flow still on another instance this long after it was asked was refused (no room on arrival,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tidal.perf.api import BatchShape, StepModel
-from tidal.policy.tidal_batch import add_prefill
+from tidal.policy.batch_shape import add_prefill
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from tidal.policy.base import InstanceState, Phase, ReqState, StepPlan
 from tidal.policy.omniserve.control import oldest_first, piggyback_admission
-from tidal.policy.tidal_adapt import PlanBuilder
+from tidal.policy.plan_builder import PlanBuilder
 
 if TYPE_CHECKING:
     from tidal.policy.tidal.policy import TidalPolicy

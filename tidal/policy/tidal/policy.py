@@ -19,18 +19,18 @@ from tidal.policy.base import (
     StepPlan,
     parse_params,
 )
+from tidal.policy.batch_shape import decode_shape
 from tidal.policy.hygen.prefix_order import OfflineOrder
 from tidal.policy.omniserve.config import OmniConfig
 from tidal.policy.omniserve.control import oldest_first, piggyback_admission
 from tidal.policy.omniserve.policy import ls_admissible
 from tidal.policy.ooco.policy import OocoPolicy, ooco_config
+from tidal.policy.plan_builder import PlanBuilder, parse_section
 from tidal.policy.registry import register_policy
 from tidal.policy.taichi.policy import queued_prefill
 from tidal.policy.taichi.routing import PrefillTarget, route_prefill
 from tidal.policy.tidal.config import TidalConfig
 from tidal.policy.tidal.overflow import cpu_overflow_step, offline_prefill_candidates
-from tidal.policy.tidal_adapt import PlanBuilder, parse_section
-from tidal.policy.tidal_batch import decode_shape
 
 
 class TidalPolicy(OocoPolicy):

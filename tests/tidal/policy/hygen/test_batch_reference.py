@@ -10,8 +10,9 @@ import pytest
 
 from tidal.perf import make_step_model
 from tidal.perf.api import BatchShape, StepModel
+from tidal.perf.linear import LinearStepModel
+from tidal.policy.batch_shape import add_decode, add_prefill
 from tidal.policy.hygen.batch import HyReq, two_phase_schedule
-from tidal.policy.tidal_batch import LinearStepModel, add_decode, add_prefill
 
 BS = 16
 

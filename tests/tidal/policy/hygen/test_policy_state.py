@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.schemas.enums import RequestClass
+from tidal.perf.linear import LinearStepModel
 from tidal.policy.base import InstanceRole, InstanceState, Phase, PolicyContext, ReqState, Slo
 from tidal.policy.hygen import HygenConfig
 from tidal.policy.registry import make_policy
-from tidal.policy.tidal_batch import LinearStepModel
+from tidal.schemas.enums import RequestClass
 
 SLO = Slo(1.0, 0.05)
 SARATHI = {"offline_preemption": "recompute", "admit_whole_prompt": True}

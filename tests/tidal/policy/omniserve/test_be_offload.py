@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.schemas.enums import RequestClass
+from tidal.perf.linear import LinearStepModel
 from tidal.policy.base import (
     CpuPoolState,
     InstanceRole,
@@ -19,7 +19,7 @@ from tidal.policy.base import (
     Slo,
 )
 from tidal.policy.registry import make_policy
-from tidal.policy.tidal_batch import LinearStepModel
+from tidal.schemas.enums import RequestClass
 from tidal.sim.models import CpuAttnRoofline
 
 SLO = Slo(2.0, 0.2)

@@ -3,6 +3,7 @@ TPOT the request banked on the D-heavy instance; a back-flow (③) restarts TPOT
 
 from __future__ import annotations
 
+from tidal.perf.linear import LinearStepModel
 from tidal.policy.base import (
     ClusterView,
     InstanceRole,
@@ -15,7 +16,6 @@ from tidal.policy.base import (
 )
 from tidal.policy.registry import make_policy
 from tidal.policy.taichi.policy import TaichiPolicy
-from tidal.policy.tidal_batch import LinearStepModel
 
 ROLES = (InstanceRole.P_HEAVY, InstanceRole.D_HEAVY)
 

@@ -8,10 +8,10 @@ import math
 import pytest
 
 from tidal.perf.api import BatchShape
+from tidal.perf.linear import LinearStepModel
 from tidal.policy.base import InstanceRole, InstanceState, Phase, ReqState, RequestClass
 from tidal.policy.taichi import PrefillTarget, estimate_prefill_s, route_prefill
 from tidal.policy.taichi.policy import queued_prefill
-from tidal.policy.tidal_batch import LinearStepModel
 
 TOK = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_ctx_token_s=0.0, per_attn_pair_s=0.0)
 

@@ -8,9 +8,9 @@ import random
 from collections.abc import Sequence
 
 from tidal.perf import make_step_model
+from tidal.policy.batch_shape import decode_shape
 from tidal.policy.taichi import PrefillTarget, estimate_prefill_s, route_prefill
 from tidal.policy.taichi.routing import queue_lower_bound_s
-from tidal.policy.tidal_batch import decode_shape
 
 MODEL = make_step_model("qwen2.5-14b", "a100-80gb")
 

@@ -8,9 +8,10 @@ from itertools import accumulate
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tidal.perf.linear import LinearStepModel
+from tidal.policy.batch_shape import add_decode, decode_shape, largest_fit
 from tidal.policy.ooco.mix_decode import largest_fitting_prefix
 from tidal.policy.taichi.routing import PrefillTarget, estimate_prefill_s, route_prefill
-from tidal.policy.tidal_batch import LinearStepModel, add_decode, decode_shape, largest_fit
 
 
 def _brute(vals: list[float], limit: float) -> int:

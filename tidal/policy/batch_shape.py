@@ -3,16 +3,12 @@
 Every algorithm in the four papers asks the same question — "how long would this step take if I
 added that request?" — so they all build a `tidal.perf.BatchShape` incrementally and hand it to a
 `StepModel`. These helpers keep that arithmetic in one place and allocation-light.
-
-`LinearStepModel` is a tiny linear stand-in for the real latency models in `tidal.perf`; the unit
-tests and the decision benchmark use it so that hand-worked states have hand-checkable latencies.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from tidal.perf.api import BatchShape
 
@@ -57,33 +53,6 @@ def merge(a: BatchShape, b: BatchShape) -> BatchShape:
 def decode_shape(context_lens: list[int]) -> BatchShape:
     """A pure decode step over requests with these KV lengths."""
     return BatchShape(num_decode_reqs=len(context_lens), decode_context_tokens=sum(context_lens))
-
-
-@dataclass(frozen=True, slots=True)
-class LinearStepModel:
-    """step_s = base + per_token*num_tokens + per_ctx*decode_ctx + per_pair*attn_pairs (seconds).
-
-    A hand-checkable stand-in for the roofline / regression models: monotone in every term, which
-    is the only property the scheduling algorithms rely on (binary searches need monotonicity).
-    """
-
-    base_s: float = 0.010  # fixed per-step overhead (kernel launches, sampling)
-    per_token_s: float = 1e-5  # GEMM cost per token through the token-wise operators
-    per_ctx_token_s: float = 1e-7  # decode attention cost per KV token read
-    per_attn_pair_s: float = 1e-9  # prefill attention cost per (query, key) pair
-
-    def __post_init__(self) -> None:
-        if min(self.base_s, self.per_token_s, self.per_ctx_token_s, self.per_attn_pair_s) < 0:
-            raise ValueError("LinearStepModel coefficients must be >= 0 (latency is monotone)")
-
-    def step_s(self, batch: BatchShape) -> float:
-        """Predicted step time in seconds."""
-        return (
-            self.base_s
-            + self.per_token_s * (batch.num_prefill_tokens + batch.num_decode_reqs)
-            + self.per_ctx_token_s * batch.decode_context_tokens
-            + self.per_attn_pair_s * batch.prefill_attn_pairs
-        )
 
 
 def largest_fit(

@@ -9,7 +9,7 @@ from typing import Any
 
 from tidal.perf.api import BatchShape, StepModel
 from tidal.policy.base import BlockBudget, InstanceState, Phase, ReqState
-from tidal.policy.tidal_batch import add_decode, add_prefill
+from tidal.policy.batch_shape import add_decode, add_prefill
 
 
 def split_running(inst: InstanceState) -> tuple[list[ReqState], list[ReqState]]:

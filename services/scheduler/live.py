@@ -1,0 +1,224 @@
+"""The cluster half of a policy, live: a `ClusterView` rebuilt from the instances' state reports,
+and the policy's `route`, `place_decode` and `tick` turned into replies and commands.
+
+- `route`: QUEUE answers the gateway with the instance; HOLD keeps the gateway's request open
+  in a bounded queue until `tick` dispatches it; REJECT answers at once (HTTP 429, `Retry-After`).
+- `place_decode`: asked once per request, when a report first shows it decoding; another
+  instance means a push migration, sent to the source as a `MigrateCommand`.
+- `tick`: every `TICK_S` and after reports; its `migrate` list (pull migration, flows) becomes
+  `MigrateCommand`s, `set_role`/`set_chunk_size` instance control messages.
+
+`now` is the wall clock (Unix seconds), as in every ReqState the reports carry.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.msg import Msg
+
+from services.instance.engines import parse_step_model
+from tidal.cluster.view import build_cluster_view
+from tidal.perf.api import StepModel
+from tidal.policy.base import (
+    ClusterActions,
+    ClusterView,
+    Phase,
+    Policy,
+    ReqState,
+    RouteAction,
+    Slo,
+)
+from tidal.schemas.enums import RequestClass
+from tidal.schemas.messages import InstanceReport, RouteRequest
+
+log = logging.getLogger("tidal.scheduler")
+
+CHARS_PER_TOKEN = 4  # prompt length estimate before an instance tokenises it
+ROUTED_GRACE_S = 5.0  # a routed request not yet in any report still counts this long
+DEFAULT_LINK_BYTES_PER_S = 1e9
+REPORT_STALE_S = 3.0  # a report this old: the instance takes no new work
+NO_INSTANCE = "no instance is taking work"
+SLOT_DOWN = "the policy's instance for it is down; waiting for it"
+
+
+@dataclass
+class Held:
+    req: ReqState
+    msg: Msg
+    route: RouteRequest
+    since_s: float
+    retry_route: bool = False  # held by the scheduler (slot down), not by the policy
+
+
+@dataclass
+class LiveCluster:
+    policy: Policy
+    default_slo: Slo
+    max_held: int  # bounded cluster queue; past it: 429
+    max_hold_s: float  # a held request waits at most this long, then 429
+    reports: dict[int, InstanceReport] = field(default_factory=dict)  # slot -> latest
+    step_models: dict[str, StepModel] = field(default_factory=dict)  # spec -> model
+    held: dict[str, Held] = field(default_factory=dict)  # req_id -> held request (FIFO)
+    routed: dict[str, tuple[int, ReqState, float]] = field(default_factory=dict)
+    placed: set[str] = field(default_factory=set)  # req_ids place_decode already saw
+    migrating: set[str] = field(default_factory=set)  # req_ids with a command in flight
+    cache: dict[str, ReqState] = field(default_factory=dict)
+    link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S  # EWMA of measured transfers
+
+    # ---- reports -> view ----
+
+    def on_report(self, rep: InstanceReport) -> bool:
+        """Keep the newest report per slot; False for a stale (reordered) one."""
+        old = self.reports.get(rep.index)
+        if old is not None and old.instance_id == rep.instance_id and rep.seq <= old.seq:
+            return False
+        self.reports[rep.index] = rep
+        if rep.step_model not in self.step_models:
+            try:
+                self.step_models[rep.step_model] = parse_step_model(rep.step_model)
+            except ValueError as exc:
+                log.warning("instance %s: step model %r: %s", rep.instance_id, rep.step_model, exc)
+                self.step_models[rep.step_model] = parse_step_model("linear")
+        return True
+
+    def forget(self, instance_id: str) -> None:
+        """The instance is gone: its slot stays in the view, empty and taking no work."""
+        for idx, rep in list(self.reports.items()):
+            if rep.instance_id == instance_id:
+                self.reports[idx] = _placeholder(rep, idx)
+
+    def instance_id(self, index: int) -> str:
+        rep = self.reports.get(index)
+        return rep.instance_id if rep is not None else ""
+
+    def is_usable(self, index: int, now: float) -> bool:
+        rep = self.reports.get(index)
+        return (
+            rep is not None
+            and bool(rep.instance_id)
+            and not rep.draining
+            and now - rep.sent_unix_s < REPORT_STALE_S
+        )
+
+    def view(self, now: float) -> ClusterView:
+        n = max(self.reports) + 1 if self.reports else 0
+        any_rep = next(iter(self.reports.values()), None)
+        reports = [
+            self.reports[i] if i in self.reports else _placeholder(any_rep, i)  # type: ignore[arg-type]
+            for i in range(n)
+        ]
+        held = [h.req for h in self.held.values()]
+        view = build_cluster_view(
+            reports, self.step_models, self.link_bytes_per_s, held=held, cache=self.cache
+        )
+        seen = {r.req_id for inst in view.instances for r in _all(inst)}
+        for rid, (idx, req, t) in list(self.routed.items()):
+            if rid in seen or now - t > ROUTED_GRACE_S:
+                del self.routed[rid]
+                continue
+            if idx < len(view.instances):
+                inst = view.instances[idx]
+                inst.waiting.append(req)
+                inst.num_waiting_tokens += req.num_prefill_left
+        return view
+
+    # ---- decisions ----
+
+    def new_request(self, r: RouteRequest, now: float) -> ReqState:
+        cls = RequestClass(r.req_class)
+        slo = None
+        if cls is RequestClass.ONLINE:
+            d = self.default_slo
+            slo = Slo(
+                r.ttft_slo_ms / 1e3 if r.ttft_slo_ms else d.ttft_s,
+                r.tpot_slo_ms / 1e3 if r.tpot_slo_ms else d.tpot_s,
+            )
+        n = r.num_prompt_tokens or max(1, r.num_prompt_chars // CHARS_PER_TOKEN)
+        return ReqState(
+            req_id=r.req_id,
+            req_class=cls,
+            arrival_s=now,
+            num_prompt_tokens=n,
+            max_output_tokens=r.max_tokens,
+            slo=slo,
+            queued_s=now,
+        )
+
+    def route(
+        self, req: ReqState, now: float, exclude: Sequence[str] = ()
+    ) -> tuple[RouteAction, int, str]:
+        """(action, slot, reason). The policy decides; when it picks a slot whose instance is
+        down (or failed this request: `exclude`), the request goes to a live instance of the
+        same role, or waits in the held queue (reason `SLOT_DOWN`) until the slot is back:
+        an instance `tidal up` restarts returns within seconds, and a relaxed instance's work
+        cannot be done by a strict one."""
+        view = self.view(now)
+        if not any(self.is_usable(i.instance_id, now) for i in view.instances):
+            return RouteAction.REJECT, 0, NO_INSTANCE
+        decision = self.policy.route(req, view, now)
+        if decision.action is not RouteAction.QUEUE:
+            return decision.action, 0, decision.reason
+        idx = self._usable(decision.instance_id, view, now, exclude)
+        if idx is None:
+            return RouteAction.HOLD, decision.instance_id, SLOT_DOWN
+        self.routed[req.req_id] = (idx, req, now)
+        req.phase, req.instance_id = Phase.WAITING, idx
+        return RouteAction.QUEUE, idx, ""
+
+    def _usable(
+        self, idx: int, view: ClusterView, now: float, exclude: Sequence[str]
+    ) -> int | None:
+        def ok(i: int) -> bool:
+            return self.is_usable(i, now) and self.instance_id(i) not in exclude
+
+        if ok(idx):
+            return idx
+        role = view.instances[idx].role if idx < len(view.instances) else None
+        same = [i.instance_id for i in view.instances if i.role is role and ok(i.instance_id)]
+        if not same:
+            return None
+        return min(same, key=lambda i: view.instances[i].num_waiting_tokens)
+
+    def decode_placements(self, view: ClusterView, now: float) -> list[tuple[str, int, int]]:
+        """(req_id, src slot, dst slot) for requests whose prefill just finished elsewhere."""
+        out = []
+        for inst in view.instances:
+            for r in inst.running:
+                if r.req_id in self.placed or not r.is_decoding:
+                    continue
+                self.placed.add(r.req_id)
+                dst = self.policy.place_decode(r, inst, view, now)
+                if dst is not None and dst != inst.instance_id:
+                    out.append((r.req_id, inst.instance_id, dst))
+        if len(self.placed) > 100_000:  # forget the oldest half: those requests are long done
+            self.placed = set(list(self.placed)[50_000:])
+        return out
+
+    def tick(self, view: ClusterView, now: float) -> ClusterActions:
+        return self.policy.tick(view, now)
+
+
+def _placeholder(rep: InstanceReport, index: int) -> InstanceReport:
+    """A slot with no live instance: no requests, no free KV, draining (takes no work)."""
+    return msgspec.structs.replace(
+        rep, instance_id="", index=index, requests=[], num_free_blocks=0, draining=True, seq=0
+    )
+
+
+def _all(inst: object) -> list[ReqState]:
+    lists = ("waiting", "running", "swapped", "offloaded", "pending_in")
+    return [r for name in lists for r in getattr(inst, name)]
+
+
+Reply = Callable[[Msg, RouteRequest, int, str], Awaitable[None]]
+
+
+async def expire_held(cluster: LiveCluster, now: float, reject: Reply) -> None:
+    for rid, h in list(cluster.held.items()):
+        if now - h.since_s > cluster.max_hold_s:
+            del cluster.held[rid]
+            await reject(h.msg, h.route, 0, f"held longer than {cluster.max_hold_s:.0f} s")
