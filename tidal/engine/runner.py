@@ -202,12 +202,16 @@ class StepRunner:
             T = int(ctx.max())
             pos = torch.arange(T)
             slots = table[:, pos // bs] * bs + pos % bs  # (B, T)
+            pad = pos[None, :] >= ctx[:, None]  # (B, T) past a shorter context
+            # NOTE: padded positions read the request's own first slot, never an unwritten one:
+            # the KV pool is torch.empty, and garbage there (inf/NaN) would survive the -inf
+            # bias (inf - inf, 0 * NaN) and poison the whole row.
+            slots = torch.where(pad, slots[:, :1], slots)
             Hk = self.model.config.num_key_value_heads
             kv_rows = slots[:, None, :] * Hk + torch.arange(Hk)[None, :, None]  # (B, Hk, T)
             meta.decode_slots = slots.to(dev)
             meta.decode_kv_rows = kv_rows.reshape(-1).to(dev)
-            if bool((ctx < T).any()):
-                pad = pos[None, :] >= ctx[:, None]  # (B, T)
+            if bool(pad.any()):
                 bias = torch.zeros(pad.shape).masked_fill(pad, float("-inf"))
                 meta.decode_bias = bias.to(dev, self.model.dtype)[:, None, None, :]
         for i in active:
