@@ -124,7 +124,7 @@ def preempt_latency(engine: TorchEngine, length: int, reps: int = 5) -> dict[str
         engine.add(EngineRequest("pre", p, SamplingParams(max_tokens=1)))
 
         def signal() -> None:
-            while not engine._in_step:  # wait for the step to start, then cut it mid-way
+            while not engine.preemption.in_step:  # wait for the step to start, then cut it mid-way
                 time.sleep(0.0005)
             time.sleep(step_s * 0.15)  # early: a busy machine can make the step much faster
             engine.request_preempt()

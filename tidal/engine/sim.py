@@ -22,7 +22,6 @@ and nothing is changed behind their back.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from tidal.engine.api import (
     TokenEvent,
     Tokenizer,
 )
+from tidal.engine.preemption import LayerPreemption
 from tidal.engine.scheduler import SeqView
 from tidal.engine.sim_plan import Item, batch_shape, layer_times, online_first_plan, tokens_of
 from tidal.engine.sim_seq import RUNNING, SWAPPED, WAITING, SimSeq, decode_seq, encode_seq
@@ -123,10 +123,7 @@ class SimEngine:
         self.last_step_preempted = False
         self.last_preempt_latency_s: float | None = None
         self._free_blocks = cfg.num_kv_blocks
-        self._preempt = threading.Event()
-        self._lock = threading.Lock()
-        self._in_step = False
-        self._preempt_at = 0.0
+        self.preemption = LayerPreemption()
 
     # ---- Engine protocol -------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
@@ -171,10 +168,7 @@ class SimEngine:
         ignored; CPU decodes are refused), or the own planner's. ValueError for a plan naming an
         unknown or swapped request or cutting a forced chunk; MemoryError when its KV does not
         fit. Either way nothing has changed."""
-        with self._lock:
-            self._in_step = True
-            self._preempt.clear()
-        try:
+        with self.preemption.step():
             if plan is None:
                 num_tokens = self._own_plan()
             elif plan.cpu_decode or plan.offload or plan.recall:
@@ -182,19 +176,11 @@ class SimEngine:
             else:
                 num_tokens = tokens_of(plan)
             return self._run(self._prepare(num_tokens))
-        finally:
-            with self._lock:
-                self._in_step = False
 
     # ---- ControllableEngine ----------------------------------------------------------------
     def request_preempt(self) -> bool:
         """Thread-safe: end the running step after its current layer; False if none runs."""
-        with self._lock:
-            if not self._in_step:
-                return False
-            self._preempt_at = time.perf_counter()
-            self._preempt.set()
-            return True
+        return self.preemption.request()
 
     def preempt(self, req_id: str) -> None:
         """Preemption by recompute: drop the KV; prompt + output are prefilled again later."""
@@ -367,7 +353,7 @@ class SimEngine:
             if self.config.realtime:
                 deadline += layer_s[layer]
                 self._wait_until(deadline)
-            if layer + 1 < num_layers and self._preempt.is_set():
+            if layer + 1 < num_layers and self.preemption.is_set():
                 done = layer + 1
                 break
         shape = batch_shape(items)
@@ -381,7 +367,7 @@ class SimEngine:
         self.num_steps += 1
         self.last_step_preempted = done < num_layers
         if self.last_step_preempted:
-            self.last_preempt_latency_s = time.perf_counter() - self._preempt_at
+            self.last_preempt_latency_s = self.preemption.latency_s()
             # OOCO §3.4.1: every chunk that ran keeps the layers it did (decodes too, as in
             # the torch engine's runner) and resumes from `done` with the same token count.
             for seq, n in items:
@@ -401,7 +387,7 @@ class SimEngine:
 
     def _wait_until(self, deadline: float) -> None:
         remaining = deadline - time.perf_counter()
-        if remaining > 0 and self._preempt.wait(remaining):
+        if remaining > 0 and self.preemption.wait(remaining):
             time.sleep(max(0.0, deadline - time.perf_counter()))  # the layer still runs out
 
     def _emit(self, seq: SimSeq) -> TokenEvent:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -48,6 +47,7 @@ from tidal.engine.engine_config import EngineConfig, default_dtype
 from tidal.engine.kv_cache import BlockAllocator, block_hashes
 from tidal.engine.llama import LlamaModel
 from tidal.engine.model_config import ModelConfig
+from tidal.engine.preemption import LayerPreemption
 from tidal.engine.runner import StepRunner
 from tidal.engine.sampling import Detokenizer, make_generator
 from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView, StepPlanner
@@ -105,10 +105,7 @@ class TorchEngine:
             model, self.kv, cfg.block_size, tokenizer.eos_token_id, self.max_model_len
         )
         self.seqs: dict[str, Sequence] = {}  # insertion order = arrival order
-        self._preempt = threading.Event()
-        self._lock = threading.Lock()
-        self._in_step = False
-        self._preempt_at = 0.0
+        self.preemption = LayerPreemption()
         self.last_step_preempted = False
         self.last_preempt_latency_s: float | None = None
         self.num_recompute_preemptions = 0  # requests that lost their KV to memory pressure
@@ -165,10 +162,7 @@ class TorchEngine:
 
     def step(self, plan: StepPlan | None = None) -> StepResult:
         t0 = time.perf_counter()
-        with self._lock:
-            self._in_step = True
-            self._preempt.clear()
-        try:
+        with self.preemption.step():
             if plan is None:
                 plan = self.planner.plan(
                     self.schedulable(), self.allocator.num_free, self.block_size
@@ -179,10 +173,10 @@ class TorchEngine:
                 self.seqs.pop(s.req_id, None)
                 self._free(s)
             module_s: dict[str, float] | None = {} if self.config.profile_modules else None
-            out = self.runner.run(items, self._preempt.is_set, module_s)
+            out = self.runner.run(items, self.preemption.is_set, module_s)
             self.last_step_preempted = out.preempted
             if out.preempted:
-                self.last_preempt_latency_s = time.perf_counter() - self._preempt_at
+                self.last_preempt_latency_s = self.preemption.latency_s()
             for seq in out.done:
                 self._register_blocks(seq)
             for ev in out.events:
@@ -207,19 +201,11 @@ class TorchEngine:
                 self._log.write(json.dumps(dataclasses.asdict(tel) | extra) + "\n")
                 self._log.flush()
             return StepResult(events=events, telemetry=tel)
-        finally:
-            with self._lock:
-                self._in_step = False
 
     # ---- control beyond the protocol -------------------------------------------------------
     def request_preempt(self) -> bool:
         """Stop the running step after its current layer; False if no step is running."""
-        with self._lock:
-            if not self._in_step:
-                return False
-            self._preempt_at = time.perf_counter()
-            self._preempt.set()
-            return True
+        return self.preemption.request()
 
     def set_planner(self, planner: StepPlanner) -> None:
         self.planner = planner
