@@ -253,7 +253,6 @@ class Instance:
         self.in_flight = plan
         self.in_flight_preemptible = plan.preemptible_layers > 0 or (bool(ids) and not has_online)
         self.adapter.on_step_start(plan, time.time())
-        self.adapter.inst.busy_until_s = time.time()
         result: StepResult | None
         try:  # NOTE: the caller holds engine_lock
             if fcfs:
@@ -269,7 +268,6 @@ class Instance:
             return False
         finally:
             self.in_flight = None
-            self.adapter.inst.busy_until_s = 0.0
         if result is None:
             return True
         self.num_steps += 1
