@@ -38,11 +38,15 @@ def test_docker_compose_config_accepts_the_file() -> None:
         "cpu-attn",
     } <= set(services)
     assert "-js" in services["nats"]["command"]
-    roles = {
-        services[n]["command"][services[n]["command"].index("--role") + 1]
-        for n in ("instance-relaxed", "instance-strict")
-    }
+
+    def slot_role(cmd: list[str]) -> str:  # the role at the instance's --index in --roles
+        return cmd[cmd.index("--roles") + 1].split(",")[int(cmd[cmd.index("--index") + 1])]
+
+    roles = {slot_role(services[n]["command"]) for n in ("instance-relaxed", "instance-strict")}
     assert roles == {"relaxed", "strict"}
+    # The scheduler gives its policy the same roles as the instances do.
+    sched = services["scheduler"]["command"]
+    assert sched[sched.index("--roles") + 1] == "relaxed,strict"
     # Every Tidal service is built from the one Dockerfile.
     assert all(services[n]["build"]["context"] == str(ROOT) for n in services if n != "nats")
 

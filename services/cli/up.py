@@ -22,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from services.cli import natsd, state
+from services.common import live_config
+from services.common.live_config import load_live_config
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -85,19 +87,19 @@ class Supervisor:
     def plan(self) -> list[Child]:
         a = self.args
         policy_args = ["--policy", a.policy] + (["--config", a.config] if a.config else [])
+        if a.instances:  # the same roles for the scheduler's policy and every instance's
+            policy_args += ["--roles", ",".join(parse_roles(a.instances))]
         children = [self._service("scheduler-0", "services.scheduler", *policy_args)]
         children += [self._service(f"cpu-attn-{i}", "services.cpu_attn") for i in range(a.cpu_attn)]
-        roles = parse_roles(a.instances) if a.instances else config_roles(a.config, a.policy)
+        roles = [g.role for g in load_live_config(a.config, a.policy, a.instances).slots]
         # NOTE: instances share this machine's cores; without a split, each torch engine would
         # start one thread per core and they would fight over them.
         threads = max(1, (os.cpu_count() or 1) // max(1, len(roles)))
-        for i, role in enumerate(roles):
+        for i in range(len(roles)):
             extra = [
                 *policy_args,
                 "--index",
                 str(i),
-                "--role",
-                role,
                 "--engine",
                 a.engine,
                 "--sim-step-model",
@@ -219,30 +221,19 @@ async def _terminate(children: list[Child]) -> None:
         await asyncio.gather(*(p.wait() for p in procs))
 
 
-def parse_roles(spec: str) -> list[str]:
-    from services.instance.main import ROLES
-
-    roles = [r.strip() for r in spec.split(",") if r.strip()]
+def parse_roles(spec: str) -> tuple[str, ...]:
+    roles = live_config.parse_roles(spec)
     if not roles:
         raise ValueError("--instances names no instance role")
-    bad = [r for r in roles if r not in ROLES]
-    if bad:
-        raise ValueError(f"--instances: unknown role(s) {', '.join(bad)}; use {', '.join(ROLES)}")
     return roles
-
-
-def config_roles(config: str, policy: str) -> list[str]:
-    """The instance roles of `policy` in `config` (the default config if empty)."""
-    from services.common.live_config import load_live_config
-
-    return [g.role for g in load_live_config(config, policy).slots]
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
         if args.instances:
             parse_roles(args.instances)
-        config_roles(args.config, args.policy)  # a bad config or policy fails here, not later
+        # A bad config, policy or role fails here, not in every child.
+        load_live_config(args.config, args.policy, args.instances)
         if args.port < 1 or args.port > 65535:
             raise ValueError(f"--port {args.port} is not a TCP port")
         if args.cpu_attn < 0:

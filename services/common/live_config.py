@@ -8,7 +8,8 @@ the online SLO is the default for requests that name none.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tidal.policy.base import InstanceRole, PolicyContext
@@ -24,14 +25,18 @@ class LiveConfig:
     cfg: SimConfig
     policy: str
     path: str
+    roles: tuple[str, ...] = ()  # instead of the config's slots (`tidal up --instances`)
 
     @property
     def slots(self) -> tuple[InstanceGroup, ...]:
-        """One group per instance slot (counts expanded), index = slot."""
+        """One group per instance slot (counts expanded), index = slot. With `roles`, one slot
+        per role, each with the config slot's chunk size at that index (else the last one's)."""
         out: list[InstanceGroup] = []
         for g in self.cfg.groups_for(self.policy):
-            out += [g] * g.count
-        return tuple(out)
+            out += [replace(g, count=1)] * g.count
+        if not self.roles:
+            return tuple(out)
+        return tuple(replace(out[min(i, len(out) - 1)], role=r) for i, r in enumerate(self.roles))
 
     def context(self, roles: tuple[InstanceRole, ...] | None = None) -> PolicyContext:
         return PolicyContext(
@@ -43,9 +48,24 @@ class LiveConfig:
         )
 
 
-def load_live_config(path: str = "", policy: str = "") -> LiveConfig:
-    """Read `path` (default: configs/embedded.yaml); `policy` defaults to the file's own.
-    ValueError names what is wrong (a missing file, an unknown policy, a bad field)."""
+def parse_roles(spec: str | Sequence[str]) -> tuple[str, ...]:
+    """'relaxed,strict' (or a sequence) -> checked role names; ValueError names a bad one."""
+    roles = [r.strip() for r in (spec.split(",") if isinstance(spec, str) else spec)]
+    roles = [r for r in roles if r]
+    known = [r.value for r in InstanceRole]
+    bad = [r for r in roles if r not in known]
+    if bad:
+        raise ValueError(f"unknown instance role(s) {', '.join(bad)}; use {', '.join(known)}")
+    return tuple(roles)
+
+
+def load_live_config(
+    path: str = "", policy: str = "", roles: str | Sequence[str] = ()
+) -> LiveConfig:
+    """Read `path` (default: configs/embedded.yaml); `policy` defaults to the file's own;
+    `roles` (e.g. 'aggregated,aggregated') replaces the config's instance slots, so that the
+    scheduler and every instance give the policy the same roles.
+    ValueError names what is wrong (a missing file, an unknown policy or role, a bad field)."""
     p = Path(path) if path else DEFAULT_CONFIG
     if not p.is_file():
         raise ValueError(f"config {p} does not exist")
@@ -53,4 +73,4 @@ def load_live_config(path: str = "", policy: str = "") -> LiveConfig:
     name = (policy or cfg.policy).lower().replace("_", "-")
     if name not in available_policies():
         raise ValueError(f"unknown policy {name!r}; available: {', '.join(available_policies())}")
-    return LiveConfig(cfg, name, str(p))
+    return LiveConfig(cfg, name, str(p), parse_roles(roles))

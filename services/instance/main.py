@@ -138,9 +138,6 @@ def build_adapter(
     if not 0 <= args.index < len(slots):
         raise ValueError(f"--index {args.index}: the config has {len(slots)} instance slot(s)")
     group = slots[args.index]
-    role = args.role or group.role
-    if role not in ROLES:
-        raise ValueError(f"--role {role!r} is not one of {', '.join(ROLES)}")
     spec = args.policy_step_model or (
         args.sim_step_model if engine.is_emulated else f"{live.cfg.model}@{live.cfg.hardware}"
     )
@@ -148,7 +145,7 @@ def build_adapter(
         policy=make_policy(live.policy, live.context()),
         index=args.index,
         instance_id=args.id,
-        role=role,
+        role=group.role,
         chunk_size=group.chunk_size,
         max_batch_reqs=group.max_batch_reqs,
         block_size=engine.block_size,
@@ -161,7 +158,7 @@ def build_adapter(
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     subjects.check_token(args.id, "instance id")
-    live = load_live_config(args.config, args.policy)
+    live = load_live_config(args.config, args.policy, args.roles)
     engine = await asyncio.to_thread(build_engine, args)  # loading weights can take seconds
     if not isinstance(engine, ControllableEngine):
         raise ValueError(f"engine {engine.name!r} cannot be driven by a policy")
@@ -219,7 +216,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--index", type=int, default=0, help="this instance's slot in the config")
     p.add_argument("--config", default="", help="cluster config YAML (default: embedded)")
     p.add_argument("--policy", default="", help="policy name (default: the config's)")
-    p.add_argument("--role", default="", help=f"override the slot's role: {', '.join(ROLES)}")
+    p.add_argument(
+        "--roles",
+        default="",
+        help="comma-separated role per slot, instead of the config's (the scheduler must be "
+        f"given the same): {', '.join(ROLES)}",
+    )
     p.add_argument("--engine", default="sim", choices=ENGINES, help="engine to host")
     p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
     p.add_argument("--tokenizer", default="", help="sim engine: tokenizer (default SmolLM2's)")

@@ -54,7 +54,7 @@ class Scheduler:
         # NOTE: 4 missed heartbeats before an instance is forgotten: fast enough to route
         # around a dead instance within ~2 s, slow enough to survive a GC pause.
         self.membership = Membership(timeout_s=4 * heartbeat_s)
-        self.live = load_live_config(args.config, args.policy)
+        self.live = load_live_config(args.config, args.policy, args.roles)
         self.cluster = LiveCluster(
             policy=make_policy(self.live.policy, self.live.context()),
             default_slo=self.live.cfg.slo,
@@ -217,6 +217,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--id", default="scheduler-0", help="service id (letters, digits, _ -)")
     p.add_argument("--config", default="", help="cluster config YAML (default: embedded)")
     p.add_argument("--policy", default="", help="policy name (default: the config's)")
+    p.add_argument(
+        "--roles", default="", help="comma-separated role per instance slot (default: config's)"
+    )
     p.add_argument("--max-held", type=int, default=1024, help="bound of the held queue")
     p.add_argument("--max-hold-s", type=float, default=600.0, help="longest a request is held")
     p.add_argument("--connect-timeout-s", type=float, default=10.0, help="give up after this")

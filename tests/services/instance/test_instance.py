@@ -40,7 +40,7 @@ async def instance(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
             # A lone instance: a policy that prefills and decodes where the request landed.
             "--policy",
             "aggregated",
-            "--role",
+            "--roles",
             "aggregated",
             "--tokenizer",
             "bytes",
