@@ -91,11 +91,11 @@ class Supervisor:
             policy_args += ["--roles", ",".join(parse_roles(a.instances))]
         children = [self._service("scheduler-0", "services.scheduler", *policy_args)]
         children += [self._service(f"cpu-attn-{i}", "services.cpu_attn") for i in range(a.cpu_attn)]
-        roles = [g.role for g in load_live_config(a.config, a.policy, a.instances).slots]
+        num_instances = len(load_live_config(a.config, a.policy, a.instances).slots)
         # NOTE: instances share this machine's cores; without a split, each torch engine would
         # start one thread per core and they would fight over them.
-        threads = max(1, (os.cpu_count() or 1) // max(1, len(roles)))
-        for i in range(len(roles)):
+        threads = max(1, (os.cpu_count() or 1) // num_instances)
+        for i in range(num_instances):
             extra = [
                 *policy_args,
                 "--index",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -62,6 +63,7 @@ class _Down:
 
     instance_id: str
     reason: str
+    at_s: float  # monotonic time the notice came in
 
 
 @dataclass
@@ -79,6 +81,7 @@ class RequestHandle:
     token_ids: list[int] = field(default_factory=list)  # streamed so far (for a recompute)
     num_recomputes: int = 0
     num_migrations: int = 0
+    placed_at_s: float = 0.0  # monotonic time an instance last accepted it
 
     async def batches(self) -> AsyncIterator[list[TokenChunk]]:
         """The request's chunks in order, in batches of whatever has arrived: a burst of tokens
@@ -102,8 +105,10 @@ class RequestHandle:
 
     async def _accept(self, item: TokenChunk | _Down) -> list[TokenChunk]:
         if isinstance(item, _Down):
-            if item.instance_id != self.instance_id:
-                return []  # a stale notice about an instance this request already left
+            if item.instance_id != self.instance_id or item.at_s < self.placed_at_s:
+                # a stale notice: about an instance this request already left, or about the
+                # process that had this id before the one that took the request since
+                return []
             return await self._lost(item)
         if item.req_id != self.request.req_id:
             return []
@@ -211,7 +216,7 @@ class GatewayBus:
     async def _on_down(self, event: InstanceDown, _: Msg) -> None:
         for handle in list(self.handles.values()):
             if handle.instance_id == event.instance_id:
-                handle.queue.put_nowait(_Down(event.instance_id, event.reason))
+                handle.queue.put_nowait(_Down(event.instance_id, event.reason, time.monotonic()))
 
     def release(self, handle: RequestHandle) -> None:
         self.handles.pop(handle.request.req_id, None)
@@ -239,8 +244,9 @@ class GatewayBus:
         """Find an instance that accepts the request, trying others if one does not answer."""
         req = handle.request
         tried = list(exclude)
+        failed_at = time.time() if tried else 0.0
         for _ in range(MAX_ROUTE_ATTEMPTS):
-            route = await self._route(req, tried)
+            route = await self._route(req, tried, failed_at)
             handle.instance_id = route.instance_id
             try:
                 reply = await self.nc.request(
@@ -253,14 +259,17 @@ class GatewayBus:
                     "instance %s did not take %s; trying another", route.instance_id, req.req_id
                 )
                 tried.append(route.instance_id)
+                failed_at = time.time()
                 continue
             ack = codec.decode(reply.data, GenerateAck)
             if ack.ok:
                 if not handle.ack.ok:  # keep the first ack: a recompute's prompt holds outputs
                     handle.ack = ack
+                handle.placed_at_s = time.monotonic()
                 return
             if ack.error_code == "draining":
                 tried.append(route.instance_id)
+                failed_at = time.time()
                 continue
             raise ApiError(
                 _ACK_ERRORS.get(ack.error_code, 400), ack.message, code=ack.error_code or None
@@ -273,7 +282,9 @@ class GatewayBus:
             retry_after_s=1,
         )
 
-    async def _route(self, req: GenerateRequest, exclude: list[str]) -> RouteReply:
+    async def _route(
+        self, req: GenerateRequest, exclude: list[str], excluded_at_unix_s: float
+    ) -> RouteReply:
         ask = RouteRequest(
             req_id=req.req_id,
             model=req.model,
@@ -282,18 +293,27 @@ class GatewayBus:
             num_prompt_chars=len(req.prompt or "")
             + sum(len(m.content) for m in req.messages or []),
             exclude=exclude,
+            excluded_at_unix_s=excluded_at_unix_s,
             ttft_slo_ms=req.ttft_slo_ms,
             tpot_slo_ms=req.tpot_slo_ms,
         )
         timeout = HELD_ROUTE_TIMEOUT_S.get(req.req_class, ROUTE_TIMEOUT_S)
         try:
             msg = await self.nc.request(subjects.ROUTE, codec.encode(ask), timeout=timeout)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        except nats.errors.NoRespondersError:
             raise ApiError(
                 503,
                 "the scheduler is not reachable; try again shortly",
                 type_="server_error",
                 code="scheduler_unavailable",
+                retry_after_s=1,
+            ) from None
+        except nats.errors.TimeoutError:  # a dead scheduler, or a request held all this time
+            raise ApiError(
+                503,
+                f"no instance took the request within {timeout:.0f} s; try again shortly",
+                type_="server_error",
+                code="no_capacity",
                 retry_after_s=1,
             ) from None
         route = codec.decode(msg.data, RouteReply)

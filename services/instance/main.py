@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -89,14 +90,12 @@ class Control:
         """The scheduler switched policy (or params / SLO): run the same one here."""
         adapter = self.inst.adapter
         try:
-            params = ctl.params if ctl.params is not None else None
-            name = ctl.policy or adapter.policy.name
             ctx = self.live.context()
-            if params is not None:
-                ctx = type(ctx)(ctx.num_instances, ctx.roles, ctx.online_slo, params, ctx.seed)
+            if ctl.params is not None:
+                ctx = dataclasses.replace(ctx, params=ctl.params)
             if ctl.ttft_slo_s and ctl.tpot_slo_s:
                 self.inst.default_slo = Slo(ctl.ttft_slo_s, ctl.tpot_slo_s)
-            adapter.policy = make_policy(name, ctx)
+            adapter.policy = make_policy(ctl.policy or adapter.policy.name, ctx)
             adapter.reqs.clear()  # fresh ReqStates: the new policy keeps no old bookkeeping
         except (KeyError, ValueError, TypeError) as exc:
             log.warning("policy change refused: %s", exc)

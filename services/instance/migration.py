@@ -33,6 +33,7 @@ from services.common.bus import respond
 from services.instance.dataplane import TransferError, checksum, send_payload
 from services.instance.policy_adapter import ReqMeta
 from services.instance.worker import Instance, Stream
+from tidal.engine.api import SeqSnapshot
 from tidal.policy.base import Slo
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
@@ -100,7 +101,7 @@ class Migrator:
                     return MigrateResult(rid, "refused", "not running (or mid-chunk) here")
                 data = await asyncio.to_thread(inst.engine.export_request, rid, True)
             meta = inst.adapter.meta.get(rid) or ReqMeta(None, time.time())
-            return await self._hand_over(cmd, data, snap.num_computed_tokens, stream, meta, t0)
+            return await self._hand_over(cmd, data, snap, stream, meta, t0)
         finally:
             self.busy.discard(rid)
 
@@ -108,7 +109,7 @@ class Migrator:
         self,
         cmd: MigrateCommand,
         data: bytes,
-        num_kv_tokens: int,
+        snap: SeqSnapshot,
         stream: Stream,
         meta: ReqMeta,
         t0: float,
@@ -119,12 +120,12 @@ class Migrator:
             req_id=rid,
             src_instance_id=inst.id,
             kind=cmd.kind,
-            num_kv_tokens=num_kv_tokens,
+            num_kv_tokens=snap.num_computed_tokens,
             num_bytes=len(data),
             checksum=digest,
             reply_subject=stream.reply_subject,
             next_seq=stream.seq,
-            req_class=str(inst.adapter.reqs[rid].req_class) if rid in inst.adapter.reqs else "",
+            req_class=str(snap.req_class),
             ttft_slo_s=meta.slo.ttft_s if meta.slo else 0.0,
             tpot_slo_s=meta.slo.tpot_s if meta.slo else 0.0,
             arrival_unix_s=meta.arrival_unix_s,
@@ -249,8 +250,7 @@ class Migrator:
         meta.start_unix_s = meta.first_token_unix_s = meta.last_token_unix_s = time.time()
         inst.adapter.meta[offer.req_id] = meta
         inst.streams[offer.req_id] = Stream(offer.reply_subject, offer.next_seq)
-        res.committed = True
-        self.reservations[commit.ticket] = res  # kept (committed) so a late abort finds it
+        res.committed = True  # kept, committed, so that a late abort finds it
         inst.wake.set()
         return MigrateOfferReply(ok=True, ticket=commit.ticket)
 

@@ -320,6 +320,7 @@ class Instance:
             self.report_seq,
             self.data_url,
             draining=self.draining,
+            started_unix_s=self.started_unix_s,
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
             last_step_ms=round(self.last_step_ms, 3),

@@ -14,7 +14,7 @@ and the policy's `route`, `place_decode` and `tick` turned into replies and comm
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -60,6 +60,7 @@ class LiveCluster:
     default_slo: Slo
     max_held: int  # bounded cluster queue; past it: 429
     max_hold_s: float  # a held request waits at most this long, then 429
+    num_slots: int  # instance slots of the config: the policy's view always has them all
     reports: dict[int, InstanceReport] = field(default_factory=dict)  # slot -> latest
     step_models: dict[str, StepModel] = field(default_factory=dict)  # spec -> model
     held: dict[str, Held] = field(default_factory=dict)  # req_id -> held request (FIFO)
@@ -72,9 +73,14 @@ class LiveCluster:
     # ---- reports -> view ----
 
     def on_report(self, rep: InstanceReport) -> bool:
-        """Keep the newest report per slot; False for a stale (reordered) one."""
+        """Keep the newest report per slot; False for a stale (reordered) one. A restarted
+        instance (same id, later start) counts its reports from 1 again."""
         old = self.reports.get(rep.index)
-        if old is not None and old.instance_id == rep.instance_id and rep.seq <= old.seq:
+        if (
+            old is not None
+            and (old.instance_id, old.started_unix_s) == (rep.instance_id, rep.started_unix_s)
+            and rep.seq <= old.seq
+        ):
             return False
         self.reports[rep.index] = rep
         if rep.step_model not in self.step_models:
@@ -105,7 +111,7 @@ class LiveCluster:
         )
 
     def view(self, now: float) -> ClusterView:
-        n = max(self.reports) + 1 if self.reports else 0
+        n = max(self.num_slots, max(self.reports) + 1) if self.reports else 0
         any_rep = next(iter(self.reports.values()), None)
         reports = [
             self.reports[i] if i in self.reports else _placeholder(any_rep, i)  # type: ignore[arg-type]
@@ -149,10 +155,10 @@ class LiveCluster:
         )
 
     def route(
-        self, req: ReqState, now: float, exclude: Sequence[str] = ()
+        self, req: ReqState, now: float, ask: RouteRequest | None = None
     ) -> tuple[RouteAction, int, str]:
         """(action, slot, reason). The policy decides; when it picks a slot whose instance is
-        down (or failed this request: `exclude`), the request goes to a live instance of the
+        down (or failed this request: `ask.exclude`), the request goes to a live instance of the
         same role, or waits in the held queue (reason `SLOT_DOWN`) until the slot is back:
         an instance `tidal up` restarts returns within seconds, and a relaxed instance's work
         cannot be done by a strict one."""
@@ -162,7 +168,7 @@ class LiveCluster:
         decision = self.policy.route(req, view, now)
         if decision.action is not RouteAction.QUEUE:
             return decision.action, 0, decision.reason
-        idx = self._usable(decision.instance_id, view, now, exclude)
+        idx = self._usable(decision.instance_id, view, now, ask)
         if idx is None:
             return RouteAction.HOLD, decision.instance_id, SLOT_DOWN
         self.routed[req.req_id] = (idx, req, now)
@@ -170,10 +176,15 @@ class LiveCluster:
         return RouteAction.QUEUE, idx, ""
 
     def _usable(
-        self, idx: int, view: ClusterView, now: float, exclude: Sequence[str]
+        self, idx: int, view: ClusterView, now: float, ask: RouteRequest | None
     ) -> int | None:
         def ok(i: int) -> bool:
-            return self.is_usable(i, now) and self.instance_id(i) not in exclude
+            if not self.is_usable(i, now):
+                return False
+            if ask is None or self.instance_id(i) not in ask.exclude:
+                return True
+            # The process that failed the request, or a new one started since under its id?
+            return self.reports[i].started_unix_s > ask.excluded_at_unix_s
 
         if ok(idx):
             return idx
@@ -214,11 +225,11 @@ def _all(inst: object) -> list[ReqState]:
     return [r for name in lists for r in getattr(inst, name)]
 
 
-Reply = Callable[[Msg, RouteRequest, int, str], Awaitable[None]]
-
-
-async def expire_held(cluster: LiveCluster, now: float, reject: Reply) -> None:
+async def expire_held(
+    cluster: LiveCluster, now: float, reject: Callable[[Msg, str], Awaitable[None]]
+) -> None:
+    """Answer (reject) held requests that waited longer than `max_hold_s`."""
     for rid, h in list(cluster.held.items()):
         if now - h.since_s > cluster.max_hold_s:
             del cluster.held[rid]
-            await reject(h.msg, h.route, 0, f"held longer than {cluster.max_hold_s:.0f} s")
+            await reject(h.msg, f"held longer than {cluster.max_hold_s:.0f} s")

@@ -60,6 +60,7 @@ class Scheduler:
             default_slo=self.live.cfg.slo,
             max_held=args.max_held,
             max_hold_s=args.max_hold_s,
+            num_slots=len(self.live.slots),
         )
         self.commands = Commands(nc, self.cluster)
         self.offline_paused = False
@@ -129,31 +130,29 @@ class Scheduler:
             return
         now = time.time()
         state = self.cluster.new_request(req, now)
-        action, idx, reason = self.cluster.route(state, now, req.exclude)
+        action, idx, reason = self.cluster.route(state, now, req)
         if action is RouteAction.QUEUE:
-            await self.reply_queue(msg, req, idx, "")
+            await self.reply_queue(msg, idx)
         elif action is RouteAction.HOLD:
             if len(self.cluster.held) >= self.cluster.max_held:
-                await self.reply_reject(msg, req, 0, "the scheduler's queue is full", "queue_full")
+                await self.reply_reject(msg, "the scheduler's queue is full", "queue_full")
                 return
             self.cluster.held[req.req_id] = Held(state, msg, req, now, reason == SLOT_DOWN)
             self.kick.set()
         elif reason == NO_INSTANCE:
-            await self.reply_reject(msg, req, 0, reason, "no_capacity")
+            await self.reply_reject(msg, reason, "no_capacity")
         else:
-            await self.reply_reject(msg, req, 0, reason or "rejected by admission control")
+            await self.reply_reject(msg, reason or "rejected by admission control")
 
-    async def reply_queue(self, msg: Msg, req: RouteRequest, idx: int, _: str) -> None:
+    async def reply_queue(self, msg: Msg, idx: int) -> None:
         iid = self.cluster.instance_id(idx)
         if not iid:
-            await self.reply_reject(msg, req, 0, "no instance is taking work", "no_capacity")
+            await self.reply_reject(msg, "no instance is taking work", "no_capacity")
             return
         self.num_routed += 1
         await respond(msg, RouteReply(instance_id=iid))
 
-    async def reply_reject(
-        self, msg: Msg, req: RouteRequest, _: int, reason: str, code: str = "rejected"
-    ) -> None:
+    async def reply_reject(self, msg: Msg, reason: str, code: str = "rejected") -> None:
         self.num_rejected += 1
         retry = NO_CAPACITY_RETRY_S if code == "no_capacity" else REJECT_RETRY_S
         await respond(msg, RouteReply(error_code=code, message=reason, retry_after_s=retry))
@@ -179,10 +178,10 @@ class Scheduler:
             return
         for rid, waiting in list(c.held.items()):
             if waiting.retry_route:  # its slot was down: ask the policy again
-                action, idx, _ = c.route(waiting.req, now, waiting.route.exclude)
+                action, idx, _ = c.route(waiting.req, now, waiting.route)
                 if action is RouteAction.QUEUE:
                     del c.held[rid]
-                    await self.reply_queue(waiting.msg, waiting.route, idx, "")
+                    await self.reply_queue(waiting.msg, idx)
         view = c.view(now)
         for rid, frm, to in c.decode_placements(view, now):
             self.commands.migrate(rid, frm, to, "push")
@@ -192,21 +191,12 @@ class Scheduler:
             if h is None:
                 continue
             c.routed[rid] = (idx, h.req, now)
-            await self.reply_queue(h.msg, h.route, idx, "")
+            await self.reply_queue(h.msg, idx)
         for m in actions.migrate:
-            src = next(
-                (i.instance_id for i in view.instances for r in i.running if r.req_id == m.req_id),
-                None,
-            )
-            if src is not None:
-                kind = (
-                    "push"
-                    if any(
-                        r.req_id == m.req_id and r.is_online for r in view.instances[src].running
-                    )
-                    else "pull"
-                )
-                self.commands.migrate(m.req_id, src, m.dst, kind)
+            r = c.cache.get(m.req_id)  # the view's ReqState: where it runs, and its class
+            if r is not None and r.instance_id is not None:
+                kind = "push" if r.is_online else "pull"
+                self.commands.migrate(m.req_id, r.instance_id, m.dst, kind)
         if actions.set_role or actions.set_chunk_size:
             await self.commands.set_roles(actions)
 

@@ -6,8 +6,8 @@ the loop STYLE.md asks for: ``plan = scheduler.schedule(now)`` -> ``out = runner
 step's token events out to the gateway. Nothing here does I/O.
 
 An engine is *emulated* when its step times come from a latency model rather than from running a
-model (`sim`). The service then waits the emulated time itself, and every response and metric it
-produces is labelled as emulation.
+model (`sim`). It still takes that time (the sim engine waits it out, interruptibly, when
+`realtime`), and every response and metric it produces is labelled as emulation.
 """
 
 from __future__ import annotations

@@ -52,6 +52,9 @@ class RouteRequest(msgspec.Struct, frozen=True):
     max_tokens: int
     num_prompt_chars: int  # a length hint; instances tokenise
     exclude: list[str] = []  # instance ids that already failed this request
+    # When the last of them failed it: an instance (re)started after that is another process
+    # under the same id, and may take the request.
+    excluded_at_unix_s: float = 0.0
     num_prompt_tokens: int = 0  # the gateway's estimate (0: the scheduler estimates from chars)
     ttft_slo_ms: float | None = None  # online only; None: the scheduler's default SLO
     tpot_slo_ms: float | None = None
@@ -184,6 +187,8 @@ class InstanceReport(msgspec.Struct, frozen=True):
     # OOCO's "every offline decode fit this step" that lets `tick` pull more.
     hints: dict[str, float] = {}
     draining: bool = False
+    started_unix_s: float = 0.0  # when this process started (a restart under the same id
+    # starts `seq` again at 1)
     num_preemptions: int = 0  # layer-boundary preemptions since start
     num_steps: int = 0
     last_step_ms: float = 0.0
