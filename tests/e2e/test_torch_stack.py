@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -25,7 +26,7 @@ def test_default_stack_answers_with_the_real_model() -> None:
     tidal = str(Path(sys.executable).parent / "tidal")
     log = open(tmp / "up.log", "w")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
-        [tidal, "up", "--port", str(port), "--instances", "aggregated", "--cpu-attn", "0"],
+        [tidal, "up", "--port", str(port), "--cpu-attn", "0"],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
@@ -51,6 +52,10 @@ def test_default_stack_answers_with_the_real_model() -> None:
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert "Paris" in text
         assert chunks[-1].system_fingerprint == "tidal-torch"  # a real engine, not emulation
+        # The default stack runs the `tidal` policy on a relaxed and a strict instance: the
+        # request was prefilled on the relaxed one and pushed, KV included, to the strict one.
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        assert b'tidal_migrations_total{kind="push",outcome="ok"} 1.0' in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
