@@ -27,7 +27,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from services.cli import natsd
+from services.cli import bench_migration, natsd
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -157,6 +157,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     gw.add_argument("--max-tokens", type=int, default=16, help="tokens per stream")
     gw.add_argument("--json", default="", help="also write the figures here as JSON")
     gw.set_defaults(func=run_gateway)
+    bench_migration.register(bench)
     # The engine benchmark lives beside the engine; it adds `tidal bench engine` when present.
     try:
         engine_bench = importlib.import_module("tidal.engine.bench")
