@@ -16,57 +16,20 @@ import asyncio
 import contextlib
 import importlib
 import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from services.cli import bench_migration, natsd
-
-
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+from services.cli import bench_colocation, bench_migration, natsd
+from services.cli.benchkit import pct as _pct
+from services.cli.benchkit import stack
 
 
 @contextlib.contextmanager
 def _sim_stack(port: int) -> Iterator[str]:
-    tmp = tempfile.mkdtemp(prefix="tidal-bench-")
-    env = {**os.environ, "TIDAL_STATE_FILE": f"{tmp}/up.json"}
-    tidal = str(Path(sys.executable).parent / "tidal")
-    argv = [
-        tidal,
-        "up",
-        "--engine",
-        "sim",
-        "--sim-step-model",
-        "zero",
-        "--port",
-        str(port),
-        "--log-level",
-        "WARNING",
-    ]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}/v1"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), urllib.request.urlopen(base + "/models") as r:
-                if b'"id"' in r.read():
-                    break
-            time.sleep(0.2)
-        else:
-            raise RuntimeError("the benchmark stack did not start within 60 s")
+    with stack(port, "--engine", "sim", "--sim-step-model", "zero") as base:
         yield base
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
 
 
 async def _drive(base: str, streams: int, rounds: int, max_tokens: int) -> dict[str, list[float]]:
@@ -158,6 +121,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     gw.add_argument("--json", default="", help="also write the figures here as JSON")
     gw.set_defaults(func=run_gateway)
     bench_migration.register(bench)
+    bench_colocation.register(bench)
     # The engine benchmark lives beside the engine; it adds `tidal bench engine` when present.
     try:
         engine_bench = importlib.import_module("tidal.engine.bench")

@@ -1,0 +1,44 @@
+"""What the `tidal bench` commands share: a `tidal up` stack on a free port, and percentiles."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+@contextlib.contextmanager
+def stack(port: int, *up_args: str, start_timeout_s: float = 240.0) -> Iterator[str]:
+    """`tidal up --port PORT *up_args`; yields the API base URL once it serves a model."""
+    tmp = tempfile.mkdtemp(prefix="tidal-bench-")
+    env = {**os.environ, "TIDAL_STATE_FILE": f"{tmp}/up.json"}
+    tidal = str(Path(sys.executable).parent / "tidal")
+    argv = [tidal, "up", "--port", str(port), "--log-level", "WARNING", *up_args]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), urllib.request.urlopen(base + "/models") as r:
+                if b'"id"' in r.read():
+                    break
+            time.sleep(0.2)
+        else:
+            raise RuntimeError(f"the benchmark stack did not start within {start_timeout_s} s")
+        time.sleep(1.0)  # every instance's first state report has reached the scheduler
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
