@@ -111,6 +111,8 @@ class Supervisor:
                 extra += ["--model", a.model]
             if a.max_model_len:
                 extra += ["--max-model-len", str(a.max_model_len)]
+            if a.kv_cache_tokens:
+                extra += ["--kv-cache-tokens", str(a.kv_cache_tokens)]
             children.append(self._service(f"instance-{i}", "services.instance", *extra))
         children.append(
             self._service("gateway-0", "services.gateway", "--host", a.host, "--port", str(a.port))
@@ -269,6 +271,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
+    p.add_argument(
+        "--kv-cache-tokens", type=int, default=0, help="KV pool of each instance (0: default)"
+    )
     p.add_argument(
         "--config",
         default="",

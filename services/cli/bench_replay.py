@@ -1,0 +1,177 @@
+"""`tidal bench replay`: the same trace window through the live stack and through the simulator.
+
+For each policy, the config's workload (`tidal.sim.build.workload`, cut to `--duration-s`) is
+replayed in real time against `tidal up --engine sim --config CONFIG --policy P`, whose sim
+engine takes each step's time from the simulator's own latency model (`MODEL@HARDWARE` of the
+config) and whose KV pool is the simulator's. Every request is a streamed `/v1/completions` call
+of the official openai client with a prompt of exactly its trace length in the served tokenizer
+and `max_tokens` = its trace output length. The simulator then runs the same requests with the
+same config and policy. Printed side by side: online SLO attainment, TTFT and TPOT p50/p99, and
+offline output tokens per second in the window. Both sides are emulation (the sim engine and the
+simulator); the point is their agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.cli import natsd
+from services.cli.benchkit import stack
+from tidal.sim.build import instance_setups, simulate, workload
+from tidal.sim.config import SimConfig, load_config
+from tidal.sim.metrics import summarize
+from tidal.workload.mix import SimRequest
+
+
+def _prompt_maker() -> Any:
+    """prompt(n) -> a string the served tokenizer (the sim engine's default, SmolLM2's) reads as
+    exactly n tokens: " tide" is one token, plus whatever the tokenizer adds (a BOS)."""
+    from tidal.engine.sim_tokens import load_sim_tokenizer
+
+    extra = len(load_sim_tokenizer().encode("tide")) - 1
+
+    def prompt(n: int) -> str:
+        return "tide" + " tide" * max(0, n - 1 - extra)
+
+    return prompt
+
+
+def _stats(ttft: list[float], tpot: list[float]) -> dict[str, float]:
+    def p(x: list[float], q: float) -> float:
+        return float(np.percentile(x, q)) if x else float("nan")
+
+    return {
+        "ttft_p50_s": p(ttft, 50),
+        "ttft_p99_s": p(ttft, 99),
+        "tpot_p50_s": p(tpot, 50),
+        "tpot_p99_s": p(tpot, 99),
+    }
+
+
+async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig) -> dict[str, Any]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=3600)
+    rows: list[tuple[SimRequest, float | None, float | None, int]] = []
+    off_tokens = 0  # offline output tokens streamed inside the window (as the simulator bins)
+    prompt = _prompt_maker()
+    t0 = time.perf_counter()
+
+    async def one(r: SimRequest) -> None:
+        nonlocal off_tokens
+        await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
+        first = last = None
+        n = 0
+        try:
+            stream = await client.completions.create(
+                model=model,
+                prompt=prompt(r.input_tokens),
+                max_tokens=r.output_tokens,
+                stream=True,
+                extra_body={"request_class": str(r.req_class)},
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    last = time.perf_counter() - t0
+                    first = first if first is not None else last
+                    n += 1
+                    off_tokens += r.req_class == "offline" and last <= cfg.duration_s
+        except openai.APIError:
+            pass  # rejected or failed: counts as not attained, no tokens
+        rows.append((r, first, last, n))
+
+    await asyncio.gather(*(one(r) for r in reqs))
+    await client.close()
+    slo = cfg.slo
+    ttft, tpot, ok, num_online = [], [], 0, 0
+    for r, first, last, n in rows:
+        if r.req_class == "offline":
+            continue
+        num_online += 1
+        if first is None or last is None:
+            continue
+        ttft.append(first - r.arrival_s)
+        tp = (last - first) / (n - 1) if n > 1 else 0.0
+        if n == r.output_tokens:
+            tpot.append(tp)
+            ok += first - r.arrival_s <= slo.ttft_s and tp <= slo.tpot_s
+    out = {"slo_attainment_pct": 100.0 * ok / max(1, num_online), "num_online": num_online}
+    out |= _stats(ttft, tpot)
+    out["offline_tokens_per_s"] = off_tokens / cfg.duration_s
+    return out
+
+
+def _simulated(cfg: SimConfig, policy: str, reqs: list[SimRequest]) -> dict[str, Any]:
+    s = summarize(simulate(cfg, policy, requests=reqs), cfg.duration_s, policy, "replay")
+    on = s["online"]
+    return {
+        "slo_attainment_pct": on["slo_attainment_pct"],
+        "num_online": on["num_requests"],
+        "ttft_p50_s": on["ttft_s"]["p50"],
+        "ttft_p99_s": on["ttft_s"]["p99"],
+        "tpot_p50_s": on["tpot_s"]["p50"],
+        "tpot_p99_s": on["tpot_s"]["p99"],
+        "offline_tokens_per_s": s["offline"]["tokens_per_s"],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = dataclasses.replace(load_config(args.config), duration_s=args.duration_s)
+    reqs = [r for r in workload(cfg) if r.arrival_s < args.duration_s]
+    report: dict[str, Any] = {"config": args.config, "duration_s": args.duration_s, "runs": {}}
+    spec = f"{cfg.model}@{cfg.hardware}"
+    for policy in args.policies:
+        setups = instance_setups(cfg, policy)
+        kv_tokens = min(s.num_blocks for s in setups) * cfg.block_size
+        max_len = max(r.input_tokens + r.output_tokens for r in reqs) + 16
+        up = ["--engine", "sim", "--config", args.config, "--policy", policy, "--cpu-attn", "0"]
+        up += ["--sim-step-model", spec, "--kv-cache-tokens", str(kv_tokens)]
+        up += ["--max-model-len", str(max_len)]
+        with stack(natsd.free_port(), *up) as base:
+            live = asyncio.run(_replay(base, "tidal-sim", reqs, cfg))
+        report["runs"][policy] = {"live": live, "simulator": _simulated(cfg, policy, reqs)}
+    print(
+        f"Fidelity, live stack (sim engine, emulated {spec} step times) vs simulator, "
+        f"{args.config}, first {args.duration_s:.0f} s ({len(reqs)} requests):"
+    )
+    keys = [
+        ("slo_attainment_pct", "attain %", 1),
+        ("ttft_p50_s", "TTFT p50 s", 3),
+        ("ttft_p99_s", "TTFT p99 s", 3),
+        ("tpot_p50_s", "TPOT p50 s", 4),
+        ("tpot_p99_s", "TPOT p99 s", 4),
+        ("offline_tokens_per_s", "offline tok/s", 1),
+    ]
+    for policy, run_ in report["runs"].items():
+        print(f"  {policy}")
+        for key, name, nd in keys:
+            a, b = run_["live"][key], run_["simulator"][key]
+            diff = f"{a - b:+.1f} pt" if key.endswith("pct") else f"{(a / b - 1) * 100:+.1f} %"
+            print(f"    {name:14s} live {a:10.{nd}f}   sim {b:10.{nd}f}   {diff}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def register(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser(
+        "replay",
+        help="a trace window through the live stack (sim engine) and the simulator, compared",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", default="configs/ooco.yaml", help="experiment config YAML")
+    p.add_argument(
+        "--policies", nargs="+", default=["tidal", "ooco", "online-priority"], help="policies"
+    )
+    p.add_argument("--duration-s", type=float, default=60.0, help="trace window, seconds")
+    p.add_argument("--json", default="", help="also write the figures here as JSON")
+    p.set_defaults(func=run)
