@@ -34,6 +34,7 @@ from tidal.policy.base import (
 )
 from tidal.schemas.enums import RequestClass
 from tidal.schemas.messages import InstanceReport, RouteRequest
+from tidal.sim.config import InstanceGroup
 
 log = logging.getLogger("tidal.scheduler")
 
@@ -60,7 +61,7 @@ class LiveCluster:
     default_slo: Slo
     max_held: int  # bounded cluster queue; past it: 429
     max_hold_s: float  # a held request waits at most this long, then 429
-    num_slots: int  # instance slots of the config: the policy's view always has them all
+    slots: tuple[InstanceGroup, ...]  # the config's instance slots: the view always has them all
     reports: dict[int, InstanceReport] = field(default_factory=dict)  # slot -> latest
     step_models: dict[str, StepModel] = field(default_factory=dict)  # spec -> model
     held: dict[str, Held] = field(default_factory=dict)  # req_id -> held request (FIFO)
@@ -91,11 +92,22 @@ class LiveCluster:
                 self.step_models[rep.step_model] = parse_step_model("linear")
         return True
 
+    def _placeholder(self, rep: InstanceReport, index: int) -> InstanceReport:
+        """Slot `index` with no live instance: the config's role and chunk size there, no
+        requests, no free KV, draining (takes no work). `rep` lends the other fields."""
+        out = msgspec.structs.replace(
+            rep, instance_id="", index=index, requests=[], num_free_blocks=0, draining=True, seq=0
+        )
+        if index < len(self.slots):
+            slot = self.slots[index]
+            out = msgspec.structs.replace(out, role=slot.role, chunk_size=slot.chunk_size)
+        return out
+
     def forget(self, instance_id: str) -> None:
         """The instance is gone: its slot stays in the view, empty and taking no work."""
         for idx, rep in list(self.reports.items()):
             if rep.instance_id == instance_id:
-                self.reports[idx] = _placeholder(rep, idx)
+                self.reports[idx] = self._placeholder(rep, idx)
 
     def instance_id(self, index: int) -> str:
         rep = self.reports.get(index)
@@ -111,12 +123,11 @@ class LiveCluster:
         )
 
     def view(self, now: float) -> ClusterView:
-        n = max(self.num_slots, max(self.reports) + 1) if self.reports else 0
-        any_rep = next(iter(self.reports.values()), None)
-        reports = [
-            self.reports[i] if i in self.reports else _placeholder(any_rep, i)  # type: ignore[arg-type]
-            for i in range(n)
-        ]
+        reports: list[InstanceReport] = []
+        if self.reports:  # slots no instance reported yet are placeholders
+            some = next(iter(self.reports.values()))
+            n = max(len(self.slots), max(self.reports) + 1)
+            reports = [self.reports.get(i) or self._placeholder(some, i) for i in range(n)]
         held = [h.req for h in self.held.values()]
         view = build_cluster_view(
             reports, self.step_models, self.link_bytes_per_s, held=held, cache=self.cache
@@ -211,13 +222,6 @@ class LiveCluster:
 
     def tick(self, view: ClusterView, now: float) -> ClusterActions:
         return self.policy.tick(view, now)
-
-
-def _placeholder(rep: InstanceReport, index: int) -> InstanceReport:
-    """A slot with no live instance: no requests, no free KV, draining (takes no work)."""
-    return msgspec.structs.replace(
-        rep, instance_id="", index=index, requests=[], num_free_blocks=0, draining=True, seq=0
-    )
 
 
 def _all(inst: object) -> list[ReqState]:

@@ -60,7 +60,7 @@ class Scheduler:
             default_slo=self.live.cfg.slo,
             max_held=args.max_held,
             max_hold_s=args.max_hold_s,
-            num_slots=len(self.live.slots),
+            slots=self.live.slots,
         )
         self.commands = Commands(nc, self.cluster)
         self.offline_paused = False

@@ -60,12 +60,15 @@ async def join(nc: NATS, sid: str, index: int, role: str) -> None:
     await beat(nc, make_hb(sid))
 
 
-@pytest.fixture
-async def cluster(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[NATS]:
+@pytest.fixture(params=["aggregated"])
+async def cluster(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> AsyncIterator[NATS]:
     monkeypatch.setenv("TIDAL_HEARTBEAT_S", "0.1")
-    args = scheduler_main.parse_args(
-        ["--nats-url", nats_url, "--id", "sched-t", "--policy", "aggregated"]
-    )
+    argv = ["--nats-url", nats_url, "--id", "sched-t", "--policy", request.param]
+    if request.param == "aggregated":  # the roles the tests' instances report
+        argv += ["--roles", "aggregated,aggregated"]
+    args = scheduler_main.parse_args(argv)
     stop = asyncio.Event()
     task = asyncio.create_task(scheduler_main.serve(args, stop))
     nc = await connect(nats_url, "test")
@@ -159,3 +162,17 @@ async def test_malformed_control_json_gets_an_error_and_the_scheduler_survives(
     await cluster.publish(subjects.ROUTE, b"\x00\x01 not msgpack")
     await cluster.publish(subjects.heartbeat("instance", "x"), b"garbage")
     assert "services" in await status(cluster)
+
+
+@pytest.mark.parametrize("cluster", ["tidal"], indirect=True)
+async def test_a_request_for_a_slot_not_up_yet_waits_for_it(cluster: NATS) -> None:
+    # `tidal` (embedded config): online prefill belongs on slot 0 (relaxed); only the strict
+    # instance of slot 1 is up. It must not take the request (a strict instance never
+    # prefills): the request waits until slot 0's instance reports, then goes there.
+    await join(cluster, "inst-strict", 1, "strict")
+    pending = asyncio.create_task(route(cluster, req_id="early"))
+    await asyncio.sleep(0.3)
+    assert not pending.done()
+    await join(cluster, "inst-relaxed", 0, "relaxed")
+    reply = await asyncio.wait_for(pending, 2)
+    assert reply.instance_id == "inst-relaxed"
