@@ -42,6 +42,7 @@ CHARS_PER_TOKEN = 4  # prompt length estimate before an instance tokenises it
 ROUTED_GRACE_S = 5.0  # a routed request not yet in any report still counts this long
 DEFAULT_LINK_BYTES_PER_S = 1e9
 REPORT_STALE_S = 3.0  # a report this old: the instance takes no new work
+PLACED_GRACE_S = 120.0  # longer than any migration takes
 NO_INSTANCE = "no instance is taking work"
 SLOT_DOWN = "the policy's instance for it is down; waiting for it"
 
@@ -66,7 +67,8 @@ class LiveCluster:
     step_models: dict[str, StepModel] = field(default_factory=dict)  # spec -> model
     held: dict[str, Held] = field(default_factory=dict)  # req_id -> held request (FIFO)
     routed: dict[str, tuple[int, ReqState, float]] = field(default_factory=dict)
-    placed: set[str] = field(default_factory=set)  # req_ids place_decode already saw
+    # req_id -> when a report last showed it, for requests place_decode already saw
+    placed: dict[str, float] = field(default_factory=dict)
     migrating: set[str] = field(default_factory=set)  # req_ids with a command in flight
     cache: dict[str, ReqState] = field(default_factory=dict)
     link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S  # EWMA of measured transfers
@@ -212,12 +214,17 @@ class LiveCluster:
             for r in inst.running:
                 if r.req_id in self.placed or not r.is_decoding:
                     continue
-                self.placed.add(r.req_id)
+                self.placed[r.req_id] = now
                 dst = self.policy.place_decode(r, inst, view, now)
                 if dst is not None and dst != inst.instance_id:
                     out.append((r.req_id, inst.instance_id, dst))
-        if len(self.placed) > 100_000:  # forget the oldest half: those requests are long done
-            self.placed = set(list(self.placed)[50_000:])
+        # Forget requests no report has shown for a while (finished); not at once: one in the
+        # middle of a migration is in no report, and must not be placed again when it lands.
+        for rid in self.placed.keys() & self.cache.keys():
+            self.placed[rid] = now
+        for rid, seen_s in list(self.placed.items()):
+            if now - seen_s > PLACED_GRACE_S:
+                del self.placed[rid]
         return out
 
     def tick(self, view: ClusterView, now: float) -> ClusterActions:
