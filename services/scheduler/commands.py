@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 import nats.errors
@@ -54,6 +55,8 @@ class Commands:
             res = MigrateResult(cmd.req_id, "failed", f"source {src_id}: {type(e).__name__}")
         finally:
             c.migrating.discard(cmd.req_id)
+        if res.outcome != "ok" and cmd.kind == "push":
+            c.retry_placement(cmd.req_id, time.time())  # it must not stay on its prefill instance
         key = f"{cmd.kind}:{res.outcome}"
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
         if res.outcome == "ok" and res.transfer_s > 0 and res.num_bytes > 0:

@@ -43,6 +43,7 @@ ROUTED_GRACE_S = 5.0  # a routed request not yet in any report still counts this
 DEFAULT_LINK_BYTES_PER_S = 1e9
 REPORT_STALE_S = 3.0  # a report this old: the instance takes no new work
 PLACED_GRACE_S = 120.0  # longer than any migration takes
+PLACE_RETRY_S = 0.2  # a push that could not happen is tried again this much later
 NO_INSTANCE = "no instance is taking work"
 SLOT_DOWN = "the policy's instance for it is down; waiting for it"
 
@@ -69,6 +70,7 @@ class LiveCluster:
     routed: dict[str, tuple[int, ReqState, float]] = field(default_factory=dict)
     # req_id -> when a report last showed it, for requests place_decode already saw
     placed: dict[str, float] = field(default_factory=dict)
+    retry_at: dict[str, float] = field(default_factory=dict)  # req_id -> ask place_decode then
     migrating: set[str] = field(default_factory=set)  # req_ids with a command in flight
     cache: dict[str, ReqState] = field(default_factory=dict)
     link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S  # EWMA of measured transfers
@@ -208,16 +210,25 @@ class LiveCluster:
         return min(same, key=lambda i: view.instances[i].num_waiting_tokens)
 
     def decode_placements(self, view: ClusterView, now: float) -> list[tuple[str, int, int]]:
-        """(req_id, src slot, dst slot) for requests whose prefill just finished elsewhere."""
+        """(req_id, src slot, dst slot) for requests whose prefill just finished and that the
+        policy places elsewhere. A request whose push cannot happen now (its target is not up,
+        or refused it: `retry_placement`) is asked about again later, never dropped: a
+        relaxed instance does not decode online requests."""
         out = []
         for inst in view.instances:
             for r in inst.running:
-                if r.req_id in self.placed or not r.is_decoding:
+                rid = r.req_id
+                if rid in self.placed or not r.is_decoding or self.retry_at.get(rid, 0.0) > now:
                     continue
-                self.placed[r.req_id] = now
+                self.placed[rid] = now
+                self.retry_at.pop(rid, None)
                 dst = self.policy.place_decode(r, inst, view, now)
-                if dst is not None and dst != inst.instance_id:
-                    out.append((r.req_id, inst.instance_id, dst))
+                if dst is None or dst == inst.instance_id:
+                    continue
+                if self.is_usable(dst, now):
+                    out.append((rid, inst.instance_id, dst))
+                else:
+                    self.retry_placement(rid, now)
         # Forget requests no report has shown for a while (finished); not at once: one in the
         # middle of a migration is in no report, and must not be placed again when it lands.
         for rid in self.placed.keys() & self.cache.keys():
@@ -225,7 +236,15 @@ class LiveCluster:
         for rid, seen_s in list(self.placed.items()):
             if now - seen_s > PLACED_GRACE_S:
                 del self.placed[rid]
+        for rid, at in list(self.retry_at.items()):
+            if rid not in self.cache and now - at > PLACED_GRACE_S:
+                del self.retry_at[rid]
         return out
+
+    def retry_placement(self, req_id: str, now: float) -> None:
+        """Ask `place_decode` about `req_id` again after `PLACE_RETRY_S`."""
+        self.placed.pop(req_id, None)
+        self.retry_at[req_id] = now + PLACE_RETRY_S
 
     def tick(self, view: ClusterView, now: float) -> ClusterActions:
         return self.policy.tick(view, now)

@@ -16,6 +16,9 @@ from tidal.schemas.messages import (
     Heartbeat,
     InstanceDown,
     InstanceReport,
+    MigrateCommand,
+    MigrateResult,
+    ReqReport,
     RouteReply,
     RouteRequest,
 )
@@ -36,7 +39,9 @@ def make_hb(sid: str, kind: str = "instance", model: str = "m") -> Heartbeat:
     )
 
 
-def make_report(sid: str, index: int, role: str, seq: int = 1) -> InstanceReport:
+def make_report(
+    sid: str, index: int, role: str, seq: int = 1, requests: list[ReqReport] | None = None
+) -> InstanceReport:
     return InstanceReport(
         instance_id=sid,
         index=index,
@@ -51,6 +56,7 @@ def make_report(sid: str, index: int, role: str, seq: int = 1) -> InstanceReport
         kv_bytes_per_token=1000.0,
         step_model="linear",
         data_url="tcp://127.0.0.1:1",
+        requests=requests or [],
     )
 
 
@@ -176,3 +182,33 @@ async def test_a_request_for_a_slot_not_up_yet_waits_for_it(cluster: NATS) -> No
     await join(cluster, "inst-relaxed", 0, "relaxed")
     reply = await asyncio.wait_for(pending, 2)
     assert reply.instance_id == "inst-relaxed"
+
+
+@pytest.mark.parametrize("cluster", ["tidal"], indirect=True)
+async def test_a_push_whose_target_is_not_up_yet_happens_when_it_is(cluster: NATS) -> None:
+    commands: list[MigrateCommand] = []
+
+    async def on_migrate(msg) -> None:  # type: ignore[no-untyped-def]
+        cmd = codec.decode(msg.data, MigrateCommand)
+        commands.append(cmd)
+        await msg.respond(codec.encode(MigrateResult(cmd.req_id, "ok")))
+
+    await cluster.subscribe(subjects.instance_migrate("inst-relaxed"), cb=on_migrate)
+    now = time.time()
+    # Prefilled on the relaxed instance, first token out: tidal pushes it to the strict one.
+    prefilled = ReqReport("q1", "online", "running", now, 37, 32, 37, 1, 3, 3.0, 0.25)
+    report = make_report("inst-relaxed", 0, "relaxed", requests=[prefilled])
+    await cluster.publish(subjects.instance_state("inst-relaxed"), codec.encode(report))
+    await beat(cluster, make_hb("inst-relaxed"))
+    await asyncio.sleep(0.3)
+    assert commands == []  # slot 1 is not up: nowhere to push yet, and no silent drop either
+    await join(cluster, "inst-strict", 1, "strict")
+    report = make_report("inst-relaxed", 0, "relaxed", seq=2, requests=[prefilled])
+    await cluster.publish(subjects.instance_state("inst-relaxed"), codec.encode(report))
+    for _ in range(40):
+        if commands:
+            break
+        await asyncio.sleep(0.05)
+    assert [(c.req_id, c.dst_instance_id, c.kind) for c in commands] == [
+        ("q1", "inst-strict", "push")
+    ]
