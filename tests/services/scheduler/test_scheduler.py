@@ -197,18 +197,33 @@ async def test_a_push_whose_target_is_not_up_yet_happens_when_it_is(cluster: NAT
     now = time.time()
     # Prefilled on the relaxed instance, first token out: tidal pushes it to the strict one.
     prefilled = ReqReport("q1", "online", "running", now, 37, 32, 37, 1, 3, 3.0, 0.25)
-    report = make_report("inst-relaxed", 0, "relaxed", requests=[prefilled])
-    await cluster.publish(subjects.instance_state("inst-relaxed"), codec.encode(report))
-    await beat(cluster, make_hb("inst-relaxed"))
-    await asyncio.sleep(0.3)
-    assert commands == []  # slot 1 is not up: nowhere to push yet, and no silent drop either
-    await join(cluster, "inst-strict", 1, "strict")
-    report = make_report("inst-relaxed", 0, "relaxed", seq=2, requests=[prefilled])
-    await cluster.publish(subjects.instance_state("inst-relaxed"), codec.encode(report))
-    for _ in range(40):
-        if commands:
-            break
-        await asyncio.sleep(0.05)
+    up = ["inst-relaxed"]
+
+    async def alive() -> None:  # the instances that are up keep reporting and heartbeating
+        seq = 0
+        while True:
+            seq += 1
+            for sid in up:
+                index, role = (0, "relaxed") if sid == "inst-relaxed" else (1, "strict")
+                reqs = [prefilled] if index == 0 else []
+                rep = make_report(sid, index, role, seq=seq, requests=reqs)
+                await cluster.publish(subjects.instance_state(sid), codec.encode(rep))
+                await cluster.publish(
+                    subjects.heartbeat("instance", sid), codec.encode(make_hb(sid))
+                )
+            await asyncio.sleep(0.05)
+
+    beats = asyncio.create_task(alive())
+    try:
+        await asyncio.sleep(0.5)
+        assert commands == []  # slot 1 is not up: nowhere to push yet, and no silent drop either
+        up.append("inst-strict")
+        for _ in range(60):
+            if commands:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        beats.cancel()
     assert [(c.req_id, c.dst_instance_id, c.kind) for c in commands] == [
         ("q1", "inst-strict", "push")
     ]
