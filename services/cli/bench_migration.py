@@ -35,6 +35,12 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     src = load_torch_engine(args.model or None, **kw)
     dst = load_torch_engine(args.model or None, **kw)
     vocab = src.model.config.vocab_size
+    too_long = [n for n in args.tokens if n + 2 > src.max_model_len]
+    if too_long:
+        raise SystemExit(
+            f"--tokens {too_long}: the model holds at most {src.max_model_len} tokens "
+            "(prompt + 2 output)"
+        )
     out: dict[str, Any] = {"model": src.model_name, "dtype": str(src.model.dtype), "sizes": []}
 
     async def transfer(data: bytes) -> tuple[bytes, float]:
@@ -117,7 +123,11 @@ def register(bench: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="", help="model (default: the embedded SmolLM2)")
     p.add_argument(
-        "--tokens", type=int, nargs="+", default=[1024, 4096, 8192], help="context lengths"
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[1024, 4096, 8000],
+        help="context lengths (SmolLM2 holds 8192 tokens)",
     )
     p.add_argument("--runs", type=int, default=3, help="runs per size (median)")
     p.add_argument("--preempt-tokens", type=int, default=2048, help="prefill cut by preemption")
