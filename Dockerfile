@@ -8,6 +8,8 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
 COPY pyproject.toml README.md ./
 COPY tidal ./tidal
 COPY services ./services
+COPY data ./data
+ENV TIDAL_DATA_DIR=/app/data
 RUN pip install .
 EXPOSE 8000
 CMD ["tidal", "--help"]

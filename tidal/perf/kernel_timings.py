@@ -1,5 +1,5 @@
 """Reader for per-operator GPU timing CSVs (vidur's profiling format, as in
-`shared/data/gpu_kernel_timings/`): one row per (num_tokens, TP degree), per-op times in ms."""
+`data/gpu_kernel_timings/`): one row per (num_tokens, TP degree), per-op times in ms."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Request traces on disk: timestamped traces and length tables, loaded into numpy arrays.
 
-Two CSV layouts are understood (see `../shared/data/README.md`):
+Two CSV layouts are understood (see `data/README.md`):
 * ``arrival_s,input_tokens,output_tokens`` (the `*.norm.csv` files, or a user's own trace);
 * ``num_prefill_tokens,num_decode_tokens,...`` (ShareGPT / arXiv length tables, no timestamps).
-A bare file name is looked up in the data directory: env ``TIDAL_DATA_DIR``, else
-``<repository>/../shared/data``.
+A bare file name is looked up in the data directory: env ``TIDAL_DATA_DIR``, else the
+repository's own ``data/`` (the traces ship with the repository, licences included).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 def data_dir() -> Path:
     """Where trace files named without a directory are found."""
     env = os.environ.get("TIDAL_DATA_DIR")
-    return Path(env) if env else _REPO_ROOT.parent / "shared" / "data"
+    return Path(env) if env else _REPO_ROOT / "data"
 
 
 def resolve(path: str | Path) -> Path:

@@ -84,7 +84,7 @@ def test_stream_config_checks() -> None:
 
 
 def test_real_azure_trace_shape() -> None:
-    # The shared data directory sits beside the repository (CI clones it there too).
+    # The traces ship inside the repository (data/), so a clone alone finds them.
     tr = load_trace("azure2023_conv.norm.csv")
     assert len(tr) == 19366
     assert tr.arrival_s is not None and tr.arrival_s[0] == 0.0
