@@ -86,6 +86,7 @@ class Instance:
         self.in_flight: StepPlan | None = None
         self.in_flight_preemptible = False
         self.report_seq = 0
+        self.finished_ids: list[str] = []  # ended since the last report
         self.last_report_s = 0.0
 
     # ---- inbound ----
@@ -228,7 +229,10 @@ class Instance:
                 failed = self._apply_pending()
             await self._publish(failed)
             if not self.engine.has_work():
-                await self.report(force=time.time() - self.last_report_s > IDLE_REPORT_INTERVAL_S)
+                # NOTE: going idle with requests just ended reports them now, not when the idle
+                # interval comes round: the scheduler counts them as queued here until it knows.
+                stale = time.time() - self.last_report_s > IDLE_REPORT_INTERVAL_S
+                await self.report(force=stale or bool(self.finished_ids))
                 await self._idle(stop, IDLE_REPORT_INTERVAL_S)
                 continue
             # The lock spans snapshot -> plan -> step: a migration exporting a request between
@@ -305,6 +309,7 @@ class Instance:
             if ev.finish_reason is not None:
                 del self.streams[ev.req_id]
                 self.adapter.meta.pop(ev.req_id, None)
+                self.finished_ids.append(ev.req_id)
             await self.nc.publish(stream.reply_subject, codec.encode(chunk))
 
     async def report(self, force: bool = False) -> None:
@@ -325,7 +330,9 @@ class Instance:
             num_steps=self.num_steps,
             last_step_ms=round(self.last_step_ms, 3),
             emulated=self.engine.is_emulated,
+            finished_req_ids=self.finished_ids,
         )
+        self.finished_ids = []
         try:
             await self.nc.publish(subjects.instance_state(self.id), codec.encode(rep))
         except Exception as exc:  # a reconnecting client buffers; anything else is logged

@@ -88,6 +88,8 @@ class LiveCluster:
         ):
             return False
         self.reports[rep.index] = rep
+        for rid in rep.finished_req_ids:
+            self.routed.pop(rid, None)
         if rep.step_model not in self.step_models:
             try:
                 self.step_models[rep.step_model] = parse_step_model(rep.step_model)

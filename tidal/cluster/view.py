@@ -92,6 +92,7 @@ def report_of(
     num_steps: int = 0,
     last_step_ms: float = 0.0,
     emulated: bool = False,
+    finished_req_ids: list[str] | None = None,
 ) -> InstanceReport:
     """`inst` and its requests as the `InstanceReport` number `seq` of the instance named
     `instance_id`, sent at `now_unix_s`. `step_model` is the spec `build_cluster_view` looks the
@@ -126,6 +127,7 @@ def report_of(
         num_steps=num_steps,
         last_step_ms=last_step_ms,
         emulated=emulated,
+        finished_req_ids=list(finished_req_ids or []),
     )
 
 

@@ -193,6 +193,9 @@ class InstanceReport(msgspec.Struct, frozen=True):
     num_steps: int = 0
     last_step_ms: float = 0.0
     emulated: bool = False
+    # Requests that ended here since the previous report: the scheduler stops counting a routed
+    # request that finished before any report showed it (a short one ends within one interval).
+    finished_req_ids: list[str] = []
 
 
 class PreemptSignal(msgspec.Struct, frozen=True):

@@ -1,0 +1,46 @@
+"""LiveCluster, the scheduler's live half, on hand-built reports (no bus)."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from services.common.live_config import load_live_config
+from services.scheduler.live import LiveCluster
+from tests.services.scheduler.test_scheduler import make_report
+from tidal.policy.registry import make_policy
+from tidal.schemas.messages import RouteRequest
+
+
+def _cluster() -> LiveCluster:
+    live = load_live_config("", "aggregated", "aggregated,aggregated")
+    return LiveCluster(
+        policy=make_policy(live.policy, live.context()),
+        default_slo=live.cfg.slo,
+        max_held=8,
+        max_hold_s=60.0,
+        slots=live.slots,
+    )
+
+
+def _waiting(c: LiveCluster, now: float) -> list[str]:
+    return [r.req_id for inst in c.view(now).instances for r in inst.waiting]
+
+
+def test_a_routed_request_that_finished_unseen_stops_counting_at_the_next_report() -> None:
+    c = _cluster()
+    now = time.time()
+    for i in (0, 1):
+        assert c.on_report(make_report(f"inst-{i}", i, "aggregated"))
+    ask = RouteRequest(req_id="short", model="m", req_class="offline", max_tokens=4,
+                       num_prompt_chars=40)  # fmt: skip
+    c.route(c.new_request(ask, now), now, ask)
+    assert _waiting(c, now) == ["short"]  # routed, in no report yet: counted where it went
+    # It ran and ended between two reports: the next report names it as finished.
+    idx = c.routed["short"][0]
+    rep = msgspec.structs.replace(
+        make_report(f"inst-{idx}", idx, "aggregated", seq=2), finished_req_ids=["short"]
+    )
+    assert c.on_report(rep)
+    assert _waiting(c, now) == []  # not for ROUTED_GRACE_S more
