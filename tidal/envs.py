@@ -23,7 +23,9 @@ HEARTBEAT_S = EnvVar("TIDAL_HEARTBEAT_S", "0.5", "seconds between service heartb
 CACHE_DIR = EnvVar(
     "TIDAL_CACHE_DIR", str(Path.home() / ".cache" / "tidal"), "converted model weights"
 )
-DATA_DIR = EnvVar("TIDAL_DATA_DIR", "", "traces and kernel timings (default: the repository's data/)")
+DATA_DIR = EnvVar(
+    "TIDAL_DATA_DIR", "", "traces and kernel timings (default: the repository's data/)"
+)
 
 ALL = (NATS_URL, LOG_LEVEL, HEARTBEAT_S, CACHE_DIR, DATA_DIR)
 

@@ -11,6 +11,7 @@ import sys
 _COMMANDS = (
     "services.cli.up",
     "services.cli.ctl",
+    "services.cli.batch",
     "services.cli.bench",
     "tidal.perf.cli",
     "tidal.sim.cli",

@@ -13,17 +13,17 @@ import asyncio
 import contextlib
 import ctypes
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from services.cli import natsd, state
 from services.common import live_config
 from services.common.live_config import load_live_config
+from tidal import envs
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -114,6 +114,7 @@ class Supervisor:
             if a.kv_cache_tokens:
                 extra += ["--kv-cache-tokens", str(a.kv_cache_tokens)]
             children.append(self._service(f"instance-{i}", "services.instance", *extra))
+        children.append(self._service("batch-0", "services.batch"))
         children.append(
             self._service("gateway-0", "services.gateway", "--host", a.host, "--port", str(a.port))
         )
@@ -144,12 +145,15 @@ class Supervisor:
             return 0
         finally:
             state.clear_state()
-            if self.store_dir:
-                shutil.rmtree(self.store_dir, ignore_errors=True)
 
     async def _start_nats(self) -> bool:
         port = natsd.free_port()
-        self.store_dir = tempfile.mkdtemp(prefix="tidal-jetstream-")
+        # NOTE: the store outlives `tidal up`: batches, their files and queued lines are still
+        # there after a restart (one store per gateway port, so two stacks never share one).
+        self.store_dir = self.args.store_dir or str(
+            Path(envs.CACHE_DIR.get()) / f"jetstream-{self.args.port}"
+        )
+        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
         self.nats = Child("nats-server", natsd.nats_server_argv(port, self.store_dir))
         self.nats_url = f"nats://127.0.0.1:{port}"
         await self.nats.start()
@@ -157,7 +161,7 @@ class Supervisor:
         if not ok:
             say(f"nats-server did not start on port {port}")
             return False
-        say(f"nats-server (JetStream) on {self.nats_url}")
+        say(f"nats-server (JetStream) on {self.nats_url}, store {self.store_dir}")
         return True
 
     async def _announce_when_ready(self, api: str) -> None:
@@ -291,6 +295,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated instance roles, one instance each (default: the config's)",
     )
     p.add_argument("--cpu-attn", type=int, default=1, help="number of CPU-attention workers")
+    p.add_argument(
+        "--store-dir",
+        default="",
+        help="JetStream store (batches, files, queued lines), kept across restarts "
+        "(default: $TIDAL_CACHE_DIR/jetstream-PORT)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="gateway address")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument(

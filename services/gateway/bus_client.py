@@ -26,6 +26,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
+    BatchStats,
     CancelRequest,
     GenerateAck,
     GenerateRequest,
@@ -199,6 +200,7 @@ class GatewayBus:
         if self.metrics is not None:
             await subscribe(self.nc, subjects.MIGRATION_EVENTS, MigrationEvent, self._on_mig)
             await subscribe(self.nc, subjects.INSTANCE_STATE_ALL, InstanceReport, self._on_rep)
+            await subscribe(self.nc, subjects.BATCH_STATS, BatchStats, self._on_batch_stats)
 
     async def _on_mig(self, ev: MigrationEvent, _: Msg) -> None:
         assert self.metrics is not None
@@ -207,6 +209,10 @@ class GatewayBus:
     async def _on_rep(self, rep: InstanceReport, _: Msg) -> None:
         assert self.metrics is not None
         self.metrics.on_report(rep)
+
+    async def _on_batch_stats(self, st: BatchStats, _: Msg) -> None:
+        assert self.metrics is not None
+        self.metrics.batch.on_stats(st)
 
     async def _on_chunk(self, chunk: TokenChunk, _: Msg) -> None:
         handle = self.handles.get(chunk.req_id)

@@ -28,7 +28,7 @@ from services.common.lifecycle import setup_logging
 from services.gateway.bus_client import GatewayBus
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError
-from services.gateway.routers import openai, ops
+from services.gateway.routers import batches, files, openai, ops
 from tidal import envs
 from tidal.schemas import subjects
 from tidal.schemas.messages import Heartbeat
@@ -104,6 +104,8 @@ def create_app(nc: NATS, gateway_id: str, max_inflight: int = 1024) -> FastAPI:
     app.state.gateway_id = gateway_id
     app.add_middleware(ArrivalTime)
     app.include_router(openai.router)
+    app.include_router(files.router)
+    app.include_router(batches.router)
     app.include_router(ops.router)
 
     @app.exception_handler(ApiError)

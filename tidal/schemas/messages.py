@@ -240,6 +240,21 @@ class MigrationEvent(msgspec.Struct, frozen=True):
     total_s: float = 0.0
 
 
+class BatchStats(msgspec.Struct, frozen=True):
+    """Batch service -> gateway (`subjects.BATCH_STATS`, once a second): the Batch API's metrics.
+    Counters count since the batch service started; the gateway adds up restarts."""
+
+    service_id: str
+    started_unix_s: float
+    batches_by_status: dict[str, int]
+    lines_queued: int  # jobs on the stream not yet taken
+    lines_in_flight: int
+    lines_done_total: int  # results stored by this process, successes and failures
+    lines_failed_total: int
+    output_tokens_total: int
+    oldest_job_age_s: float  # age of the oldest job still on the stream (0 when none)
+
+
 class MigrateOffer(msgspec.Struct, frozen=True):
     """Source -> target (request/reply on `subjects.migrate_offer(dst)`): reserve room for this
     request's KV. The bytes then go over the data plane; nothing starts before the commit."""

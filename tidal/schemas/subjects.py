@@ -29,8 +29,10 @@ CTL_ROLES = f"{PREFIX}.ctl.roles"  # instance roles and chunk sizes (TaiChi slid
 CTL_DRAIN = f"{PREFIX}.ctl.drain"  # drain (or undrain) an instance
 CTL_ALL = f"{PREFIX}.ctl.>"
 INSTANCE_STATE_ALL = f"{PREFIX}.inst.*.state"
+BATCH_JOBS = f"{PREFIX}.batch.jobs"  # .<batch_id>: the JetStream work queue of batch lines
+BATCH_STATS = f"{PREFIX}.batch.stats"  # batch service -> gateway metrics, once a second
 
-SERVICE_KINDS = ("gateway", "scheduler", "instance", "cpu_attn")
+SERVICE_KINDS = ("gateway", "scheduler", "instance", "cpu_attn", "batch")
 
 
 def check_token(value: str, what: str = "id") -> str:

@@ -1,0 +1,117 @@
+"""OpenAI Files endpoints for batch input and output: /v1/files.
+
+Content goes into the JetStream Object Store in chunks (an upload is never one NATS message);
+the file object sits beside it in a KV bucket. Only `purpose=batch` is accepted.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, File, Form, UploadFile
+from fastapi.responses import StreamingResponse
+
+from services.common.batch_store import BatchStore
+from services.gateway.dependencies import get_batch_store
+from services.gateway.protocol import ApiError
+from tidal.batch.objects import FileObject, page, to_api
+
+router = APIRouter(prefix="/v1")
+
+MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
+PURPOSES = ("batch",)
+_FILE_ID = re.compile(r"^file-[A-Za-z0-9_-]{1,64}$")
+
+
+def _not_found(file_id: str) -> ApiError:
+    return ApiError(404, f"No such File object: {file_id}", code="file_not_found", param="id")
+
+
+def check_file_id(file_id: str) -> str:
+    if not _FILE_ID.match(file_id):
+        raise _not_found(file_id)
+    return file_id
+
+
+@router.post("/files")
+async def upload_file(
+    file: Annotated[UploadFile, File()],
+    purpose: Annotated[str, Form()],
+    store: BatchStore = Depends(get_batch_store),
+) -> dict[str, Any]:
+    if purpose not in PURPOSES:
+        raise ApiError(
+            400,
+            f"purpose {purpose!r} is not supported here (supported: {', '.join(PURPOSES)})",
+            param="purpose",
+        )
+    size = file.size if file.size is not None else 0
+    if size > MAX_FILE_BYTES:
+        raise ApiError(400, f"the file is over {MAX_FILE_BYTES} bytes", param="file")
+    meta = FileObject(
+        id=f"file-{uuid.uuid4().hex}",
+        bytes=size,
+        created_at=int(time.time()),
+        filename=file.filename or "upload.jsonl",
+        purpose=purpose,
+    )
+    await file.seek(0)
+    stored = await store.put_file(meta, file.file)  # type: ignore[arg-type]
+    return to_api(stored)
+
+
+@router.get("/files")
+async def list_files(
+    after: str | None = None,
+    limit: int = 10000,
+    order: str = "desc",
+    purpose: str | None = None,
+    store: BatchStore = Depends(get_batch_store),
+) -> dict[str, Any]:
+    if not 1 <= limit <= 10000:
+        raise ApiError(400, "limit must be between 1 and 10000", param="limit")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order must be asc or desc", param="order")
+    files = [f for f in await store.list_files() if purpose is None or f.purpose == purpose]
+    files.sort(key=lambda f: (f.created_at, f.id), reverse=order == "desc")
+    return page([to_api(f) for f in files], after, limit)
+
+
+@router.get("/files/{file_id}")
+async def retrieve_file(
+    file_id: str, store: BatchStore = Depends(get_batch_store)
+) -> dict[str, Any]:
+    meta = await store.file(check_file_id(file_id))
+    if meta is None:
+        raise _not_found(file_id)
+    return to_api(meta)
+
+
+@router.get("/files/{file_id}/content")
+async def file_content(
+    file_id: str, store: BatchStore = Depends(get_batch_store)
+) -> StreamingResponse:
+    meta = await store.file(check_file_id(file_id))
+    if meta is None:
+        raise _not_found(file_id)
+
+    async def body() -> AsyncIterator[bytes]:
+        async for chunk in store.file_chunks(file_id):
+            yield chunk
+
+    return StreamingResponse(
+        body(),
+        media_type="application/octet-stream",
+        headers={"Content-Length": str(meta.bytes)},
+    )
+
+
+@router.delete("/files/{file_id}")
+async def delete_file(file_id: str, store: BatchStore = Depends(get_batch_store)) -> dict[str, Any]:
+    if not await store.delete_file(check_file_id(file_id)):
+        raise _not_found(file_id)
+    return {"id": file_id, "object": "file", "deleted": True}
