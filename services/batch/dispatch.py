@@ -92,7 +92,7 @@ class Dispatcher:
             except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
                 # NOTE: a pull subscription can stop working after nats-server restarts; bind it
                 # again rather than trust it.
-                log.warning("batch dispatch: %s; binding the consumer again", exc)
+                log.warning("batch dispatch: %r; binding the consumer again", exc)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=1.0)
         await self.cancel_all()
@@ -114,7 +114,8 @@ class Dispatcher:
             free = self.max_inflight - self.num_inflight
             if free <= 0:
                 self._freed.clear()
-                await self._freed.wait()
+                with contextlib.suppress(TimeoutError):  # look at `stop` at least every second
+                    await asyncio.wait_for(self._freed.wait(), timeout=FETCH_TIMEOUT_S)
                 continue
             try:
                 msgs = await sub.fetch(free, timeout=FETCH_TIMEOUT_S)

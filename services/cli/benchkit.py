@@ -25,7 +25,8 @@ def stack(port: int, *up_args: str, start_timeout_s: float = 240.0) -> Iterator[
     tmp = tempfile.mkdtemp(prefix="tidal-bench-")
     env = {**os.environ, "TIDAL_STATE_FILE": f"{tmp}/up.json"}
     tidal = str(Path(sys.executable).parent / "tidal")
-    argv = [tidal, "up", "--port", str(port), "--log-level", "WARNING", *up_args]
+    argv = [tidal, "up", "--port", str(port), "--log-level", "WARNING", "--store-dir", tmp]
+    argv += up_args
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}/v1"
     try:

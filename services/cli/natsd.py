@@ -51,21 +51,18 @@ def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
     return False
 
 
-def nats_server_argv(port: int, store_dir: str, host: str = "127.0.0.1") -> list[str]:
-    """JetStream on (`-js`), storing under `store_dir`; loopback only."""
+def nats_server_argv(
+    port: int, store_dir: str, host: str = "127.0.0.1", sync_always: bool = False
+) -> list[str]:
+    """JetStream on (`-js`), storing under `store_dir`; loopback only. `sync_always` fsyncs
+    every JetStream write (survives a machine crash, not only a killed server; slower)."""
     log_file = f"{store_dir}/nats-server.log"
-    return [
-        find_nats_server(),
-        "-a",
-        host,
-        "-p",
-        str(port),
-        "-js",
-        "-sd",
-        store_dir,
-        "-l",
-        log_file,
-    ]
+    argv = [find_nats_server(), "-a", host, "-p", str(port), "-js", "-sd", store_dir]
+    if sync_always:
+        conf = Path(store_dir) / "nats-server.conf"
+        conf.write_text('jetstream { sync_interval: "always" }\n')
+        argv += ["-c", str(conf)]
+    return [*argv, "-l", log_file]
 
 
 def start_nats_server(port: int, store_dir: str, timeout_s: float = 10.0) -> subprocess.Popen:

@@ -154,7 +154,8 @@ class Supervisor:
             Path(envs.CACHE_DIR.get()) / f"jetstream-{self.args.port}"
         )
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
-        self.nats = Child("nats-server", natsd.nats_server_argv(port, self.store_dir))
+        argv = natsd.nats_server_argv(port, self.store_dir, sync_always=self.args.sync_always)
+        self.nats = Child("nats-server", argv)
         self.nats_url = f"nats://127.0.0.1:{port}"
         await self.nats.start()
         ok = await asyncio.to_thread(natsd.wait_for_port, "127.0.0.1", port, 10.0)
@@ -300,6 +301,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="",
         help="JetStream store (batches, files, queued lines), kept across restarts "
         "(default: $TIDAL_CACHE_DIR/jetstream-PORT)",
+    )
+    p.add_argument(
+        "--sync-always",
+        action="store_true",
+        help="fsync every JetStream write (batches survive a machine crash too; slower)",
     )
     p.add_argument("--host", default="127.0.0.1", help="gateway address")
     p.add_argument("--port", type=int, default=8000, help="gateway port")

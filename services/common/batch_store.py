@@ -42,7 +42,7 @@ JOBS_STREAM = "TIDAL_BATCH_JOBS"
 JOBS_SUBJECT = subjects.BATCH_JOBS  # .<batch_id>
 DISPATCH_CONSUMER = "tidal-batch-dispatch"
 DEDUP_WINDOW_S = 24 * 3600.0  # a re-publish within a day of the first is dropped
-ACK_WAIT_S = 60.0  # a job not acknowledged (nor marked in progress) within this is redelivered
+ACK_WAIT_S = 15.0  # a job not acknowledged (nor marked in progress) within this is redelivered
 MAX_DELIVER = 5  # deliveries before a line is given up and goes to the error file
 UPDATE_ATTEMPTS = 20
 

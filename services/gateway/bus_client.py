@@ -11,6 +11,7 @@ prompt plus the tokens already streamed (`resume_token_ids`): the client sees no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ from tidal.schemas.messages import (
     CancelRequest,
     GenerateAck,
     GenerateRequest,
+    Heartbeat,
     InstanceDown,
     InstanceReport,
     MigrationEvent,
@@ -46,6 +48,7 @@ ROUTE_TIMEOUT_S = 2.0  # models and other quick questions
 # A route may be held by the policy until it has room (Route.hold); the scheduler answers late.
 HELD_ROUTE_TIMEOUT_S = {"online": 30.0, "offline": 600.0}
 SUBMIT_TIMEOUT_S = 5.0
+ROUTE_RECHECK_S = 0.5  # a held route checks this often whether its scheduler was replaced
 
 _ROUTE_ERRORS = {  # scheduler error code -> HTTP status
     "unknown_model": 404,
@@ -193,10 +196,14 @@ class GatewayBus:
         self.reply_subject = subjects.gateway_tokens(gateway_id)
         self.max_inflight = max_inflight
         self.handles: dict[str, RequestHandle] = {}  # req_id -> live request
+        self.schedulers_seen: set[tuple[str, float]] = set()  # (id, started) of each process
+        self.scheduler_epoch = 0  # +1 each time a new scheduler process appears
 
     async def start(self) -> None:
         await subscribe(self.nc, self.reply_subject, TokenChunk, self._on_chunk)
         await subscribe(self.nc, subjects.INSTANCE_DOWN, InstanceDown, self._on_down)
+        beats = f"{subjects.PREFIX}.hb.scheduler.*"
+        await subscribe(self.nc, beats, Heartbeat, self._on_scheduler_beat)
         if self.metrics is not None:
             await subscribe(self.nc, subjects.MIGRATION_EVENTS, MigrationEvent, self._on_mig)
             await subscribe(self.nc, subjects.INSTANCE_STATE_ALL, InstanceReport, self._on_rep)
@@ -303,25 +310,7 @@ class GatewayBus:
             ttft_slo_ms=req.ttft_slo_ms,
             tpot_slo_ms=req.tpot_slo_ms,
         )
-        timeout = HELD_ROUTE_TIMEOUT_S.get(req.req_class, ROUTE_TIMEOUT_S)
-        try:
-            msg = await self.nc.request(subjects.ROUTE, codec.encode(ask), timeout=timeout)
-        except nats.errors.NoRespondersError:
-            raise ApiError(
-                503,
-                "the scheduler is not reachable; try again shortly",
-                type_="server_error",
-                code="scheduler_unavailable",
-                retry_after_s=1,
-            ) from None
-        except nats.errors.TimeoutError:  # a dead scheduler, or a request held all this time
-            raise ApiError(
-                503,
-                f"no instance took the request within {timeout:.0f} s; try again shortly",
-                type_="server_error",
-                code="no_capacity",
-                retry_after_s=1,
-            ) from None
+        msg = await self._ask_route(ask, HELD_ROUTE_TIMEOUT_S.get(req.req_class, ROUTE_TIMEOUT_S))
         route = codec.decode(msg.data, RouteReply)
         if route.error_code:
             status = _ROUTE_ERRORS.get(route.error_code, 503)
@@ -336,6 +325,56 @@ class GatewayBus:
                 retry_after_s=route.retry_after_s or None,
             )
         return route
+
+    async def _ask_route(self, ask: RouteRequest, timeout_s: float) -> Msg:
+        """The scheduler's answer to `ask`, which may come late (a held request). A request held
+        by a scheduler that dies is lost with it: when a new scheduler process appears (its
+        first heartbeat), the question is asked again, so a held request never waits forever."""
+        data = codec.encode(ask)
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        epoch = self.scheduler_epoch
+        try:
+            await self.nc.publish(subjects.ROUTE, data, reply=inbox)
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:  # a request held all this time
+                    raise ApiError(
+                        503,
+                        f"no instance took the request within {timeout_s:.0f} s; try again",
+                        type_="server_error",
+                        code="no_capacity",
+                        retry_after_s=1,
+                    )
+                try:
+                    msg = await sub.next_msg(timeout=min(left, ROUTE_RECHECK_S))
+                except nats.errors.TimeoutError:
+                    if self.scheduler_epoch != epoch:
+                        epoch = self.scheduler_epoch
+                        log.warning("a new scheduler is up; asking it to route %s", ask.req_id)
+                        await self.nc.publish(subjects.ROUTE, data, reply=inbox)
+                    continue
+                if msg.headers and msg.headers.get("Status") == "503":  # no responders
+                    raise ApiError(
+                        503,
+                        "the scheduler is not reachable; try again shortly",
+                        type_="server_error",
+                        code="scheduler_unavailable",
+                        retry_after_s=1,
+                    )
+                return msg
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _on_scheduler_beat(self, hb: Heartbeat, _: Msg) -> None:
+        key = (hb.service_id, hb.started_unix_s)
+        if key not in self.schedulers_seen and hb.status != "stopped":
+            if self.schedulers_seen:
+                self.scheduler_epoch += 1
+            self.schedulers_seen.add(key)
 
     async def models(self) -> list[str]:
         try:

@@ -78,6 +78,8 @@ def stack() -> Iterator[Stack]:
         "linear:0.003,0,0,0",
         "--log-level",
         "WARNING",
+        "--store-dir",
+        str(tmp / "jetstream"),
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)

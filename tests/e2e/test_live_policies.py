@@ -35,6 +35,7 @@ def up(policy: str, step_model: str) -> Iterator[str]:
     tidal = str(Path(sys.executable).parent / "tidal")
     argv = [tidal, "up", "--engine", "sim", "--port", str(port), "--policy", policy]
     argv += ["--sim-step-model", step_model, "--cpu-attn", "0", "--log-level", "WARNING"]
+    argv += ["--store-dir", str(tmp / "jetstream")]
     log = (tmp / "up.log").open("w")
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

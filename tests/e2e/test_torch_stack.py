@@ -26,7 +26,7 @@ def test_default_stack_answers_with_the_real_model() -> None:
     tidal = str(Path(sys.executable).parent / "tidal")
     log = open(tmp / "up.log", "w")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
-        [tidal, "up", "--port", str(port), "--cpu-attn", "0"],
+        [tidal, "up", "--port", str(port), "--cpu-attn", "0", "--store-dir", str(tmp / "js")],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
