@@ -103,9 +103,24 @@ async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig)
         if n == r.output_tokens:
             tpot.append(tp)
             ok += first - r.arrival_s <= slo.ttft_s and tp <= slo.tpot_s
-    out = {"slo_attainment_pct": 100.0 * ok / max(1, num_online), "num_online": num_online}
+    out: dict[str, Any] = {
+        "slo_attainment_pct": 100.0 * ok / max(1, num_online),
+        "num_online": num_online,
+    }
     out |= _stats(ttft, tpot)
     out["offline_tokens_per_s"] = off_tokens / cfg.duration_s
+    out["requests"] = [  # per request, for finding where the time went
+        {
+            "class": str(r.req_class),
+            "arrival_s": r.arrival_s,
+            "input_tokens": r.input_tokens,
+            "output_tokens": r.output_tokens,
+            "first_token_s": first,
+            "last_token_s": last,
+            "num_chunks": n,
+        }
+        for r, first, last, n in rows
+    ]
     return out
 
 

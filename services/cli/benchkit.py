@@ -11,7 +11,6 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 
 def pct(values: list[float], q: float) -> float:
@@ -24,8 +23,10 @@ def stack(port: int, *up_args: str, start_timeout_s: float = 240.0) -> Iterator[
     """`tidal up --port PORT *up_args`; yields the API base URL once it serves a model."""
     tmp = tempfile.mkdtemp(prefix="tidal-bench-")
     env = {**os.environ, "TIDAL_STATE_FILE": f"{tmp}/up.json"}
-    tidal = str(Path(sys.executable).parent / "tidal")
-    argv = [tidal, "up", "--port", str(port), "--log-level", "WARNING", *up_args]
+    # `python -m`, not the `tidal` script: the stack runs the code this process imported (a
+    # worktree's, from its directory), not whatever the venv's entry point resolves to
+    argv = [sys.executable, "-m", "services.cli.main", "up", "--port", str(port)]
+    argv += ["--log-level", "WARNING", *up_args]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}/v1"
     try:
