@@ -23,9 +23,17 @@ HEARTBEAT_S = EnvVar("TIDAL_HEARTBEAT_S", "0.5", "seconds between service heartb
 CACHE_DIR = EnvVar(
     "TIDAL_CACHE_DIR", str(Path.home() / ".cache" / "tidal"), "converted model weights"
 )
-DATA_DIR = EnvVar("TIDAL_DATA_DIR", "", "traces and kernel timings (default: the repository's data/)")
+DATA_DIR = EnvVar(
+    "TIDAL_DATA_DIR", "", "traces and kernel timings (default: the repository's data/)"
+)
 
-ALL = (NATS_URL, LOG_LEVEL, HEARTBEAT_S, CACHE_DIR, DATA_DIR)
+SIM_KV_PAYLOAD_BYTES_PER_TOKEN = EnvVar(
+    "TIDAL_SIM_KV_PAYLOAD_BYTES_PER_TOKEN",
+    "",
+    "sim engine: bytes of emulated KV a migration ships per token (default: all of them)",
+)
+
+ALL = (NATS_URL, LOG_LEVEL, HEARTBEAT_S, CACHE_DIR, DATA_DIR, SIM_KV_PAYLOAD_BYTES_PER_TOKEN)
 
 
 def heartbeat_s() -> float:

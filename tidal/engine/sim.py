@@ -83,6 +83,10 @@ class SimEngineConfig:
     num_layers: int = 30  # layer boundaries a step can be cut at (SmolLM2-135M has 30)
     # bytes of KV per token: 30 layers * (k, v) * 3 KV heads * 64 dims * 2 bytes (SmolLM2, bf16)
     kv_bytes_per_token: int = 23_040
+    # bytes of emulated KV an exported request really carries per token (-1: kv_bytes_per_token).
+    # Fewer (0: none) keeps a small host from spending its cores copying and hashing migration
+    # payloads that a real cluster moves over its accelerator links (`tidal bench replay`).
+    kv_payload_bytes_per_token: int = -1
     realtime: bool = False  # step() blocks for the emulated step time (cut at layer boundaries)
     tokenizer: str = ""  # "" = the embedded SmolLM2's; a GGUF or HF dir; "bytes" = SimTokenizer
 
@@ -95,6 +99,8 @@ class SimEngineConfig:
             raise ValueError("block_size, num_kv_blocks and num_layers must be >= 1")
         if self.kv_bytes_per_token < 0:
             raise ValueError("kv_bytes_per_token must be >= 0")
+        if self.kv_payload_bytes_per_token < -1:
+            raise ValueError("kv_payload_bytes_per_token must be >= 0, or -1")
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError("the KV pool cannot hold even one max_model_len request")
 
@@ -114,6 +120,8 @@ class SimEngine:
         self.block_size = cfg.block_size
         self.num_kv_blocks = cfg.num_kv_blocks
         self.kv_bytes_per_token = float(cfg.kv_bytes_per_token)
+        payload = cfg.kv_payload_bytes_per_token
+        self.kv_payload_bytes_per_token = cfg.kv_bytes_per_token if payload < 0 else payload
         self.tokenizer: Tokenizer = load_sim_tokenizer(cfg.tokenizer)
         self.word_ids = output_word_ids(self.tokenizer)  # the ids emitted tokens are drawn from
         self.step_model: StepModel = step_model or DEFAULT_SIM_STEP_MODEL
@@ -214,14 +222,14 @@ class SimEngine:
 
     def export_request(self, req_id: str, remove: bool = True) -> bytes:
         """Tokens, sampling, progress, any cut chunk and the emulated KV, as MessagePack."""
-        data = encode_seq(self.seqs[req_id], self.model_name, self.config.kv_bytes_per_token)
+        data = encode_seq(self.seqs[req_id], self.model_name, self.kv_payload_bytes_per_token)
         if remove:
             self.abort(req_id)
         return data
 
     def import_request(self, data: bytes) -> None:
         cfg = self.config
-        seq = decode_seq(data, self.model_name, cfg.kv_bytes_per_token, cfg.num_layers)
+        seq = decode_seq(data, self.model_name, self.kv_payload_bytes_per_token, cfg.num_layers)
         if seq.req_id in self.seqs:
             raise ValueError(f"request id {seq.req_id!r} is already in this engine")
         if len(seq.req.prompt_token_ids) + seq.req.sampling.max_tokens > self.max_model_len:
