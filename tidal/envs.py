@@ -27,7 +27,13 @@ DATA_DIR = EnvVar(
     "TIDAL_DATA_DIR", "", "traces and kernel timings (default: the repository's data/)"
 )
 
-ALL = (NATS_URL, LOG_LEVEL, HEARTBEAT_S, CACHE_DIR, DATA_DIR)
+SIM_KV_PAYLOAD_BYTES_PER_TOKEN = EnvVar(
+    "TIDAL_SIM_KV_PAYLOAD_BYTES_PER_TOKEN",
+    "",
+    "sim engine: bytes of emulated KV a migration ships per token (default: all of them)",
+)
+
+ALL = (NATS_URL, LOG_LEVEL, HEARTBEAT_S, CACHE_DIR, DATA_DIR, SIM_KV_PAYLOAD_BYTES_PER_TOKEN)
 
 
 def heartbeat_s() -> float:

@@ -103,9 +103,24 @@ async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig)
         if n == r.output_tokens:
             tpot.append(tp)
             ok += first - r.arrival_s <= slo.ttft_s and tp <= slo.tpot_s
-    out = {"slo_attainment_pct": 100.0 * ok / max(1, num_online), "num_online": num_online}
+    out: dict[str, Any] = {
+        "slo_attainment_pct": 100.0 * ok / max(1, num_online),
+        "num_online": num_online,
+    }
     out |= _stats(ttft, tpot)
     out["offline_tokens_per_s"] = off_tokens / cfg.duration_s
+    out["requests"] = [  # per request, for finding where the time went
+        {
+            "class": str(r.req_class),
+            "arrival_s": r.arrival_s,
+            "input_tokens": r.input_tokens,
+            "output_tokens": r.output_tokens,
+            "first_token_s": first,
+            "last_token_s": last,
+            "num_chunks": n,
+        }
+        for r, first, last, n in rows
+    ]
     return out
 
 
@@ -135,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
         up = ["--engine", "sim", "--config", args.config, "--policy", policy, "--cpu-attn", "0"]
         up += ["--sim-step-model", spec, "--kv-cache-tokens", str(kv_tokens)]
         up += ["--max-model-len", str(max_len)]
-        with stack(natsd.free_port(), *up) as base:
+        env = {"TIDAL_SIM_KV_PAYLOAD_BYTES_PER_TOKEN": str(args.kv_payload_bytes_per_token)}
+        with stack(natsd.free_port(), *up, env=env) as base:
             live = asyncio.run(_replay(base, "tidal-sim", reqs, cfg))
         report["runs"][policy] = {"live": live, "simulator": _simulated(cfg, policy, reqs)}
     print(
@@ -173,5 +189,14 @@ def register(bench: argparse._SubParsersAction) -> None:
         "--policies", nargs="+", default=["tidal", "ooco", "online-priority"], help="policies"
     )
     p.add_argument("--duration-s", type=float, default=60.0, help="trace window, seconds")
+    p.add_argument(
+        "--kv-payload-bytes-per-token",
+        type=int,
+        default=0,
+        help="emulated KV bytes a live migration really ships per token (default 0: the "
+        "simulator's link moves a request's KV in milliseconds; shipping SmolLM2-sized blobs "
+        "through Python on the same cores takes 0.1-1 s and stalls the target's decodes; -1: "
+        "the sim engine's full size)",
+    )
     p.add_argument("--json", default="", help="also write the figures here as JSON")
     p.set_defaults(func=run)

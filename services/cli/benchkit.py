@@ -11,7 +11,6 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 
 def pct(values: list[float], q: float) -> float:
@@ -20,13 +19,17 @@ def pct(values: list[float], q: float) -> float:
 
 
 @contextlib.contextmanager
-def stack(port: int, *up_args: str, start_timeout_s: float = 240.0) -> Iterator[str]:
-    """`tidal up --port PORT *up_args`; yields the API base URL once it serves a model."""
+def stack(
+    port: int, *up_args: str, start_timeout_s: float = 240.0, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """`tidal up --port PORT *up_args` (`env` added to this process's environment); yields the
+    API base URL once it serves a model."""
     tmp = tempfile.mkdtemp(prefix="tidal-bench-")
-    env = {**os.environ, "TIDAL_STATE_FILE": f"{tmp}/up.json"}
-    tidal = str(Path(sys.executable).parent / "tidal")
-    argv = [tidal, "up", "--port", str(port), "--log-level", "WARNING", "--store-dir", tmp]
-    argv += up_args
+    env = {**os.environ, **(env or {}), "TIDAL_STATE_FILE": f"{tmp}/up.json"}
+    # `python -m`, not the `tidal` script: the stack runs the code this process imported (a
+    # worktree's, from its directory), not whatever the venv's entry point resolves to
+    argv = [sys.executable, "-m", "services.cli.main", "up", "--port", str(port)]
+    argv += ["--log-level", "WARNING", "--store-dir", tmp, *up_args]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}/v1"
     try:

@@ -6,6 +6,7 @@ import argparse
 import importlib
 from typing import Any
 
+from tidal import envs
 from tidal.engine.api import ControllableEngine
 from tidal.engine.sim import DEFAULT_SIM_STEP_MODEL, ZERO_STEP_MODEL, SimEngine, SimEngineConfig
 from tidal.perf.api import StepModel
@@ -56,6 +57,8 @@ def build_engine(args: argparse.Namespace) -> ControllableEngine:
         sim: dict[str, Any] = {}
         if kv_tokens := getattr(args, "kv_cache_tokens", 0):
             sim["num_kv_blocks"] = kv_tokens // SimEngineConfig.block_size
+        if payload := envs.SIM_KV_PAYLOAD_BYTES_PER_TOKEN.get():
+            sim["kv_payload_bytes_per_token"] = int(payload)
         config = SimEngineConfig(
             model_name=args.model or "tidal-sim",
             max_model_len=args.max_model_len or 8192,

@@ -224,7 +224,13 @@ class Instance:
 
     async def run(self, stop: asyncio.Event) -> None:
         num_bad = 0
+        # When the work for the next step began: the previous step's end while the loop runs
+        # back to back, else the moment it found work. An emulating engine (`step_origin`)
+        # counts its step time from here, so this loop's own work (publishing, reporting,
+        # planning, the thread hand-off) is inside each emulated step, not added to it.
+        origin: float | None = None
         while not stop.is_set():
+            origin = time.perf_counter() if origin is None else origin
             async with self.engine_lock:
                 failed = self._apply_pending()
             await self._publish(failed)
@@ -234,6 +240,7 @@ class Instance:
                 stale = time.time() - self.last_report_s > IDLE_REPORT_INTERVAL_S
                 await self.report(force=stale or bool(self.finished_ids))
                 await self._idle(stop, IDLE_REPORT_INTERVAL_S)
+                origin = None
                 continue
             # The lock spans snapshot -> plan -> step: a migration exporting a request between
             # them would leave the plan naming a request the engine no longer has.
@@ -242,21 +249,25 @@ class Instance:
                 self.adapter.sync(self.engine.snapshot(), self.engine.num_free_blocks(), now)
                 plan = self.adapter.plan(now)
                 fcfs = num_bad >= MAX_BAD_PLANS
-                ok = None if plan.is_empty and not fcfs else await self._step(plan, fcfs)
+                ok = None if plan.is_empty and not fcfs else await self._step(plan, fcfs, origin)
             if ok is None:
                 await self.report()
                 await self._idle(stop, IDLE_PLAN_RETRY_S)  # the policy idles it for now
+                origin = None
                 continue
             num_bad = 0 if ok else num_bad + 1
+            origin = getattr(self.engine, "last_step_end_s", None) if ok else None
             await self.report()
 
-    async def _step(self, plan: StepPlan, fcfs: bool) -> bool:
+    async def _step(self, plan: StepPlan, fcfs: bool, origin: float | None = None) -> bool:
         reqs = self.adapter.reqs
         ids = [*plan.prefill, *plan.decode]
         has_online = any(reqs[r].is_online for r in ids if r in reqs)
         self.in_flight = plan
         self.in_flight_preemptible = plan.preemptible_layers > 0 or (bool(ids) and not has_online)
         self.adapter.on_step_start(plan, time.time())
+        if hasattr(self.engine, "step_origin"):
+            self.engine.step_origin = origin
         result: StepResult | None
         try:  # NOTE: the caller holds engine_lock
             if fcfs:
@@ -272,6 +283,8 @@ class Instance:
             return False
         finally:
             self.in_flight = None
+            if hasattr(self.engine, "step_origin"):
+                self.engine.step_origin = None  # not used by a step that did not run
         if result is None:
             return True
         self.num_steps += 1

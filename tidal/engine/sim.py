@@ -83,6 +83,10 @@ class SimEngineConfig:
     num_layers: int = 30  # layer boundaries a step can be cut at (SmolLM2-135M has 30)
     # bytes of KV per token: 30 layers * (k, v) * 3 KV heads * 64 dims * 2 bytes (SmolLM2, bf16)
     kv_bytes_per_token: int = 23_040
+    # bytes of emulated KV an exported request really carries per token (-1: kv_bytes_per_token).
+    # Fewer (0: none) keeps a small host from spending its cores copying and hashing migration
+    # payloads that a real cluster moves over its accelerator links (`tidal bench replay`).
+    kv_payload_bytes_per_token: int = -1
     realtime: bool = False  # step() blocks for the emulated step time (cut at layer boundaries)
     tokenizer: str = ""  # "" = the embedded SmolLM2's; a GGUF or HF dir; "bytes" = SimTokenizer
 
@@ -95,6 +99,8 @@ class SimEngineConfig:
             raise ValueError("block_size, num_kv_blocks and num_layers must be >= 1")
         if self.kv_bytes_per_token < 0:
             raise ValueError("kv_bytes_per_token must be >= 0")
+        if self.kv_payload_bytes_per_token < -1:
+            raise ValueError("kv_payload_bytes_per_token must be >= 0, or -1")
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError("the KV pool cannot hold even one max_model_len request")
 
@@ -114,6 +120,8 @@ class SimEngine:
         self.block_size = cfg.block_size
         self.num_kv_blocks = cfg.num_kv_blocks
         self.kv_bytes_per_token = float(cfg.kv_bytes_per_token)
+        payload = cfg.kv_payload_bytes_per_token
+        self.kv_payload_bytes_per_token = cfg.kv_bytes_per_token if payload < 0 else payload
         self.tokenizer: Tokenizer = load_sim_tokenizer(cfg.tokenizer)
         self.word_ids = output_word_ids(self.tokenizer)  # the ids emitted tokens are drawn from
         self.step_model: StepModel = step_model or DEFAULT_SIM_STEP_MODEL
@@ -124,6 +132,13 @@ class SimEngine:
         self.last_preempt_latency_s: float | None = None
         self._free_blocks = cfg.num_kv_blocks
         self.preemption = LayerPreemption()
+        # Realtime only: `time.perf_counter()` at which the next step's work began (set by the
+        # caller before `step`, e.g. the instance loop when it started planning it; used once).
+        # The step then ends at origin + its emulated time, so the caller's own work between
+        # steps is inside the emulated step instead of added to it: a step takes max(emulated
+        # time, actual work), as on an accelerator the host's work overlaps. None: now.
+        self.step_origin: float | None = None
+        self.last_step_end_s = 0.0  # perf_counter() when the last realtime step ended
 
     # ---- Engine protocol -------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
@@ -207,14 +222,14 @@ class SimEngine:
 
     def export_request(self, req_id: str, remove: bool = True) -> bytes:
         """Tokens, sampling, progress, any cut chunk and the emulated KV, as MessagePack."""
-        data = encode_seq(self.seqs[req_id], self.model_name, self.config.kv_bytes_per_token)
+        data = encode_seq(self.seqs[req_id], self.model_name, self.kv_payload_bytes_per_token)
         if remove:
             self.abort(req_id)
         return data
 
     def import_request(self, data: bytes) -> None:
         cfg = self.config
-        seq = decode_seq(data, self.model_name, cfg.kv_bytes_per_token, cfg.num_layers)
+        seq = decode_seq(data, self.model_name, self.kv_payload_bytes_per_token, cfg.num_layers)
         if seq.req_id in self.seqs:
             raise ValueError(f"request id {seq.req_id!r} is already in this engine")
         if len(seq.req.prompt_token_ids) + seq.req.sampling.max_tokens > self.max_model_len:
@@ -345,17 +360,16 @@ class SimEngine:
     def _run(self, items: list[Item]) -> StepResult:
         num_layers = self.config.num_layers
         layer_s = layer_times(items, self.step_model, num_layers)
-        done = num_layers  # layers run to the end
-        step_s = 0.0
-        deadline = time.perf_counter()
-        for layer in range(min((s.partial_layer for s, _ in items), default=num_layers), done):
-            step_s += layer_s[layer]
-            if self.config.realtime:
-                deadline += layer_s[layer]
-                self._wait_until(deadline)
-            if layer + 1 < num_layers and self.preemption.is_set():
-                done = layer + 1
-                break
+        first = min((s.partial_layer for s, _ in items), default=num_layers)
+        if self.config.realtime:
+            done = self._wait_layers(layer_s, first)
+        else:
+            done = num_layers  # layers run to the end
+            for layer in range(first, num_layers - 1):
+                if self.preemption.is_set():
+                    done = layer + 1
+                    break
+        step_s = sum(layer_s[first:done])
         shape = batch_shape(items)
         tel = StepTelemetry(
             num_prefill_tokens=shape.num_prefill_tokens,
@@ -385,10 +399,30 @@ class SimEngine:
                 self._release(self.seqs.pop(ev.req_id))
         return StepResult(events=events, telemetry=tel)
 
-    def _wait_until(self, deadline: float) -> None:
-        remaining = deadline - time.perf_counter()
-        if remaining > 0 and self.preemption.wait(remaining):
-            time.sleep(max(0.0, deadline - time.perf_counter()))  # the layer still runs out
+    def _wait_layers(self, layer_s: list[float], first: int) -> int:
+        """Realtime: block until layers [first, done) have taken their emulated time, counted
+        from the step's origin (`step_origin`, else now), and return `done`: `num_layers`, or
+        the boundary after the layer a preemption request arrived in. One interruptible wait
+        for the whole step (not one per layer: 30 wake-ups a step cost the instance a good
+        part of a core), then a sleep to the end of the layer the request arrived in."""
+        num_layers = len(layer_s)
+        now = time.perf_counter()
+        origin, self.step_origin = self.step_origin, None
+        start = now if origin is None else max(min(origin, now), self.last_step_end_s)
+        ends: list[float] = []  # when each layer from `first` on ends
+        t = start
+        for layer in range(first, num_layers):
+            t += layer_s[layer]
+            ends.append(t)
+        done = num_layers
+        if ends and self.preemption.wait(max(0.0, ends[-1] - now)):
+            at = time.perf_counter()
+            # the layer running when the request came runs out; the step stops after it
+            k = next((i for i, end in enumerate(ends) if end >= at), len(ends) - 1)
+            done = min(num_layers, first + k + 1)
+            time.sleep(max(0.0, ends[k] - time.perf_counter()))
+        self.last_step_end_s = max(ends[done - first - 1] if done > first else start, start)
+        return done
 
     def _emit(self, seq: SimSeq) -> TokenEvent:
         sp = seq.req.sampling

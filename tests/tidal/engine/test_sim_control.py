@@ -91,6 +91,23 @@ def test_export_import_continues_identically_with_a_real_size_kv_blob() -> None:
     assert out == reference()
 
 
+def test_export_with_a_smaller_kv_payload_still_reports_the_full_kv_size() -> None:
+    kw = {"kv_payload_bytes_per_token": 0, "max_batch_tokens": 8}
+    src, dst = make_engine(**kw), make_engine(block_size=8, kv_payload_bytes_per_token=0)
+    assert src.kv_bytes_per_token == 23_040  # what the policy plans with is unchanged
+    src.add(make_request("a", prompt_len=20, max_tokens=8))
+    out: list[int] = []
+    for _ in range(4):
+        out += step_tokens(src)
+    data = src.export_request("a")
+    assert msgspec.msgpack.decode(data)["kv"] == b""
+    dst.import_request(data)
+    out += run_to_end(dst)["a"]
+    assert out == reference()
+    with pytest.raises(ValueError, match="KV blob"):  # a full-size importer refuses it
+        make_engine().import_request(data)
+
+
 class PreemptingStepModel:
     """Signals a layer-boundary preemption while the step runs (no thread needed)."""
 
