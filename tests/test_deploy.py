@@ -36,8 +36,11 @@ def test_docker_compose_config_accepts_the_file() -> None:
         "instance-relaxed",
         "instance-strict",
         "cpu-attn",
+        "batch",
     } <= set(services)
     assert "-js" in services["nats"]["command"]
+    # JetStream (batches, their files and queued lines) lives on a volume, not in the container
+    assert any(str(v.get("target")) == "/data" for v in services["nats"]["volumes"])
 
     def slot_role(cmd: list[str]) -> str:  # the role at the instance's --index in --roles
         return cmd[cmd.index("--roles") + 1].split(",")[int(cmd[cmd.index("--index") + 1])]
