@@ -259,6 +259,7 @@ class Keeper:
             created_at=int(now_s),
             filename=f"{batch.id}_{kind}.jsonl",
             purpose="batch_output",
+            owner=batch.owner,
         )
         await self.store.put_file(meta, data)
         return meta.id

@@ -15,7 +15,7 @@ import time
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.common.bus import connect, respond, subscribe
+from services.common.bus import connect, redact, respond, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
 from services.common.live_config import load_live_config
@@ -238,7 +238,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         log.info(
             "scheduler %s ready on %s (policy %s, config %s)",
             args.id,
-            args.nats_url,
+            redact(args.nats_url),
             sched.cluster.policy.name,
             sched.live.path,
         )
