@@ -179,6 +179,8 @@ class LiveCluster:
         same role, or waits in the held queue (reason `SLOT_DOWN`) until the slot is back:
         an instance `tidal up` restarts returns within seconds, and a relaxed instance's work
         cannot be done by a strict one."""
+        if ask is not None:
+            self.forget_request(req.req_id)
         view = self.view(now)
         if not any(self.is_usable(i.instance_id, now) for i in view.instances):
             return RouteAction.REJECT, 0, NO_INSTANCE
@@ -191,6 +193,14 @@ class LiveCluster:
         self.routed[req.req_id] = (idx, req, now)
         req.phase, req.instance_id = Phase.WAITING, idx
         return RouteAction.QUEUE, idx, ""
+
+    def forget_request(self, req_id: str) -> None:
+        """Drop what is known of a request's placement: it is being routed afresh (a request
+        whose instance died is recomputed under the same id, and `place_decode` must see it
+        again after its new prefill, or it would stay on a relaxed instance forever)."""
+        self.placed.pop(req_id, None)
+        self.retry_at.pop(req_id, None)
+        self.migrating.discard(req_id)
 
     def _usable(
         self, idx: int, view: ClusterView, now: float, ask: RouteRequest | None

@@ -44,3 +44,17 @@ def test_a_routed_request_that_finished_unseen_stops_counting_at_the_next_report
     )
     assert c.on_report(rep)
     assert _waiting(c, now) == []  # not for ROUTED_GRACE_S more
+
+
+def test_a_request_routed_again_is_placed_again() -> None:
+    # A recompute after its instance died re-routes the same req_id: place_decode must see it.
+    c = _cluster()
+    now = time.time()
+    c.placed["again"], c.retry_at["again"] = now, now + 10
+    c.migrating.add("again")
+    for i in (0, 1):
+        c.on_report(make_report(f"inst-{i}", i, "aggregated"))
+    ask = RouteRequest(req_id="again", model="m", req_class="online", max_tokens=4,
+                       num_prompt_chars=40)  # fmt: skip
+    c.route(c.new_request(ask, now), now, ask)
+    assert "again" not in c.placed and "again" not in c.retry_at and "again" not in c.migrating
