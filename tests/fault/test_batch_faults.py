@@ -63,12 +63,16 @@ def _run_with_a_kill(up: Up, kill: str) -> None:
         assert time.monotonic() < deadline, f"batch stuck after killing {kill}: {b}"
         time.sleep(0.3)
     assert b.status == "completed", b
+    errors = []
+    if b.error_file_id:
+        errors = _retrying(lambda: c.files.content(b.error_file_id)).text.splitlines()[:3]
+    assert b.output_file_id is not None, f"no line succeeded: {errors}"
     out = [
         json.loads(x)
         for x in _retrying(lambda: c.files.content(b.output_file_id)).text.splitlines()
     ]
     ids = [x["custom_id"] for x in out]
-    assert ids == [f"f{i}" for i in range(N)], "each custom_id exactly once, in input order"
+    assert ids == [f"f{i}" for i in range(N)], f"each custom_id once, in order; errors: {errors}"
     assert all(x["response"]["body"]["usage"]["completion_tokens"] == 48 for x in out)
     assert b.request_counts is not None and b.request_counts.completed == N
     assert f"{kill} (pid {pid}) killed by SIGKILL" in up.log_text()
