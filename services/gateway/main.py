@@ -27,6 +27,7 @@ from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import setup_logging
 from services.gateway.bus_client import GatewayBus
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openapi import install as install_openapi
 from services.gateway.protocol import ApiError
 from services.gateway.routers import batches, files, openai, ops
 from tidal import envs
@@ -107,6 +108,7 @@ def create_app(nc: NATS, gateway_id: str, max_inflight: int = 1024) -> FastAPI:
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(ops.router)
+    install_openapi(app)  # errors as the gateway answers them: 400 etc. in OpenAI's body
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
