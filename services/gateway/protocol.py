@@ -73,8 +73,8 @@ class StreamOptions(BaseModel):
 
 
 _SloMs = Annotated[float, Field(ge=SLO_MIN_MS, le=SLO_MAX_MS)]
-# NOTE: the schema states the int64 bounds exactly (pydantic writes them as floats, and 2**63 - 1
-# as a float is 2**63, which the endpoint refuses).
+# NOTE: pydantic's own schema states the int64 bounds exactly; FastAPI's /openapi.json still
+# writes them as floats (2**63 - 1 reads as 2**63, which the endpoint refuses with a 400).
 _Seed = Annotated[
     int,
     Field(ge=SEED_MIN, le=SEED_MAX, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX}),
