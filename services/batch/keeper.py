@@ -25,7 +25,7 @@ import nats.errors
 import nats.js.errors
 
 from services.batch.dispatch import Dispatcher, JobPayload
-from services.common.batch_store import BatchStore
+from services.common.batch_store import BatchStore, decode_or_none
 from services.gateway.bus_client import GatewayBus
 from services.gateway.protocol import ApiError
 from tidal.batch.lines import Checked, check_lines, error_line, split_lines
@@ -282,7 +282,10 @@ class Keeper:
                         if not entry.value:
                             continue
                         batch_id = entry.key.split(".", 1)[0]
-                        ok = bool(msgspec.json.decode(entry.value).get("ok"))
+                        result = decode_or_none(entry.value, dict, f"result {entry.key}")
+                        if result is None:
+                            continue
+                        ok = bool(result.get("ok"))
                         self.tally.by_batch[batch_id][entry.key] = ok
                         self.kick.set()
                 finally:

@@ -58,6 +58,8 @@ _ROUTE_ERRORS = {  # scheduler error code -> HTTP status
     "queue_full": 429,  # the scheduler's held queue is full
     "invalid_request": 400,
 }
+# Room left under NATS's max_payload for what a re-placed request adds (resume token ids).
+WIRE_HEADROOM_BYTES = 64 * 1024
 _ACK_ERRORS = {"context_length_exceeded": 400, "invalid_request": 400}
 
 
@@ -244,6 +246,7 @@ class GatewayBus:
                 code="too_many_requests",
                 retry_after_s=1,
             )
+        self.check_wire(request)
         handle = RequestHandle(bus=self, request=request)
         self.handles[request.req_id] = handle
         try:
@@ -252,6 +255,22 @@ class GatewayBus:
             self.release(handle)
             raise
         return handle
+
+    def check_wire(self, request: GenerateRequest) -> None:
+        """ApiError unless `request` can go on the bus: MessagePack holds no integer beyond 64
+        bits and no lone UTF-16 surrogate (JSON's "\\ud800" decodes to one), and NATS caps a
+        message at the server's max_payload (1 MiB by default)."""
+        try:
+            size = len(codec.encode(request))
+        except (OverflowError, UnicodeEncodeError) as exc:
+            raise ApiError(400, f"the request cannot be encoded: {exc}") from None
+        limit = self.nc.max_payload - WIRE_HEADROOM_BYTES
+        if size > limit:
+            raise ApiError(
+                413,
+                f"the request is {size} bytes on the bus, over its limit of {limit} bytes",
+                code="request_too_large",
+            )
 
     async def place(self, handle: RequestHandle, exclude: list[str]) -> None:
         """Find an instance that accepts the request, trying others if one does not answer."""

@@ -28,6 +28,7 @@ from services.common.lifecycle import setup_logging
 from services.gateway.auth import Guard, keys_from
 from services.gateway.bus_client import GatewayBus
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openapi import install as install_openapi
 from services.gateway.protocol import ApiError
 from services.gateway.routers import batches, files, openai, ops
 from tidal import envs
@@ -115,6 +116,7 @@ def create_app(
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(ops.router)
+    install_openapi(app)  # errors as the gateway answers them: 400 etc. in OpenAI's body
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

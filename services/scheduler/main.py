@@ -107,6 +107,16 @@ class Scheduler:
     # ---- routing ----
 
     async def on_route(self, req: RouteRequest, msg: Msg) -> None:
+        """Answer every route request: one the policy cannot take (a value it refuses, say an SLO
+        of 0 s) is answered `invalid_request` at once, never left to the gateway's timeout."""
+        try:
+            await self._route(req, msg)
+        except Exception as exc:
+            log.warning("route request %s refused: %r", req.req_id, exc)
+            reply = RouteReply(error_code="invalid_request", message=f"cannot route: {exc}")
+            await respond(msg, reply)
+
+    async def _route(self, req: RouteRequest, msg: Msg) -> None:
         if req.model not in self.models_seen:
             known = ", ".join(self.membership.models()) or "none yet"
             await respond(

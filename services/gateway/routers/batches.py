@@ -12,15 +12,15 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends
-from pydantic import BaseModel
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, Field
 
 from services.common.batch_store import BatchStore
 from services.gateway.dependencies import get_batch_store, get_owner
 from services.gateway.protocol import ApiError
-from services.gateway.routers.files import owned_file
+from services.gateway.routers.files import FILE_ID_PATTERN, owned_file
 from tidal.batch.objects import ENDPOINTS, Batch, advance, page, to_api
 
 router = APIRouter(prefix="/v1")
@@ -32,10 +32,18 @@ _BATCH_ID = re.compile(r"^batch_[A-Za-z0-9]{1,64}$")
 
 
 class CreateBatch(BaseModel):
-    input_file_id: str
-    endpoint: str
-    completion_window: str
-    metadata: dict[str, str] | None = None
+    input_file_id: str = Field(pattern=FILE_ID_PATTERN)
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: str = Field(
+        pattern=_WINDOW.pattern, description="'24h', or any '<N>s|m|h' from 1 s to 7 days"
+    )
+    metadata: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+            Field(max_length=16),
+        ]
+        | None
+    ) = None
 
 
 def window_s(window: str) -> int:
@@ -126,12 +134,10 @@ async def retrieve_batch(
 @router.get("/batches")
 async def list_batches(
     after: str | None = None,
-    limit: int = 20,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
     store: BatchStore = Depends(get_batch_store),
     owner: str = Depends(get_owner),
 ) -> dict[str, Any]:
-    if not 1 <= limit <= 100:
-        raise ApiError(400, "limit must be between 1 and 100", param="limit")
     batches = [b for b in await store.list_batches() if b.owner == owner]
     batches.sort(key=lambda b: (b.created_at, b.id), reverse=True)
     return page([to_api(b) for b in batches], after, limit)

@@ -10,9 +10,9 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, File, Form, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.responses import StreamingResponse
 
 from services.common.batch_store import BatchStore
@@ -24,7 +24,8 @@ router = APIRouter(prefix="/v1")
 
 MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 PURPOSES = ("batch",)
-_FILE_ID = re.compile(r"^file-[A-Za-z0-9_-]{1,64}$")
+FILE_ID_PATTERN = r"^file-[A-Za-z0-9_-]{1,64}$"
+_FILE_ID = re.compile(FILE_ID_PATTERN)
 
 
 def _not_found(file_id: str) -> ApiError:
@@ -46,7 +47,7 @@ async def owned_file(store: BatchStore, file_id: str, owner: str) -> FileObject 
 @router.post("/files")
 async def upload_file(
     file: Annotated[UploadFile, File()],
-    purpose: Annotated[str, Form()],
+    purpose: Annotated[Literal["batch"], Form()],
     store: BatchStore = Depends(get_batch_store),
     owner: str = Depends(get_owner),
 ) -> dict[str, Any]:
@@ -76,16 +77,12 @@ async def upload_file(
 @router.get("/files")
 async def list_files(
     after: str | None = None,
-    limit: int = 10000,
-    order: str = "desc",
+    limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
+    order: Literal["asc", "desc"] = "desc",
     purpose: str | None = None,
     store: BatchStore = Depends(get_batch_store),
     owner: str = Depends(get_owner),
 ) -> dict[str, Any]:
-    if not 1 <= limit <= 10000:
-        raise ApiError(400, "limit must be between 1 and 10000", param="limit")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, "order must be asc or desc", param="order")
     files = [
         f
         for f in await store.list_files()
