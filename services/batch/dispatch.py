@@ -50,7 +50,7 @@ log = logging.getLogger("tidal.batch")
 
 RETRY_DELAY_S = 1.0  # first wait before a line the cluster could not take runs again
 MAX_RETRY_DELAY_S = 10.0
-BUSY_STATUSES = (429, 503)  # the cluster is busy or restarting: wait, however long
+BUSY_STATUSES = (404, 429, 503)  # the cluster is busy or restarting: wait, however long
 FETCH_TIMEOUT_S = 1.0
 STOPPED = ("cancelling", "cancelled", "expired", "failed", "completed")
 
@@ -89,6 +89,7 @@ class Dispatcher:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            sub = None
             try:
                 sub = await self._bind()
                 await self._pull(sub, stop)
@@ -98,6 +99,10 @@ class Dispatcher:
                 log.warning("batch dispatch: %r; binding the consumer again", exc)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=1.0)
+            finally:
+                if sub is not None:  # an orphaned pull request would capture the next jobs
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
         await self.cancel_all()
 
     async def _bind(self) -> Any:
@@ -122,7 +127,7 @@ class Dispatcher:
                 continue
             try:
                 msgs = await sub.fetch(free, timeout=FETCH_TIMEOUT_S)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # NOTE: nats-py raises asyncio's, not only its own subclass
                 continue
             for msg in msgs:
                 self._start(msg)

@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from services.common.bus import subscribe
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError
+from services.gateway.resync import StreamResync
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     BatchStats,
@@ -65,11 +66,12 @@ _ACK_ERRORS = {"context_length_exceeded": 400, "invalid_request": 400}
 
 @dataclass(frozen=True)
 class _Down:
-    """Queued to a request's stream when its instance dies."""
+    """Queued to a request's stream when its instance dies (or its stream was cut)."""
 
     instance_id: str
     reason: str
     at_s: float  # monotonic time the notice came in
+    exclude: bool = True  # keep the request off that instance (False: the instance is fine)
 
 
 @dataclass
@@ -155,7 +157,7 @@ class RequestHandle:
             )
             self.early.clear()
             try:
-                await self.bus.place(self, exclude=[down.instance_id])
+                await self.bus.place(self, exclude=[down.instance_id] if down.exclude else [])
                 return []
             except ApiError as exc:
                 reason = f"{down.reason}; no instance took it again: {exc.message}"
@@ -200,15 +202,17 @@ class GatewayBus:
         self.handles: dict[str, RequestHandle] = {}  # req_id -> live request
         self.schedulers_seen: set[tuple[str, float]] = set()  # (id, started) of each process
         self.scheduler_epoch = 0  # +1 each time a new scheduler process appears
+        self.resync = StreamResync(nc, self.handles, self._cut)
 
     async def start(self) -> None:
         await subscribe(self.nc, self.reply_subject, TokenChunk, self._on_chunk)
         await subscribe(self.nc, subjects.INSTANCE_DOWN, InstanceDown, self._on_down)
         beats = f"{subjects.PREFIX}.hb.scheduler.*"
         await subscribe(self.nc, beats, Heartbeat, self._on_scheduler_beat)
+        await subscribe(self.nc, subjects.INSTANCE_STATE_ALL, InstanceReport, self._on_rep)
+        self.resync.start()
         if self.metrics is not None:
             await subscribe(self.nc, subjects.MIGRATION_EVENTS, MigrationEvent, self._on_mig)
-            await subscribe(self.nc, subjects.INSTANCE_STATE_ALL, InstanceReport, self._on_rep)
             await subscribe(self.nc, subjects.BATCH_STATS, BatchStats, self._on_batch_stats)
 
     async def _on_mig(self, ev: MigrationEvent, _: Msg) -> None:
@@ -216,8 +220,9 @@ class GatewayBus:
         self.metrics.on_migration(ev)
 
     async def _on_rep(self, rep: InstanceReport, _: Msg) -> None:
-        assert self.metrics is not None
-        self.metrics.on_report(rep)
+        self.resync.on_report(rep)
+        if self.metrics is not None:
+            self.metrics.on_report(rep)
 
     async def _on_batch_stats(self, st: BatchStats, _: Msg) -> None:
         assert self.metrics is not None
@@ -232,6 +237,10 @@ class GatewayBus:
         for handle in list(self.handles.values()):
             if handle.instance_id == event.instance_id:
                 handle.queue.put_nowait(_Down(event.instance_id, event.reason, time.monotonic()))
+
+    def _cut(self, handle: RequestHandle, reason: str) -> None:
+        """A stream that lost its chunks (a bus outage): run it again, anywhere."""
+        handle.queue.put_nowait(_Down(handle.instance_id, reason, time.monotonic(), exclude=False))
 
     def release(self, handle: RequestHandle) -> None:
         self.handles.pop(handle.request.req_id, None)

@@ -86,7 +86,14 @@ class Scheduler:
                 await self._announce_down(hb.service_id, "instance stopped")
 
     async def expire_loop(self, stop: asyncio.Event) -> None:
+        reconnects = self.nc.stats.get("reconnects", 0)
         while not stop.is_set():
+            if not self.nc.is_connected or self.nc.stats.get("reconnects", 0) != reconnects:
+                # NOTE: the scheduler's own link dropped (nats-server restarting, say): nobody's
+                # heartbeats came through, so nobody is declared gone for it; after the
+                # reconnect every member gets a full timeout to be heard from again.
+                reconnects = self.nc.stats.get("reconnects", 0)
+                self.membership.extend(time.monotonic())
             for member in self.membership.expire(time.monotonic()):
                 hb = member.heartbeat
                 log.warning("%s %s went silent; forgetting it", hb.kind, hb.service_id)

@@ -78,4 +78,7 @@ def test_streams_on_a_killed_instance_finish_elsewhere_without_repeats(up: Up, k
     took = time.monotonic() - t0
     print(f"killed {kill}: {len(stalled)} of {STREAMS} streams paused (longest {longest:.2f} s);"
           f" all done in {took:.1f} s")  # fmt: skip
-    assert f"{kill} (pid" in up.log_text()
+    deadline = time.monotonic() + 15  # `tidal up` notices the exit on its own schedule
+    while f"{kill} (pid" not in up.log_text():
+        assert time.monotonic() < deadline, up.log_text()
+        time.sleep(0.2)
