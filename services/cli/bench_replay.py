@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             exe = gl.find_guidellm(args.guidellm)
         except gl.GuidellmError as e:
-            print(f"error: {e}")
+            print(f"error: {e}", file=sys.stderr)
             return 2
     report: dict[str, Any] = {
         "config": args.config,

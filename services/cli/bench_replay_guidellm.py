@@ -310,7 +310,8 @@ def replay(exe: str, base: str, model: str, reqs: list[SimRequest], cfg: SimConf
             end = sentinel_row(rows[c], cfg)["timestamp"] - rows[c][0]["timestamp"]
             recs[c] = [r for r in recs[c] if _key(r.trace_s, r.max_tokens) != _key(end, 1)]
         fig = figures(rows, recs, failed, cfg)
-    fig["commands"] = {c: " ".join(_quote(a) for a in cmd) for c, cmd in cmds.items()}
+    env_ = " ".join(f"{k}={v}" for k, v in GUIDELLM_ENV.items())
+    fig["commands"] = {c: " ".join([env_, *map(_quote, cmd)]) for c, cmd in cmds.items()}
     fig["requests"] = [  # per request, as guidellm recorded it (Unix seconds)
         {"class": c, **dataclasses.asdict(r)} for c in CLASSES for r in recs[c]
     ]
