@@ -14,9 +14,8 @@ import statistics
 import time
 from typing import Any
 
-import torch
-
 from tidal.engine.api import EngineRequest, SamplingParams
+from tidal.engine.bench_lib import _prompts
 from tidal.engine.torch_engine import TorchEngine
 
 # (calling function, aten op) -> phase; matmuls are split by weight shape in `_phase`
@@ -115,9 +114,7 @@ def profile_decode(engine: TorchEngine, batch: int, prompt_len: int = 64, steps:
     from torch.profiler import ProfilerActivity, profile
 
     sp = SamplingParams(max_tokens=steps * 4 + 40, temperature=0.0, ignore_eos=True)
-    g = torch.Generator().manual_seed(0)
-    for i in range(batch):
-        p = torch.randint(1000, 30000, (prompt_len,), generator=g).tolist()
+    for i, p in enumerate(_prompts(batch, prompt_len, engine.model.config.vocab_size)):
         engine.add(EngineRequest(f"prof-{i}", p, sp))
     while any(not s.is_decode for s in engine.seqs.values()):
         engine.step()

@@ -107,17 +107,7 @@ class LlamaModel:
         self.norm = get("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in state
         self.lm_head = self.embed if tied else get("lm_head.weight")  # (V, hidden)
-        # NOTE: on CPU in fp32, x @ W^T with W^T stored (in, out) row-major runs GEMV up to 2x
-        # faster than F.linear (measured with MKL/oneDNN, M = 1..8), so fp32 layer weights are
-        # kept transposed there. bf16/fp16 keep HF's (out, in): oneDNN's matmul is faster on it
-        # at every M, and so is ATen's native reduced-precision GEMV (see `gemv_native`), which
-        # needs it. CUDA's GEMMs take either layout at full speed.
-        self.transposed = device.type == "cpu" and dtype == torch.float32
-        # NOTE: one-row matmuls in bf16/fp16 on CPU run 2-3x faster on ATen's own GEMV (fp32
-        # accumulation, vectorised) than through oneDNN, whose per-call cost dominates at
-        # SmolLM2's sizes (measured: 30 layers' weights, 1 thread, 9.6 vs 27.6 ms; LM head 2.4
-        # vs 5.5 ms). At M > 1 ATen's fallback GEMM is far slower, so only one-row calls skip it.
-        self.gemv_native = device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+        self.transposed, self.gemv_native = weight_layout(device, dtype)
         # a state saved by `fused_state()` already holds the fused, laid-out matrices
         fused = "tidal.transposed" in state
         if fused and bool(state["tidal.transposed"].item()) != self.transposed:
@@ -294,16 +284,39 @@ class LlamaModel:
     def _linear(
         self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x (n, in) -> (n, out) with w in this model's layout (see `transposed`)."""
-        if not self.transposed:
-            if self.gemv_native and x.shape[0] == 1:
-                return _linear_native(x, w, b)
-            return F.linear(x, w, b)
+        return linear(x, w, b, self.transposed, self.gemv_native)
+
+
+def weight_layout(device: torch.device, dtype: torch.dtype) -> tuple[bool, bool]:
+    """(transposed, gemv_native) for weights of `dtype` on `device`.
+
+    transposed: matrices stored (in, out). On CPU in fp32, x @ W^T with W^T stored (in, out)
+    row-major runs GEMV up to 2x faster than F.linear (measured with MKL/oneDNN, M = 1..8).
+    bf16/fp16 keep HF's (out, in): oneDNN is as fast or faster on it, and ATen's native
+    reduced-precision GEMV needs it. CUDA's GEMMs take either layout at full speed.
+
+    gemv_native: one-row matmuls in bf16/fp16 on CPU skip oneDNN for ATen's own GEMV (fp32
+    accumulation, vectorised), 2-3x faster at SmolLM2's sizes where oneDNN's per-call cost
+    dominates (measured: 30 layers' weights, 1 thread, 9.6 vs 27.6 ms; LM head 2.4 vs 5.5 ms).
+    At M > 1 ATen's fallback GEMM is far slower than oneDNN, so only one-row calls skip it.
+    """
+    cpu = device.type == "cpu"
+    return cpu and dtype == torch.float32, cpu and dtype in (torch.bfloat16, torch.float16)
+
+
+def linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool, gemv_native: bool
+) -> torch.Tensor:
+    """x (n, in) -> (n, out) with w laid out as `weight_layout` says."""
+    if transposed:
         return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+    if gemv_native and x.shape[0] == 1:
+        return _linear_native(x, w, b)
+    return F.linear(x, w, b)
 
 
 def _linear_native(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """F.linear with oneDNN off for this call: ATen's own kernel (see `gemv_native`)."""
+    """F.linear with oneDNN off for this call: ATen's own kernel (see `weight_layout`)."""
     was = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:

@@ -30,7 +30,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 
@@ -43,6 +43,7 @@ from tidal.engine.api import (
     StepResult,
     StepTelemetry,
 )
+from tidal.engine.dtype_choice import DtypeChoice
 from tidal.engine.engine_config import EngineConfig, default_dtype
 from tidal.engine.kv_cache import BlockAllocator, block_hashes
 from tidal.engine.llama import LlamaModel
@@ -74,6 +75,7 @@ class TorchEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.dtype_choice: DtypeChoice | None = None  # set by load_torch_engine when it chose
         mc: ModelConfig = model.config
         num_blocks = cfg.kv_cache_tokens // cfg.block_size
         self.block_size = cfg.block_size
@@ -425,23 +427,5 @@ class TorchEngine:
         seq.partial = None
 
 
-def load_torch_engine(
-    model: str | None = None,
-    device: str = "cpu",
-    dtype: str | None = None,
-    **kwargs: Any,
-) -> TorchEngine:
-    """Load a model (None = the embedded SmolLM2-135M-Instruct GGUF; else an HF directory or a
-    GGUF file) and build an engine. `kwargs` are `EngineConfig` fields, plus `model_name` and
-    `planner`. Raises `ModelLoadError` (one line naming the path) for a missing/corrupt model."""
-    from tidal.engine.weights import EMBEDDED_NAME, build_model, embedded_model_path
-
-    path = embedded_model_path() if model is None else Path(model)
-    dev = torch.device(device)
-    dt = getattr(torch, dtype) if dtype else default_dtype(dev)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}")
-    lm, tok = build_model(path, dev, dt)
-    name = kwargs.pop("model_name", None) or (EMBEDDED_NAME if model is None else path.stem)
-    planner = kwargs.pop("planner", None)
-    return TorchEngine(lm, tok, name, EngineConfig(**kwargs), planner)
+# NOTE: at the end: the loader builds a TorchEngine, so it imports this module first
+from tidal.engine.loader import load_torch_engine  # noqa: E402

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,12 +199,17 @@ def _gguf_state(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def build_model(
-    model: str | Path, device: torch.device, dtype: torch.dtype
+    model: str | Path,
+    device: torch.device,
+    dtype: torch.dtype | Callable[[ModelConfig], torch.dtype],
 ) -> tuple[LlamaModel, TidalTokenizer]:
-    """Load weights and lay them out for the device. For a model converted into our cache the
-    laid-out weights are cached too (`tidal-<device>-<dtype>.safetensors`), so a later load only
-    maps files: well under 2 s for SmolLM2-135M."""
+    """Load weights and lay them out for the device, in `dtype` (or `dtype(config)`). For a
+    model converted into our cache the laid-out weights are cached too
+    (`tidal-<device>-<dtype>-<layout>.safetensors`), so a later load only maps files: well under
+    2 s for SmolLM2-135M."""
     config, state, tok, hf_dir = load_checkpoint(model)
+    if not isinstance(dtype, torch.dtype):
+        dtype = dtype(config)
     # the layout tag keeps caches of other weight layouts (older versions) apart
     layout = "io" if device.type == "cpu" and dtype == torch.float32 else "oi"
     name = f"tidal-{device.type}-{str(dtype).removeprefix('torch.')}-{layout}.safetensors"
