@@ -43,6 +43,7 @@ from tidal.engine.api import (
     StepResult,
     StepTelemetry,
 )
+from tidal.engine.core_share import CoreShare
 from tidal.engine.dtype_choice import DtypeChoice
 from tidal.engine.engine_config import EngineConfig, default_dtype
 from tidal.engine.kv_cache import BlockAllocator, block_hashes
@@ -76,6 +77,8 @@ class TorchEngine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.dtype_choice: DtypeChoice | None = None  # set by load_torch_engine when it chose
+        # cores shared with the other engines on this machine: threads follow who is busy
+        self.core_share: CoreShare | None = None
         mc: ModelConfig = model.config
         num_blocks = cfg.kv_cache_tokens // cfg.block_size
         self.block_size = cfg.block_size
@@ -111,6 +114,7 @@ class TorchEngine:
         self.last_step_preempted = False
         self.last_preempt_latency_s: float | None = None
         self.num_recompute_preemptions = 0  # requests that lost their KV to memory pressure
+        self._last_step_s = 0.0
         self._log: TextIO | None = None
         if cfg.step_log:
             Path(cfg.step_log).parent.mkdir(parents=True, exist_ok=True)
@@ -146,6 +150,8 @@ class TorchEngine:
         if seq is None:
             return False
         self._free(seq)
+        if self.core_share is not None and not self.has_work():
+            self.core_share.idle()  # the last request left (aborted, migrated): free the cores
         return True
 
     def has_work(self) -> bool:
@@ -164,6 +170,16 @@ class TorchEngine:
 
     def step(self, plan: StepPlan | None = None) -> StepResult:
         t0 = time.perf_counter()
+        if self.core_share is not None:
+            self.core_share.apply(self._last_step_s)
+        try:
+            return self._step(plan, t0)
+        finally:
+            self._last_step_s = time.perf_counter() - t0
+            if self.core_share is not None and not self.has_work():
+                self.core_share.idle()
+
+    def _step(self, plan: StepPlan | None, t0: float) -> StepResult:
         with self.preemption.step():
             if plan is None:
                 plan = self.planner.plan(
