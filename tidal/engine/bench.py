@@ -219,7 +219,7 @@ def _report(console: Any, res: dict[str, Any], batches: list[int], prefills: lis
         best = max(b1, key=lambda dt: b1[dt])
         console.print(
             f"this run, batch 1: bf16 {b1['bfloat16']:.1f} vs fp32 {b1['float32']:.1f} tok/s "
-            f"({'agrees' if best == ch['dtype'] else 'differs from'} the choice)"
+            f"({'agrees with' if best == ch['dtype'] else 'differs from'} the choice)"
         )
 
 
