@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -19,13 +20,23 @@ def _compose() -> str:
     return found
 
 
-def test_docker_compose_config_accepts_the_file() -> None:
-    out = subprocess.run(
+def _config(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [_compose(), "-f", str(ROOT / "docker-compose.yml"), "config"],
         capture_output=True,
         text=True,
         timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TIDAL_")} | env,
     )
+
+
+def test_the_bus_needs_a_password() -> None:
+    out = _config({})
+    assert out.returncode != 0 and "TIDAL_NATS_PASSWORD" in out.stderr
+
+
+def test_docker_compose_config_accepts_the_file() -> None:
+    out = _config({"TIDAL_NATS_PASSWORD": "s3cret"})
     assert out.returncode == 0, out.stderr
     config = yaml.safe_load(out.stdout)
     services = config["services"]
@@ -36,8 +47,18 @@ def test_docker_compose_config_accepts_the_file() -> None:
         "instance-relaxed",
         "instance-strict",
         "cpu-attn",
+        "batch",
     } <= set(services)
     assert "-js" in services["nats"]["command"]
+    nats_cmd = services["nats"]["command"]
+    assert nats_cmd[nats_cmd.index("--pass") + 1] == "s3cret"
+    for name in services:  # every service joins the bus with the credentials
+        if name != "nats":
+            assert services[name]["environment"]["TIDAL_NATS_URL"].startswith(
+                "nats://tidal:s3cret@"
+            )
+    # JetStream (batches, their files and queued lines) lives on a volume, not in the container
+    assert any(str(v.get("target")) == "/data" for v in services["nats"]["volumes"])
 
     def slot_role(cmd: list[str]) -> str:  # the role at the instance's --index in --roles
         return cmd[cmd.index("--roles") + 1].split(",")[int(cmd[cmd.index("--index") + 1])]

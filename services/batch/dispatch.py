@@ -10,7 +10,8 @@ scheduler's queue until the policy admits it). Per line:
   is given up: its error line is stored, and the batch still completes;
 * while a line runs, its ack deadline is extended (`in_progress`); it is acknowledged
   (`ack_sync`) only after its result line is durably stored (first writer wins);
-* a busy cluster (429/503) or a failed generation puts the job back (`nak` with a delay).
+* a busy cluster (429/503) is waited out, the job held; a failed generation is tried again up to
+  `MAX_DELIVER` times, then its error goes in the error file.
 
 The consumer has no server-side `max_deliver`: a message the server stops delivering would sit
 on the work queue forever and its batch would never finish; counting deliveries here instead
@@ -47,7 +48,9 @@ from tidal.batch.lines import error_line, response_line
 
 log = logging.getLogger("tidal.batch")
 
-RETRY_DELAY_S = 2.0
+RETRY_DELAY_S = 1.0  # first wait before a line the cluster could not take runs again
+MAX_RETRY_DELAY_S = 10.0
+BUSY_STATUSES = (404, 429, 503)  # the cluster is busy or restarting: wait, however long
 FETCH_TIMEOUT_S = 1.0
 STOPPED = ("cancelling", "cancelled", "expired", "failed", "completed")
 
@@ -86,6 +89,7 @@ class Dispatcher:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            sub = None
             try:
                 sub = await self._bind()
                 await self._pull(sub, stop)
@@ -95,6 +99,10 @@ class Dispatcher:
                 log.warning("batch dispatch: %r; binding the consumer again", exc)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=1.0)
+            finally:
+                if sub is not None:  # an orphaned pull request would capture the next jobs
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
         await self.cancel_all()
 
     async def _bind(self) -> Any:
@@ -119,7 +127,7 @@ class Dispatcher:
                 continue
             try:
                 msgs = await sub.fetch(free, timeout=FETCH_TIMEOUT_S)
-            except nats.errors.TimeoutError:
+            except TimeoutError:  # NOTE: nats-py raises asyncio's, not only its own subclass
                 continue
             for msg in msgs:
                 self._start(msg)
@@ -182,12 +190,25 @@ class Dispatcher:
             await msg.ack_sync()
             return
         key = f"{job.batch_id}/{job.custom_id}"
-        out: Outcome = await run_line(self.bus, job.endpoint, job.body, self.handles, key)
-        if out.retry:
+        failures = 0
+        delay = RETRY_DELAY_S
+        while True:
+            out: Outcome = await run_line(self.bus, job.endpoint, job.body, self.handles, key)
+            if not out.retry:
+                break
+            # NOTE: retried here, the job held (its deadline kept extended), not put back: a
+            # busy cluster must not use up the deliveries that catch a line that kills workers.
+            failures += out.status_code not in BUSY_STATUSES
+            if failures >= MAX_DELIVER:
+                break  # a generation that fails every time: its error goes in the error file
             reason = out.body.get("error", {}).get("message")
-            log.info("batch line %s: %s; retrying in %.0f s", key, reason, RETRY_DELAY_S)
-            await msg.nak(delay=RETRY_DELAY_S)
-            return
+            log.info("batch line %s: %s; trying again in %.0f s", key, reason, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_RETRY_DELAY_S)
+            batch = await self.store.batch(job.batch_id)
+            if batch is None or batch.status in STOPPED or time.time() >= batch.expires_at:
+                await msg.ack_sync()  # its finalizer accounts for the line
+                return
         line = response_line(job.batch_id, job.custom_id, out.status_code, out.request_id, out.body)
         await self._store(job, line, ok=out.status_code == 200, tokens=out.output_tokens)
         await msg.ack_sync()

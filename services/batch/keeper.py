@@ -25,7 +25,7 @@ import nats.errors
 import nats.js.errors
 
 from services.batch.dispatch import Dispatcher, JobPayload
-from services.common.batch_store import BatchStore
+from services.common.batch_store import BatchStore, decode_or_none
 from services.gateway.bus_client import GatewayBus
 from services.gateway.protocol import ApiError
 from tidal.batch.lines import Checked, check_lines, error_line, split_lines
@@ -63,22 +63,48 @@ class Keeper:
     bus: GatewayBus
     dispatcher: Dispatcher
     tally: Tally = field(default_factory=Tally)
+    kick: asyncio.Event = field(default_factory=asyncio.Event)
     by_status: dict[str, int] = field(default_factory=dict)
 
     async def run(self, stop: asyncio.Event) -> None:
-        watcher = asyncio.create_task(self._watch_results(stop))
+        watchers = [
+            asyncio.create_task(self._watch_results(stop)),
+            asyncio.create_task(self._watch_batches(stop)),
+        ]
         try:
             while not stop.is_set():
+                self.kick.clear()
                 try:
                     await self.step(time.time())
                 except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
-                    log.warning("batch keeper: %s; trying again", exc)
+                    log.warning("batch keeper: %r; trying again", exc)
+                # a batch created, cancelled or counted wakes the keeper at once; expiry and
+                # progress are looked at every POLL_S anyway
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=POLL_S)
+                    await asyncio.wait_for(self.kick.wait(), timeout=POLL_S)
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            for w in watchers:
+                w.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+
+    async def _watch_batches(self, stop: asyncio.Event) -> None:
+        """Wake the keeper whenever a batch is created or changed (a new one, a cancel)."""
+        while not stop.is_set():
+            try:
+                watcher = await self.store.batches.watch(">", meta_only=True)
+                try:
+                    while True:
+                        with contextlib.suppress(nats.errors.TimeoutError):
+                            entry = await watcher.updates(timeout=5.0)
+                            if entry is not None:
+                                self.kick.set()
+                finally:
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()
+            except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+                log.warning("batch watcher: %r; watching again", exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=1.0)
 
     async def step(self, now_s: float) -> None:
         batches = await self.store.list_batches()
@@ -233,6 +259,7 @@ class Keeper:
             created_at=int(now_s),
             filename=f"{batch.id}_{kind}.jsonl",
             purpose="batch_output",
+            owner=batch.owner,
         )
         await self.store.put_file(meta, data)
         return meta.id
@@ -255,8 +282,12 @@ class Keeper:
                         if not entry.value:
                             continue
                         batch_id = entry.key.split(".", 1)[0]
-                        ok = bool(msgspec.json.decode(entry.value).get("ok"))
+                        result = decode_or_none(entry.value, dict, f"result {entry.key}")
+                        if result is None:
+                            continue
+                        ok = bool(result.get("ok"))
                         self.tally.by_batch[batch_id][entry.key] = ok
+                        self.kick.set()
                 finally:
                     with contextlib.suppress(Exception):
                         await watcher.stop()

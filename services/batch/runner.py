@@ -22,7 +22,9 @@ from services.gateway.protocol import ApiError, ChatCompletionRequest, Completio
 from tidal.schemas.messages import GenerateRequest, TokenChunk
 
 _FAILED = ("error", "abort")
-RETRY_STATUSES = (429, 503)  # the cluster is busy or restarting: run the line again later
+# The cluster is busy or restarting: run the line again later. A 404 for the model is one too:
+# the batch was validated against the models served then, so the model is (re)starting.
+RETRY_STATUSES = (404, 429, 503)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from services.cli import bench_colocation, bench_migration, bench_replay, bench_serve, natsd
+from services.cli import (
+    bench_batch,
+    bench_colocation,
+    bench_migration,
+    bench_overload,
+    bench_replay,
+    bench_serve,
+    natsd,
+)
 from services.cli.benchkit import pct as _pct
 from services.cli.benchkit import stack
 
@@ -124,6 +132,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_colocation.register(bench)
     bench_replay.register(bench)
     bench_serve.register(bench)
+    bench_batch.register(bench)
+    bench_overload.register(bench)
     # The engine benchmark lives beside the engine; it adds `tidal bench engine` when present.
     try:
         engine_bench = importlib.import_module("tidal.engine.bench")

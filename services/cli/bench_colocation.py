@@ -3,18 +3,22 @@
 Starts `tidal up` (torch engine and the embedded SmolLM2 by default, policy `tidal`), then runs
 two phases of `--duration-s` each with the official openai client: online requests alone
 (Poisson arrivals at `--online-rate`, streamed), then the same online load while
-`--offline-streams` clients keep offline requests going back to back. Prints TTFT and TPOT
-p50/p99 of the online requests and their SLO attainment in each phase, and the offline output
-tokens per second gained. With `--engine sim` the timings are emulated, and say so.
+`--offline-streams` clients keep offline requests going back to back (or, with
+`--offline-via batch`, while a Batch API batch of `--batch-lines` lines runs; its tokens/s come
+from `tidal_batch_output_tokens_total`, and it is cancelled when the phase ends). Prints TTFT
+and TPOT p50/p99 of the online requests and their SLO attainment in each phase, and the
+offline output tokens per second gained. With `--engine sim` the timings are emulated, and say so.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import random
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +83,11 @@ async def _phase(base: str, model: str, args: argparse.Namespace, offline: int) 
             if time.monotonic() <= end and r.usage is not None:
                 offline_tokens += r.usage.completion_tokens
 
+    batch_id, tokens0 = "", 0.0
+    if offline and args.offline_via == "batch":
+        batch_id = await _submit_batch(client, model, args, prompt)
+        tokens0 = await _batch_tokens(base)
+        offline = 0
     tasks = [asyncio.create_task(offline_loop()) for _ in range(offline)]
     arrivals = []
     i = 0
@@ -87,6 +96,9 @@ async def _phase(base: str, model: str, args: argparse.Namespace, offline: int) 
         i += 1
         await asyncio.sleep(rng.expovariate(args.online_rate))
     await asyncio.gather(*arrivals, *tasks)
+    if batch_id:
+        offline_tokens = int(await _batch_tokens(base) - tokens0)
+        await client.batches.cancel(batch_id)
     await client.close()
     ttft = [a for a, _ in done]
     tpot = [b for _, b in done]
@@ -100,6 +112,39 @@ async def _phase(base: str, model: str, args: argparse.Namespace, offline: int) 
         "slo_attainment": slo_ok / max(1, len(done)),
         "offline_tokens_per_s": offline_tokens / args.duration_s,
     }
+
+
+async def _submit_batch(client: Any, model: str, args: argparse.Namespace, prompt: Any) -> str:
+    rows = [
+        {
+            "custom_id": f"bench-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {
+                "model": model,
+                "prompt": prompt(args.offline_prompt_words),
+                "max_tokens": args.offline_max_tokens,
+            },
+        }
+        for i in range(args.batch_lines)
+    ]
+    data = "\n".join(map(json.dumps, rows)).encode()
+    f = await client.files.create(file=("bench.jsonl", io.BytesIO(data)), purpose="batch")
+    b = await client.batches.create(
+        input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    return str(b.id)
+
+
+async def _batch_tokens(base: str) -> float:
+    """`tidal_batch_output_tokens_total` now (the batch service publishes it every second)."""
+    await asyncio.sleep(1.1)
+    url = base.removesuffix("/v1") + "/metrics"
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
+    for line in text.splitlines():
+        if line.startswith("tidal_batch_output_tokens_total "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,7 +162,10 @@ def run(args: argparse.Namespace) -> int:
         f"TTFT {args.ttft_slo_s}s / TPOT {args.tpot_slo_s}s):"
     )
     print("  phase           n  TTFT p50  TTFT p99  TPOT p50  TPOT p99  SLO att.  offline tok/s")
-    for name, r in (("online alone", alone), (f"+{args.offline_streams} offline", mixed)):
+    busy = f"+{args.offline_streams} offline"
+    if args.offline_via == "batch":
+        busy = "+batch"
+    for name, r in (("online alone", alone), (busy, mixed)):
         print(
             f"  {name:13s} {r['online_requests']:3d}  {r['ttft_p50_ms']:6.0f}ms "
             f"{r['ttft_p99_ms']:7.0f}ms  {r['tpot_p50_ms']:6.1f}ms  {r['tpot_p99_ms']:6.1f}ms  "
@@ -143,6 +191,13 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-words", type=int, default=100, help="online prompt length, words")
     p.add_argument("--max-tokens", type=int, default=32, help="online output tokens")
     p.add_argument("--offline-streams", type=int, default=4, help="concurrent offline clients")
+    p.add_argument(
+        "--offline-via",
+        default="clients",
+        choices=("clients", "batch"),
+        help="offline load: back-to-back client requests, or one Batch API batch",
+    )
+    p.add_argument("--batch-lines", type=int, default=2000, help="lines of the offline batch")
     p.add_argument("--offline-prompt-words", type=int, default=200, help="offline prompt words")
     p.add_argument("--offline-max-tokens", type=int, default=64, help="offline output tokens")
     p.add_argument("--ttft-slo-s", type=float, default=3.0, help="online TTFT SLO (config's)")

@@ -9,6 +9,10 @@ and `max_tokens` = its trace output length. The simulator then runs the same req
 same config and policy. Printed side by side: online SLO attainment, TTFT and TPOT p50/p99, and
 offline output tokens per second in the window. Both sides are emulation (the sim engine and the
 simulator); the point is their agreement.
+
+`--client guidellm` sends the same window from an outside client instead, guidellm's trace
+replay (`services/cli/bench_replay_guidellm.py`; guidellm runs from its own environment,
+`--guidellm PATH`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -141,7 +146,21 @@ def _simulated(cfg: SimConfig, policy: str, reqs: list[SimRequest]) -> dict[str,
 def run(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(load_config(args.config), duration_s=args.duration_s)
     reqs = [r for r in workload(cfg) if r.arrival_s < args.duration_s]
-    report: dict[str, Any] = {"config": args.config, "duration_s": args.duration_s, "runs": {}}
+    exe = ""
+    if args.client == "guidellm":
+        from services.cli import bench_replay_guidellm as gl
+
+        try:
+            exe = gl.find_guidellm(args.guidellm)
+        except gl.GuidellmError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    report: dict[str, Any] = {
+        "config": args.config,
+        "duration_s": args.duration_s,
+        "client": args.client,
+        "runs": {},
+    }
     spec = f"{cfg.model}@{cfg.hardware}"
     for policy in args.policies:
         setups = instance_setups(cfg, policy)
@@ -151,30 +170,53 @@ def run(args: argparse.Namespace) -> int:
         up += ["--sim-step-model", spec, "--kv-cache-tokens", str(kv_tokens)]
         up += ["--max-model-len", str(max_len)]
         env = {"TIDAL_SIM_KV_PAYLOAD_BYTES_PER_TOKEN": str(args.kv_payload_bytes_per_token)}
+        sim_reqs = reqs
         with stack(natsd.free_port(), *up, env=env) as base:
-            live = asyncio.run(_replay(base, "tidal-sim", reqs, cfg))
-        report["runs"][policy] = {"live": live, "simulator": _simulated(cfg, policy, reqs)}
+            if exe:
+                live = gl.replay(exe, base, "tidal-sim", reqs, cfg)
+                sim_reqs = gl.shifted(reqs, live["start_offset_s"])
+            else:
+                live = asyncio.run(_replay(base, "tidal-sim", reqs, cfg))
+        report["runs"][policy] = {"live": live, "simulator": _simulated(cfg, policy, sim_reqs)}
+    client = "guidellm trace replay" if exe else "the openai client"
     print(
-        f"Fidelity, live stack (sim engine, emulated {spec} step times) vs simulator, "
-        f"{args.config}, first {args.duration_s:.0f} s ({len(reqs)} requests):"
+        f"Fidelity, live stack (sim engine, emulated {spec} step times; load from {client}) vs "
+        f"simulator, {args.config}, first {args.duration_s:.0f} s ({len(reqs)} requests):"
     )
-    keys = [
-        ("slo_attainment_pct", "attain %", 1),
-        ("ttft_p50_s", "TTFT p50 s", 3),
-        ("ttft_p99_s", "TTFT p99 s", 3),
-        ("tpot_p50_s", "TPOT p50 s", 4),
-        ("tpot_p99_s", "TPOT p99 s", 4),
-        ("offline_tokens_per_s", "offline tok/s", 1),
-    ]
-    for policy, run_ in report["runs"].items():
-        print(f"  {policy}")
-        for key, name, nd in keys:
-            a, b = run_["live"][key], run_["simulator"][key]
-            diff = f"{a - b:+.1f} pt" if key.endswith("pct") else f"{(a / b - 1) * 100:+.1f} %"
-            print(f"    {name:14s} live {a:10.{nd}f}   sim {b:10.{nd}f}   {diff}")
+    print_table(report, "guidellm" if exe else "live")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
+
+
+KEYS = [
+    ("slo_attainment_pct", "attain %", 1),
+    ("ttft_p50_s", "TTFT p50 s", 3),
+    ("ttft_p99_s", "TTFT p99 s", 3),
+    ("tpot_p50_s", "TPOT p50 s", 4),
+    ("tpot_p99_s", "TPOT p99 s", 4),
+    ("offline_tokens_per_s", "offline tok/s", 1),
+]
+
+
+def print_table(report: dict[str, Any], label: str) -> None:
+    """Both sides of every policy, one figure a line: `label` value, simulator value, difference
+    (points for attainment, % otherwise)."""
+    for policy, run_ in report["runs"].items():
+        print(f"  {policy}")
+        for key, name, nd in KEYS:
+            a, b = run_["live"][key], run_["simulator"][key]
+            diff = f"{a - b:+.1f} pt" if key.endswith("pct") else f"{(a / b - 1) * 100:+.1f} %"
+            print(f"    {name:14s} {label} {a:10.{nd}f}   sim {b:10.{nd}f}   {diff}")
+        live = run_["live"]
+        if "start_offset_s" in live:  # guidellm's load: how it was sent
+            off = ", ".join(f"{c} +{s:.2f} s" for c, s in live["start_offset_s"].items())
+            print(
+                f"    (guidellm: dispatch lag p50/p99 {live['dispatch_lag_p50_s'] * 1e3:.1f}/"
+                f"{live['dispatch_lag_p99_s'] * 1e3:.1f} ms; process start {off}; "
+                f"unrecorded {live['unrecorded']}; errored/incomplete {live['failed']}; "
+                f"prompt token counts off {live['prompt_tokens_mismatched']})"
+            )
 
 
 def register(bench: argparse._SubParsersAction) -> None:
@@ -197,6 +239,16 @@ def register(bench: argparse._SubParsersAction) -> None:
         "simulator's link moves a request's KV in milliseconds; shipping SmolLM2-sized blobs "
         "through Python on the same cores takes 0.1-1 s and stalls the target's decodes; -1: "
         "the sim engine's full size)",
+    )
+    p.add_argument(
+        "--client",
+        choices=["tidal", "guidellm"],
+        default="tidal",
+        help="who sends the load: Tidal's openai-client replay (default) or guidellm's trace "
+        "replay (an outside client; see services/cli/bench_replay_guidellm.py)",
+    )
+    p.add_argument(
+        "--guidellm", default="", help="guidellm executable (default: `guidellm` on PATH)"
     )
     p.add_argument("--json", default="", help="also write the figures here as JSON")
     p.set_defaults(func=run)

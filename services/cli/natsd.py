@@ -52,15 +52,28 @@ def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
 
 
 def nats_server_argv(
-    port: int, store_dir: str, host: str = "127.0.0.1", sync_always: bool = False
+    port: int,
+    store_dir: str,
+    host: str = "127.0.0.1",
+    sync_always: bool = False,
+    auth_token: str = "",
 ) -> list[str]:
     """JetStream on (`-js`), storing under `store_dir`; loopback only. `sync_always` fsyncs
-    every JetStream write (survives a machine crash, not only a killed server; slower)."""
+    every JetStream write (survives a machine crash, not only a killed server; slower).
+    `auth_token` is required of every client; it goes in a config file only its owner can
+    read, never on the command line (which `ps` shows to anyone)."""
     log_file = f"{store_dir}/nats-server.log"
     argv = [find_nats_server(), "-a", host, "-p", str(port), "-js", "-sd", store_dir]
+    lines = []
     if sync_always:
+        lines.append('jetstream { sync_interval: "always" }')
+    if auth_token:
+        lines.append(f'authorization {{ token: "{auth_token}" }}')
+    if lines:
         conf = Path(store_dir) / "nats-server.conf"
-        conf.write_text('jetstream { sync_interval: "always" }\n')
+        conf.touch(mode=0o600)
+        conf.chmod(0o600)
+        conf.write_text("\n".join(lines) + "\n")
         argv += ["-c", str(conf)]
     return [*argv, "-l", log_file]
 

@@ -16,6 +16,8 @@ def state_path() -> Path:
 def write_state(nats_url: str, api_url: str) -> None:
     path = state_path()
     path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)  # it holds the bus token
     path.write_text(json.dumps({"nats_url": nats_url, "api_url": api_url, "pid": os.getpid()}))
 
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 from services.cli import natsd, state
 from services.common import live_config
 from services.common.live_config import load_live_config
+from services.gateway.auth import API_KEYS_ENV, keys_from
 from tidal import envs
 from tidal.engine import core_share
 
@@ -81,11 +83,18 @@ class Supervisor:
         self.nats: Child | None = None
         self.store_dir = ""
         self.core_share_path: Path | None = None
+        self.nats_url_shown = args.nats_url.split("@")[-1]
         self.nats_url = args.nats_url
+        self.api_keys = keys_from(args.api_key)
 
     def _service(self, name: str, module: str, *extra: str) -> Child:
-        argv = [sys.executable, "-m", module, "--nats-url", self.nats_url, "--id", name, *extra]
-        return Child(name, argv, env={"TIDAL_LOG_LEVEL": self.args.log_level})
+        # NOTE: the bus URL (with its token) travels in the environment, not in argv, which any
+        # user of the machine can read with `ps`.
+        argv = [sys.executable, "-m", module, "--id", name, *extra]
+        env = {"TIDAL_LOG_LEVEL": self.args.log_level, "TIDAL_NATS_URL": self.nats_url}
+        if name.startswith("gateway") and self.api_keys:
+            env[API_KEYS_ENV] = ",".join(self.api_keys)
+        return Child(name, argv, env=env)
 
     def plan(self) -> list[Child]:
         a = self.args
@@ -168,29 +177,37 @@ class Supervisor:
             Path(envs.CACHE_DIR.get()) / f"jetstream-{self.args.port}"
         )
         Path(self.store_dir).mkdir(parents=True, exist_ok=True)
-        argv = natsd.nats_server_argv(port, self.store_dir, sync_always=self.args.sync_always)
+        # A token of this run's own: nothing on the machine joins the bus anonymously. `tidal
+        # ctl` reads it from the state file (mode 0600).
+        token = secrets.token_urlsafe(24)
+        argv = natsd.nats_server_argv(
+            port, self.store_dir, sync_always=self.args.sync_always, auth_token=token
+        )
         self.nats = Child("nats-server", argv)
-        self.nats_url = f"nats://127.0.0.1:{port}"
+        self.nats_url = f"nats://{token}@127.0.0.1:{port}"
+        self.nats_url_shown = f"nats://127.0.0.1:{port}"
         await self.nats.start()
         ok = await asyncio.to_thread(natsd.wait_for_port, "127.0.0.1", port, 10.0)
         if not ok:
             say(f"nats-server did not start on port {port}")
             return False
-        say(f"nats-server (JetStream) on {self.nats_url}, store {self.store_dir}")
+        say(f"nats-server (JetStream) on {self.nats_url_shown}, store {self.store_dir}")
         return True
 
     async def _announce_when_ready(self, api: str) -> None:
         t0 = time.monotonic()
         health = api.removesuffix("/v1") + "/health"
         while not self.stopping.is_set():
+            key = self.api_keys[0] if self.api_keys else ""
             if await asyncio.to_thread(_http_ok, health) and await asyncio.to_thread(
-                _http_ok, api + "/models", require_data=True
+                _http_ok, api + "/models", require_data=True, api_key=key
             ):
                 state.write_state(self.nats_url, api)
                 say(f"ready in {time.monotonic() - t0:.1f}s")
                 print(
                     f"\n  API:   {api}   (OpenAI-compatible; GET {api}/models)\n"
-                    f"  NATS:  {self.nats_url}   (tidal ctl status)\n"
+                    f"  NATS:  {self.nats_url_shown}   (token in {state.state_path()};"
+                    " tidal ctl status)\n"
                     f"  Stop:  Ctrl-C\n",
                     flush=True,
                 )
@@ -265,9 +282,12 @@ def _run(args: argparse.Namespace) -> int:
     return asyncio.run(Supervisor(args).run())
 
 
-def _http_ok(url: str, require_data: bool = False) -> bool:
+def _http_ok(url: str, require_data: bool = False, api_key: str = "") -> bool:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=1
+        ) as resp:
             body = resp.read()
             return resp.status == 200 and (not require_data or b'"id"' in body)
     except (OSError, ValueError):
@@ -310,6 +330,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated instance roles, one instance each (default: the config's)",
     )
     p.add_argument("--cpu-attn", type=int, default=1, help="number of CPU-attention workers")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="the gateway accepts only this key (repeatable; also $TIDAL_API_KEYS); none: open",
+    )
     p.add_argument(
         "--store-dir",
         default="",

@@ -155,7 +155,9 @@ class BatchStore:
                 entry = await self.batches.get(batch_id)
             except nats.js.errors.KeyNotFoundError:
                 return None
-            current = msgspec.json.decode(entry.value or b"", type=Batch)
+            current = decode_or_none(entry.value, Batch, f"batch {batch_id}")
+            if current is None:
+                return None
             new = change(current)
             if new is None:
                 return current
@@ -208,7 +210,17 @@ async def _get_json(kv: KeyValue, key: str, type_: type[Any]) -> Any:
         return None
     except nats.js.errors.InvalidKeyError:
         return None
-    return msgspec.json.decode(entry.value or b"", type=type_)
+    return decode_or_none(entry.value, type_, f"key {key}")
+
+
+def decode_or_none(data: bytes | None, type_: type[Any], what: str) -> Any:
+    """A stored JSON value, or None (logged) when it is not one: anyone on the bus can write to a
+    KV subject, and one bad value must not make a listing or a watcher fail for good."""
+    try:
+        return msgspec.json.decode(data or b"", type=type_)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("ignored a malformed stored value (%s): %s", what, exc)
+        return None
 
 
 async def _all_json(kv: KeyValue, keys: str, type_: type[Any]) -> list[Any]:
@@ -221,7 +233,9 @@ async def _all_json(kv: KeyValue, keys: str, type_: type[Any]) -> list[Any]:
             if entry is None:  # the end of what is stored now
                 break
             if entry.value and entry.operation is None:
-                out.append(msgspec.json.decode(entry.value, type=type_))
+                value = decode_or_none(entry.value, type_, f"key {entry.key}")
+                if value is not None:
+                    out.append(value)
     finally:
         await watcher.stop()
     return out

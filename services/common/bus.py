@@ -19,6 +19,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def redact(url: object) -> str:
+    """A NATS URL fit for a log line: any token or user:password dropped."""
+    text = url.geturl() if hasattr(url, "geturl") else str(url)
+    scheme, sep, rest = text.rpartition("://")
+    return f"{scheme}{sep}{rest.split('@')[-1]}"
+
+
 class BusUnavailable(RuntimeError):
     """NATS could not be reached within the start-up timeout."""
 
@@ -33,10 +40,10 @@ async def connect(url: str, name: str, timeout_s: float = 10.0) -> NATS:
         log.warning("nats: %s", exc)
 
     async def _disconnected() -> None:
-        log.warning("nats: disconnected from %s, reconnecting", url)
+        log.warning("nats: disconnected from %s, reconnecting", redact(url))
 
     async def _reconnected() -> None:
-        log.info("nats: reconnected to %s", url)
+        log.info("nats: reconnected to %s", redact(url))
 
     try:
         return await asyncio.wait_for(
@@ -55,7 +62,7 @@ async def connect(url: str, name: str, timeout_s: float = 10.0) -> NATS:
         )
     except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
         raise BusUnavailable(
-            f"cannot reach NATS at {url} within {timeout_s:.0f}s ({type(exc).__name__})"
+            f"cannot reach NATS at {redact(url)} within {timeout_s:.0f}s ({type(exc).__name__})"
         ) from None
 
 

@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from services.common.bus import subscribe
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError
+from services.gateway.resync import StreamResync
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     BatchStats,
@@ -58,16 +59,19 @@ _ROUTE_ERRORS = {  # scheduler error code -> HTTP status
     "queue_full": 429,  # the scheduler's held queue is full
     "invalid_request": 400,
 }
+# Room left under NATS's max_payload for what a re-placed request adds (resume token ids).
+WIRE_HEADROOM_BYTES = 64 * 1024
 _ACK_ERRORS = {"context_length_exceeded": 400, "invalid_request": 400}
 
 
 @dataclass(frozen=True)
 class _Down:
-    """Queued to a request's stream when its instance dies."""
+    """Queued to a request's stream when its instance dies (or its stream was cut)."""
 
     instance_id: str
     reason: str
     at_s: float  # monotonic time the notice came in
+    exclude: bool = True  # keep the request off that instance (False: the instance is fine)
 
 
 @dataclass
@@ -153,7 +157,7 @@ class RequestHandle:
             )
             self.early.clear()
             try:
-                await self.bus.place(self, exclude=[down.instance_id])
+                await self.bus.place(self, exclude=[down.instance_id] if down.exclude else [])
                 return []
             except ApiError as exc:
                 reason = f"{down.reason}; no instance took it again: {exc.message}"
@@ -198,15 +202,17 @@ class GatewayBus:
         self.handles: dict[str, RequestHandle] = {}  # req_id -> live request
         self.schedulers_seen: set[tuple[str, float]] = set()  # (id, started) of each process
         self.scheduler_epoch = 0  # +1 each time a new scheduler process appears
+        self.resync = StreamResync(nc, self.handles, self._cut)
 
     async def start(self) -> None:
         await subscribe(self.nc, self.reply_subject, TokenChunk, self._on_chunk)
         await subscribe(self.nc, subjects.INSTANCE_DOWN, InstanceDown, self._on_down)
         beats = f"{subjects.PREFIX}.hb.scheduler.*"
         await subscribe(self.nc, beats, Heartbeat, self._on_scheduler_beat)
+        await subscribe(self.nc, subjects.INSTANCE_STATE_ALL, InstanceReport, self._on_rep)
+        self.resync.start()
         if self.metrics is not None:
             await subscribe(self.nc, subjects.MIGRATION_EVENTS, MigrationEvent, self._on_mig)
-            await subscribe(self.nc, subjects.INSTANCE_STATE_ALL, InstanceReport, self._on_rep)
             await subscribe(self.nc, subjects.BATCH_STATS, BatchStats, self._on_batch_stats)
 
     async def _on_mig(self, ev: MigrationEvent, _: Msg) -> None:
@@ -214,8 +220,9 @@ class GatewayBus:
         self.metrics.on_migration(ev)
 
     async def _on_rep(self, rep: InstanceReport, _: Msg) -> None:
-        assert self.metrics is not None
-        self.metrics.on_report(rep)
+        self.resync.on_report(rep)
+        if self.metrics is not None:
+            self.metrics.on_report(rep)
 
     async def _on_batch_stats(self, st: BatchStats, _: Msg) -> None:
         assert self.metrics is not None
@@ -231,6 +238,10 @@ class GatewayBus:
             if handle.instance_id == event.instance_id:
                 handle.queue.put_nowait(_Down(event.instance_id, event.reason, time.monotonic()))
 
+    def _cut(self, handle: RequestHandle, reason: str) -> None:
+        """A stream that lost its chunks (a bus outage): run it again, anywhere."""
+        handle.queue.put_nowait(_Down(handle.instance_id, reason, time.monotonic(), exclude=False))
+
     def release(self, handle: RequestHandle) -> None:
         self.handles.pop(handle.request.req_id, None)
 
@@ -244,6 +255,7 @@ class GatewayBus:
                 code="too_many_requests",
                 retry_after_s=1,
             )
+        self.check_wire(request)
         handle = RequestHandle(bus=self, request=request)
         self.handles[request.req_id] = handle
         try:
@@ -252,6 +264,22 @@ class GatewayBus:
             self.release(handle)
             raise
         return handle
+
+    def check_wire(self, request: GenerateRequest) -> None:
+        """ApiError unless `request` can go on the bus: MessagePack holds no integer beyond 64
+        bits and no lone UTF-16 surrogate (JSON's "\\ud800" decodes to one), and NATS caps a
+        message at the server's max_payload (1 MiB by default)."""
+        try:
+            size = len(codec.encode(request))
+        except (OverflowError, UnicodeEncodeError) as exc:
+            raise ApiError(400, f"the request cannot be encoded: {exc}") from None
+        limit = self.nc.max_payload - WIRE_HEADROOM_BYTES
+        if size > limit:
+            raise ApiError(
+                413,
+                f"the request is {size} bytes on the bus, over its limit of {limit} bytes",
+                code="request_too_large",
+            )
 
     async def place(self, handle: RequestHandle, exclude: list[str]) -> None:
         """Find an instance that accepts the request, trying others if one does not answer."""

@@ -36,3 +36,8 @@ async def get_batch_store(request: Request) -> BatchStore:
             ) from None
         request.app.state.batch_store = store
     return store
+
+
+def get_owner(request: Request) -> str:
+    """The caller's owner id from its API key ("" when the gateway has no keys)."""
+    return str(getattr(request.state, "owner", "") or "")

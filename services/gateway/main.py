@@ -22,11 +22,13 @@ from nats.aio.client import Client as NATS
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.common.bus import BusUnavailable, connect
+from services.common.bus import BusUnavailable, connect, redact
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import setup_logging
+from services.gateway.auth import Guard, keys_from
 from services.gateway.bus_client import GatewayBus
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openapi import install as install_openapi
 from services.gateway.protocol import ApiError
 from services.gateway.routers import batches, files, openai, ops
 from tidal import envs
@@ -67,7 +69,13 @@ class ArrivalTime:
         await self.app(scope, receive, send)
 
 
-def create_app(nc: NATS, gateway_id: str, max_inflight: int = 1024) -> FastAPI:
+def create_app(
+    nc: NATS,
+    gateway_id: str,
+    max_inflight: int = 1024,
+    api_keys: list[str] | None = None,
+    metrics_need_key: bool = False,
+) -> FastAPI:
     """The gateway app over an open NATS connection (drained when the app shuts down)."""
     subjects.check_token(gateway_id, "gateway id")
 
@@ -91,7 +99,7 @@ def create_app(nc: NATS, gateway_id: str, max_inflight: int = 1024) -> FastAPI:
             )
 
         beats = asyncio.create_task(heartbeat_loop(nc, beat, stop, envs.heartbeat_s()))
-        log.info("gateway %s connected to %s", gateway_id, nc.connected_url)
+        log.info("gateway %s connected to %s", gateway_id, redact(nc.connected_url))
         try:
             yield
         finally:
@@ -102,11 +110,13 @@ def create_app(nc: NATS, gateway_id: str, max_inflight: int = 1024) -> FastAPI:
     app = FastAPI(title="Tidal gateway", version="0.1.0", lifespan=lifespan)
     app.state.metrics = GatewayMetrics()
     app.state.gateway_id = gateway_id
-    app.add_middleware(ArrivalTime)
+    app.add_middleware(Guard, keys=api_keys or [], metrics_need_key=metrics_need_key)
+    app.add_middleware(ArrivalTime)  # outermost: the arrival is stamped before anything else
     app.include_router(openai.router)
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(ops.router)
+    install_openapi(app)  # errors as the gateway answers them: 400 etc. in OpenAI's body
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -140,6 +150,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--max-inflight", type=int, default=1024, help="429 beyond this many")
     p.add_argument("--connect-timeout-s", type=float, default=10.0, help="give up after this")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accept this key (repeatable; also TIDAL_API_KEYS, comma-separated); none: open",
+    )
+    p.add_argument("--metrics-need-key", action="store_true", help="/metrics asks for a key too")
     return p.parse_args(argv)
 
 
@@ -147,7 +164,10 @@ async def serve(args: argparse.Namespace) -> None:
     subjects.check_token(args.id, "gateway id")
     # Connect before uvicorn starts: an unreachable bus is a one-line error, not a traceback.
     nc = await connect(args.nats_url, f"gateway-{args.id}", args.connect_timeout_s)
-    app = create_app(nc, args.id, args.max_inflight)
+    keys = keys_from(args.api_key)
+    app = create_app(nc, args.id, args.max_inflight, keys, args.metrics_need_key)
+    if keys:
+        log.info("gateway %s: %d API key(s) accepted", args.id, len(keys))
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -9,7 +9,7 @@ Tidal's extensions (body field, or the equivalent header; the body wins when bot
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -17,6 +17,15 @@ from tidal.schemas.messages import ChatMessage, SamplingSpec
 
 DEFAULT_CHAT_MAX_TOKENS = 512  # when the client sets none: clipped to the context left
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# What the endpoints accept, stated in the models so the OpenAPI schema says it too. Every
+# integer is bounded: the request goes on the bus as MessagePack, which holds at most 64 bits.
+MAX_TOKENS_LIMIT = 2**31 - 1  # any value over the model's context length is a 400 anyway
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI's seed is an int64
+TOP_K_LIMIT = 2**31 - 1  # larger than any vocabulary: the same as no top-k
+# SLO targets: 1 µs to one day. Below 1e-3 ms, ms -> s could underflow to 0 on the way.
+SLO_MIN_MS, SLO_MAX_MS = 1e-3, 86_400_000.0
+MAX_STOP_SEQUENCES = 4
 
 
 class ApiError(Exception):
@@ -63,22 +72,32 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+_SloMs = Annotated[float, Field(ge=SLO_MIN_MS, le=SLO_MAX_MS)]
+# NOTE: pydantic's own schema states the int64 bounds exactly; FastAPI's /openapi.json still
+# writes them as floats (2**63 - 1 reads as 2**63, which the endpoint refuses with a 400).
+_Seed = Annotated[
+    int,
+    Field(ge=SEED_MIN, le=SEED_MAX, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX}),
+]
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and ±Infinity (which Python's JSON parser reads) are refused in every float field.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    n: int = Field(1, ge=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    top_k: int = Field(0, ge=0, le=TOP_K_LIMIT, description="0: no top-k")
+    n: int = Field(1, ge=1, json_schema_extra={"maximum": 1}, description="only 1 is supported")
+    seed: _Seed | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     ignore_eos: bool = False
     request_class: Literal["online", "offline"] | None = None
-    slo_ttft_ms: float | None = Field(None, gt=0)
-    slo_tpot_ms: float | None = Field(None, gt=0)
+    slo_ttft_ms: _SloMs | None = None
+    slo_tpot_ms: _SloMs | None = None
 
     @field_validator("n")
     @classmethod
@@ -86,13 +105,6 @@ class _Common(BaseModel):
         if n != 1:
             raise ValueError("only n=1 is supported")
         return n
-
-    @field_validator("stop")
-    @classmethod
-    def _at_most_four_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and len(stop) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
-        return stop
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -102,8 +114,8 @@ class _Common(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[_Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -126,17 +138,12 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
-    max_tokens: int | None = Field(None, ge=1)
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] = Field(
+        description="one prompt per request: a string, or a list holding one string"
+    )
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, prompt: str | list[str]) -> str | list[str]:
-        if isinstance(prompt, list) and len(prompt) != 1:
-            raise ValueError("exactly one prompt per request is supported")
-        return prompt
+    echo: bool = Field(False, json_schema_extra={"enum": [False]}, description="not supported")
 
     @field_validator("echo")
     @classmethod
@@ -180,7 +187,11 @@ def resolve_class_and_slo(
                 value = float(headers[header])
             except ValueError:
                 raise ApiError(400, f"{header} must be a number of ms", param=field) from None
-            if not value > 0:
-                raise ApiError(400, f"{header} must be > 0 ms", param=field)
+            if not SLO_MIN_MS <= value <= SLO_MAX_MS:  # NaN fails this too
+                raise ApiError(
+                    400,
+                    f"{header} must be between {SLO_MIN_MS} and {SLO_MAX_MS:.0f} ms",
+                    param=field,
+                )
         slos.append(value)
     return req_class, slos[0], slos[1]

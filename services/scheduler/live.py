@@ -38,7 +38,10 @@ from tidal.sim.config import InstanceGroup
 
 log = logging.getLogger("tidal.scheduler")
 
-CHARS_PER_TOKEN = 4  # prompt length estimate before an instance tokenises it
+CHARS_PER_TOKEN = 4  # prompt length estimate before an instance tokenises it (a first guess)
+CHARS_PER_TOKEN_MIN, CHARS_PER_TOKEN_MAX = 1.0, 8.0
+CHARS_PER_TOKEN_EWMA = 0.2  # weight of each newly reported request
+MAX_PENDING_ESTIMATES = 10_000
 ROUTED_GRACE_S = 5.0  # a routed request not yet in any report still counts this long
 DEFAULT_LINK_BYTES_PER_S = 1e9
 REPORT_STALE_S = 3.0  # a report this old: the instance takes no new work
@@ -74,6 +77,8 @@ class LiveCluster:
     migrating: set[str] = field(default_factory=set)  # req_ids with a command in flight
     cache: dict[str, ReqState] = field(default_factory=dict)
     link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S  # EWMA of measured transfers
+    chars_per_token: float = float(CHARS_PER_TOKEN)  # EWMA, learnt from reports
+    prompt_chars: dict[str, int] = field(default_factory=dict)  # routed on an estimate
 
     # ---- reports -> view ----
 
@@ -138,7 +143,9 @@ class LiveCluster:
         view = build_cluster_view(
             reports, self.step_models, self.link_bytes_per_s, held=held, cache=self.cache
         )
-        seen = {r.req_id for inst in view.instances for r in _all(inst)}
+        by_id = {r.req_id: r for inst in view.instances for r in _all(inst)}
+        seen = by_id.keys()
+        self._learn_chars_per_token(by_id)
         for rid, (idx, req, t) in list(self.routed.items()):
             if rid in seen or now - t > ROUTED_GRACE_S:
                 del self.routed[rid]
@@ -148,6 +155,19 @@ class LiveCluster:
                 inst.waiting.append(req)
                 inst.num_waiting_tokens += req.num_prefill_left
         return view
+
+    def _learn_chars_per_token(self, by_id: dict[str, ReqState]) -> None:
+        """The prompt's characters per token, learnt from the tokenised counts the instances
+        report for requests routed on a character estimate (the gateway has no tokenizer)."""
+        for rid in [rid for rid in self.prompt_chars if rid in by_id]:
+            chars = self.prompt_chars.pop(rid)
+            tokens = by_id[rid].num_prompt_tokens
+            if tokens > 0:
+                ratio = min(CHARS_PER_TOKEN_MAX, max(CHARS_PER_TOKEN_MIN, chars / tokens))
+                self.chars_per_token += CHARS_PER_TOKEN_EWMA * (ratio - self.chars_per_token)
+        if len(self.prompt_chars) > MAX_PENDING_ESTIMATES:  # never reported (finished unseen)
+            for rid in list(self.prompt_chars)[: len(self.prompt_chars) // 2]:
+                del self.prompt_chars[rid]
 
     # ---- decisions ----
 
@@ -160,7 +180,9 @@ class LiveCluster:
                 r.ttft_slo_ms / 1e3 if r.ttft_slo_ms else d.ttft_s,
                 r.tpot_slo_ms / 1e3 if r.tpot_slo_ms else d.tpot_s,
             )
-        n = r.num_prompt_tokens or max(1, r.num_prompt_chars // CHARS_PER_TOKEN)
+        n = r.num_prompt_tokens or max(1, round(r.num_prompt_chars / self.chars_per_token))
+        if not r.num_prompt_tokens and r.num_prompt_chars:
+            self.prompt_chars[r.req_id] = r.num_prompt_chars
         return ReqState(
             req_id=r.req_id,
             req_class=cls,
@@ -179,6 +201,8 @@ class LiveCluster:
         same role, or waits in the held queue (reason `SLOT_DOWN`) until the slot is back:
         an instance `tidal up` restarts returns within seconds, and a relaxed instance's work
         cannot be done by a strict one."""
+        if ask is not None:
+            self.forget_request(req.req_id)
         view = self.view(now)
         if not any(self.is_usable(i.instance_id, now) for i in view.instances):
             return RouteAction.REJECT, 0, NO_INSTANCE
@@ -191,6 +215,14 @@ class LiveCluster:
         self.routed[req.req_id] = (idx, req, now)
         req.phase, req.instance_id = Phase.WAITING, idx
         return RouteAction.QUEUE, idx, ""
+
+    def forget_request(self, req_id: str) -> None:
+        """Drop what is known of a request's placement: it is being routed afresh (a request
+        whose instance died is recomputed under the same id, and `place_decode` must see it
+        again after its new prefill, or it would stay on a relaxed instance forever)."""
+        self.placed.pop(req_id, None)
+        self.retry_at.pop(req_id, None)
+        self.migrating.discard(req_id)
 
     def _usable(
         self, idx: int, view: ClusterView, now: float, ask: RouteRequest | None

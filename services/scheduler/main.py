@@ -15,7 +15,7 @@ import time
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.common.bus import connect, respond, subscribe
+from services.common.bus import connect, redact, respond, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
 from services.common.live_config import load_live_config
@@ -86,7 +86,14 @@ class Scheduler:
                 await self._announce_down(hb.service_id, "instance stopped")
 
     async def expire_loop(self, stop: asyncio.Event) -> None:
+        reconnects = self.nc.stats.get("reconnects", 0)
         while not stop.is_set():
+            if not self.nc.is_connected or self.nc.stats.get("reconnects", 0) != reconnects:
+                # NOTE: the scheduler's own link dropped (nats-server restarting, say): nobody's
+                # heartbeats came through, so nobody is declared gone for it; after the
+                # reconnect every member gets a full timeout to be heard from again.
+                reconnects = self.nc.stats.get("reconnects", 0)
+                self.membership.extend(time.monotonic())
             for member in self.membership.expire(time.monotonic()):
                 hb = member.heartbeat
                 log.warning("%s %s went silent; forgetting it", hb.kind, hb.service_id)
@@ -107,6 +114,16 @@ class Scheduler:
     # ---- routing ----
 
     async def on_route(self, req: RouteRequest, msg: Msg) -> None:
+        """Answer every route request: one the policy cannot take (a value it refuses, say an SLO
+        of 0 s) is answered `invalid_request` at once, never left to the gateway's timeout."""
+        try:
+            await self._route(req, msg)
+        except Exception as exc:
+            log.warning("route request %s refused: %r", req.req_id, exc)
+            reply = RouteReply(error_code="invalid_request", message=f"cannot route: {exc}")
+            await respond(msg, reply)
+
+    async def _route(self, req: RouteRequest, msg: Msg) -> None:
         if req.model not in self.models_seen:
             known = ", ".join(self.membership.models()) or "none yet"
             await respond(
@@ -238,7 +255,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         log.info(
             "scheduler %s ready on %s (policy %s, config %s)",
             args.id,
-            args.nats_url,
+            redact(args.nats_url),
             sched.cluster.policy.name,
             sched.live.path,
         )

@@ -210,3 +210,49 @@ def test_batch_metrics_on_metrics(stack: Stack) -> None:
         "tidal_batch_oldest_job_age_seconds",
     ):
         assert name in text, name
+
+
+def _online_attainment(stack: Stack, n: int, ttft_s: float, tpot_s: float) -> float:
+    """Stream `n` online requests, 0.1 s apart; the share that met both SLOs."""
+    import asyncio
+
+    async def run() -> float:
+        c = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+
+        async def one(i: int) -> bool:
+            await asyncio.sleep(0.1 * i)
+            t0 = time.perf_counter()
+            first = last = None
+            n_tok = 0
+            stream = await c.completions.create(
+                model=MODEL, prompt=f"online {i}", max_tokens=16, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    last = time.perf_counter()
+                    first = first or last
+                    n_tok += 1
+            assert first is not None and last is not None
+            tpot = (last - first) / max(1, n_tok - 1)
+            return first - t0 <= ttft_s and tpot <= tpot_s
+
+        ok = await asyncio.gather(*(one(i) for i in range(n)))
+        await c.close()
+        return sum(ok) / n
+
+    return asyncio.run(run())
+
+
+def test_online_requests_keep_their_slo_while_a_batch_runs(stack: Stack) -> None:
+    # SLOs a few times the emulated step (3 ms): what a batch must not take from online work.
+    alone = _online_attainment(stack, 40, ttft_s=0.5, tpot_s=0.05)
+    c = client(stack)
+    batch = submit(c, [chat_line(f"bg{i}", max_tokens=64, ignore_eos=True) for i in range(400)])
+    wait(c, batch.id, until=("in_progress", *DONE))
+    busy = _online_attainment(stack, 40, ttft_s=0.5, tpot_s=0.05)
+    running = c.batches.retrieve(batch.id)
+    c.batches.cancel(batch.id)
+    assert running.status == "in_progress", "the batch must still run while online is measured"
+    assert running.request_counts is not None and running.request_counts.completed > 0
+    assert busy >= alone - 0.01, (alone, busy)

@@ -195,7 +195,7 @@ def test_health_metrics_and_models(stack: Stack) -> None:
 
 def test_ctl_status_lists_every_service_and_pause_resume(stack: Stack) -> None:
     kinds = sorted(s["kind"] for s in stack.status()["services"])
-    assert kinds == ["cpu_attn", "gateway", "instance", "instance", "scheduler"]
+    assert kinds == ["batch", "cpu_attn", "gateway", "instance", "instance", "scheduler"]
     table = stack.ctl("status")
     assert table.returncode == 0 and "instance-1" in table.stdout
     assert stack.ctl("offline", "pause").returncode == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import signal
 import subprocess
@@ -56,7 +58,34 @@ def test_default_stack_answers_with_the_real_model() -> None:
         # request was prefilled on the relaxed one and pushed, KV included, to the strict one.
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
         assert b'tidal_migrations_total{kind="push",outcome="ok"} 1.0' in metrics
+        _batch_round_trip(client, models[0])
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
         log.close()
+
+
+def _batch_round_trip(client: openai.OpenAI, model: str) -> None:
+    """The Batch API on the real model: every line answered, greedy answers that make sense."""
+    questions = {"fr": "What is the capital of France?", "it": "What is the capital of Italy?"}
+    lines = [
+        {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": model, "temperature": 0, "max_tokens": 24,
+                  "messages": [{"role": "user", "content": q}]}}
+        for cid, q in questions.items()
+    ]  # fmt: skip
+    data = "\n".join(json.dumps(x) for x in lines).encode()
+    f = client.files.create(file=("q.jsonl", io.BytesIO(data)), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")  # fmt: skip
+    deadline = time.monotonic() + 180
+    while b.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, b
+        time.sleep(0.5)
+        b = client.batches.retrieve(b.id)
+    assert b.status == "completed" and b.output_file_id, b
+    out = {
+        x["custom_id"]: x["response"]["body"]["choices"][0]["message"]["content"]
+        for x in map(json.loads, client.files.content(b.output_file_id).text.splitlines())
+    }
+    assert "Paris" in out["fr"] and "Rome" in out["it"], out

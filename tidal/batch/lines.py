@@ -21,6 +21,8 @@ from tidal.batch.objects import BatchError
 MAX_LINES = 50_000  # OpenAI's limit of requests per batch
 MAX_ERRORS = 100  # errors reported per failed batch; validation goes on counting lines
 MAX_CUSTOM_ID_CHARS = 512
+# A line becomes one JetStream job message, under NATS's 1 MiB max_payload with room to spare.
+MAX_LINE_BYTES = 900 * 1024
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ def check_lines(lines: Iterable[bytes], endpoint: str, models: set[str] | None) 
         if len(out.jobs) >= MAX_LINES:
             out.fail("too_many_requests", f"a batch holds at most {MAX_LINES} requests", num)
             break
+        if len(raw) > MAX_LINE_BYTES:
+            out.fail("line_too_long", f"line {num} is over {MAX_LINE_BYTES} bytes", num)
+            continue
         try:
             line = msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:

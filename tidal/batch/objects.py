@@ -86,6 +86,7 @@ class Batch(msgspec.Struct):
     metadata: dict[str, str] | None = None
     model: str | None = None
     usage: Usage | None = None
+    owner: str = ""  # the API key's owner id that created it (never returned)
 
     @property
     def is_terminal(self) -> bool:
@@ -102,6 +103,7 @@ class FileObject(msgspec.Struct):
     status: str = "processed"
     expires_at: int | None = None
     status_details: str | None = None
+    owner: str = ""  # the API key's owner id that uploaded it (never returned)
 
 
 def advance(batch: Batch, status: str, now_s: float) -> Batch:
@@ -116,6 +118,7 @@ def advance(batch: Batch, status: str, now_s: float) -> Batch:
 def to_api(obj: Batch | FileObject) -> dict[str, Any]:
     """The JSON body the API returns for `obj`."""
     out: dict[str, Any] = msgspec.to_builtins(obj)
+    out.pop("owner", None)
     return out
 
 

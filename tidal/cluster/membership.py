@@ -48,6 +48,12 @@ class Membership:
             del self.members[(m.heartbeat.kind, m.heartbeat.service_id)]
         return gone
 
+    def extend(self, now: float) -> None:
+        """Count every member as seen at `now`: the observer itself was cut off (its bus
+        connection dropped), so missing heartbeats say nothing about the members."""
+        for m in self.members.values():
+            m.last_seen_s = max(m.last_seen_s, now)
+
     def forget(self, kind: str, service_id: str) -> Member | None:
         return self.members.pop((kind, service_id), None)
 

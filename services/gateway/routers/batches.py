@@ -12,15 +12,15 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends
-from pydantic import BaseModel
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, Field
 
 from services.common.batch_store import BatchStore
-from services.gateway.dependencies import get_batch_store
+from services.gateway.dependencies import get_batch_store, get_owner
 from services.gateway.protocol import ApiError
-from services.gateway.routers.files import check_file_id
+from services.gateway.routers.files import FILE_ID_PATTERN, owned_file
 from tidal.batch.objects import ENDPOINTS, Batch, advance, page, to_api
 
 router = APIRouter(prefix="/v1")
@@ -32,10 +32,18 @@ _BATCH_ID = re.compile(r"^batch_[A-Za-z0-9]{1,64}$")
 
 
 class CreateBatch(BaseModel):
-    input_file_id: str
-    endpoint: str
-    completion_window: str
-    metadata: dict[str, str] | None = None
+    input_file_id: str = Field(pattern=FILE_ID_PATTERN)
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: str = Field(
+        pattern=_WINDOW.pattern, description="'24h', or any '<N>s|m|h' from 1 s to 7 days"
+    )
+    metadata: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+            Field(max_length=16),
+        ]
+        | None
+    ) = None
 
 
 def window_s(window: str) -> int:
@@ -68,16 +76,18 @@ def _not_found(batch_id: str) -> ApiError:
     return ApiError(404, f"No such Batch object: {batch_id}", code="batch_not_found", param="id")
 
 
-async def _get(store: BatchStore, batch_id: str) -> Batch:
+async def _get(store: BatchStore, batch_id: str, owner: str) -> Batch:
     batch = await store.batch(batch_id) if _BATCH_ID.match(batch_id) else None
-    if batch is None:
+    if batch is None or batch.owner != owner:  # another key's batch: not disclosed
         raise _not_found(batch_id)
     return batch
 
 
 @router.post("/batches")
 async def create_batch(
-    body: CreateBatch, store: BatchStore = Depends(get_batch_store)
+    body: CreateBatch,
+    store: BatchStore = Depends(get_batch_store),
+    owner: str = Depends(get_owner),
 ) -> dict[str, Any]:
     if body.endpoint not in ENDPOINTS:
         raise ApiError(
@@ -87,7 +97,7 @@ async def create_batch(
         )
     seconds = window_s(body.completion_window)
     _check_metadata(body.metadata)
-    meta = await store.file(check_file_id(body.input_file_id))
+    meta = await owned_file(store, body.input_file_id, owner)
     if meta is None:
         raise ApiError(
             400, f"input_file_id {body.input_file_id!r} does not exist", param="input_file_id"
@@ -108,6 +118,7 @@ async def create_batch(
         created_at=now,
         expires_at=now + seconds,
         metadata=body.metadata,
+        owner=owner,
     )
     await store.create_batch(batch)
     return to_api(batch)
@@ -115,27 +126,28 @@ async def create_batch(
 
 @router.get("/batches/{batch_id}")
 async def retrieve_batch(
-    batch_id: str, store: BatchStore = Depends(get_batch_store)
+    batch_id: str, store: BatchStore = Depends(get_batch_store), owner: str = Depends(get_owner)
 ) -> dict[str, Any]:
-    return to_api(await _get(store, batch_id))
+    return to_api(await _get(store, batch_id, owner))
 
 
 @router.get("/batches")
 async def list_batches(
-    after: str | None = None, limit: int = 20, store: BatchStore = Depends(get_batch_store)
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    store: BatchStore = Depends(get_batch_store),
+    owner: str = Depends(get_owner),
 ) -> dict[str, Any]:
-    if not 1 <= limit <= 100:
-        raise ApiError(400, "limit must be between 1 and 100", param="limit")
-    batches = await store.list_batches()
+    batches = [b for b in await store.list_batches() if b.owner == owner]
     batches.sort(key=lambda b: (b.created_at, b.id), reverse=True)
     return page([to_api(b) for b in batches], after, limit)
 
 
 @router.post("/batches/{batch_id}/cancel")
 async def cancel_batch(
-    batch_id: str, store: BatchStore = Depends(get_batch_store)
+    batch_id: str, store: BatchStore = Depends(get_batch_store), owner: str = Depends(get_owner)
 ) -> dict[str, Any]:
-    await _get(store, batch_id)
+    await _get(store, batch_id, owner)
     refused: list[str] = []
 
     def change(b: Batch) -> Batch | None:

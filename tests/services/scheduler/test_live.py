@@ -10,7 +10,7 @@ from services.common.live_config import load_live_config
 from services.scheduler.live import LiveCluster
 from tests.services.scheduler.test_scheduler import make_report
 from tidal.policy.registry import make_policy
-from tidal.schemas.messages import RouteRequest
+from tidal.schemas.messages import ReqReport, RouteRequest
 
 
 def _cluster() -> LiveCluster:
@@ -44,3 +44,37 @@ def test_a_routed_request_that_finished_unseen_stops_counting_at_the_next_report
     )
     assert c.on_report(rep)
     assert _waiting(c, now) == []  # not for ROUTED_GRACE_S more
+
+
+def test_a_request_routed_again_is_placed_again() -> None:
+    # A recompute after its instance died re-routes the same req_id: place_decode must see it.
+    c = _cluster()
+    now = time.time()
+    c.placed["again"], c.retry_at["again"] = now, now + 10
+    c.migrating.add("again")
+    for i in (0, 1):
+        c.on_report(make_report(f"inst-{i}", i, "aggregated"))
+    ask = RouteRequest(req_id="again", model="m", req_class="online", max_tokens=4,
+                       num_prompt_chars=40)  # fmt: skip
+    c.route(c.new_request(ask, now), now, ask)
+    assert "again" not in c.placed and "again" not in c.retry_at and "again" not in c.migrating
+
+
+def test_the_prompt_length_estimate_learns_characters_per_token_from_reports() -> None:
+    c = _cluster()
+    now = time.time()
+    for i in (0, 1):
+        c.on_report(make_report(f"inst-{i}", i, "aggregated"))
+    for k in range(30):  # prompts whose tokens are 2 characters each, as the reports show
+        ask = RouteRequest(req_id=f"p{k}", model="m", req_class="online", max_tokens=4,
+                           num_prompt_chars=2000)  # fmt: skip
+        req = c.new_request(ask, now)
+        c.route(req, now, ask)
+        idx = c.routed[f"p{k}"][0]
+        shown = ReqReport(f"p{k}", "online", "waiting", now, 1000, 4, 0, 0, 0)
+        c.on_report(make_report(f"inst-{idx}", idx, "aggregated", seq=k + 2, requests=[shown]))
+        c.view(now)
+    assert abs(c.chars_per_token - 2.0) < 0.1
+    ask = RouteRequest(req_id="new", model="m", req_class="online", max_tokens=4,
+                       num_prompt_chars=2000)  # fmt: skip
+    assert abs(c.new_request(ask, now).num_prompt_tokens - 1000) < 60

@@ -6,6 +6,7 @@ import pytest
 
 from tidal.batch.lines import (
     MAX_ERRORS,
+    MAX_LINE_BYTES,
     check_lines,
     error_line,
     is_success,
@@ -49,6 +50,7 @@ def test_a_good_file_gives_its_jobs_in_order_and_skips_blank_lines() -> None:
         (line("x", stream=True), "invalid_value"),
         (line("a"), "duplicate_custom_id"),
         (line("x", model="n"), "mismatched_model"),
+        (line("x", max_tokens=1, stop="y" * MAX_LINE_BYTES), "line_too_long"),  # > NATS payload
     ],
 )  # fmt: skip
 def test_each_kind_of_bad_line_is_named_with_its_line_number(bad: bytes, code: str) -> None:

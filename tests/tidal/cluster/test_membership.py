@@ -62,3 +62,11 @@ def test_routing_errors_name_the_reason() -> None:
     assert decision.error_code == "unknown_model"
     assert "other" in decision.message
     assert router.route("other", m.instances(), ["i0"]).error_code == "no_capacity"
+
+
+def test_extend_gives_every_member_a_full_timeout_again() -> None:
+    m = Membership(timeout_s=2.0)
+    m.observe(make_hb("a"), 0.0)
+    m.extend(5.0)  # the observer was cut off from 0 s to 5 s
+    assert m.expire(6.0) == []
+    assert [x.heartbeat.service_id for x in m.expire(7.5)] == ["a"]

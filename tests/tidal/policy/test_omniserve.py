@@ -41,3 +41,13 @@ def test_piggyback_admits_from_the_lowest_layer_up() -> None:
     assert piggyback_admission(TOK, shape, [3, 3, 3, 3], base + 160e-6) == [3, 3, 0, 0]
     assert piggyback_admission(TOK, shape, [0, 5, 1, 0], base + 160e-6) == [0, 5, 1, 0]
     assert piggyback_admission(TOK, shape, [3, 3], base - 1e-6) == [0, 0]
+
+
+def test_admission_costs_a_chunked_prefill_as_the_chunked_steps_it_runs() -> None:
+    fixed = LinearStepModel(base_s=0.02, per_token_s=3e-4, per_ctx_token_s=0.0,
+                            per_attn_pair_s=0.0)  # fmt: skip
+    dec = decode_shape([])
+    # one step of 1500 tokens: 0.47 s; six chunks of <= 256: 0.45 s of tokens + 6 x 0.02 s
+    assert admit_ls(fixed, [], dec, 1500, 0.5)
+    assert not admit_ls(fixed, [], dec, 1500, 0.5, chunk_size=256)
+    assert admit_ls(fixed, [], dec, 1500, 0.6, chunk_size=256)

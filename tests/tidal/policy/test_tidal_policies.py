@@ -123,3 +123,18 @@ def test_tidal_strict_instances_prefill_offline_only_with_the_flag() -> None:
     assert _offline_prefilled_on_strict(off) == 0
     assert all(r.finish_s is not None for r in on.requests)
     assert attainment(on) >= 0.95  # the online TPOT SLO still holds on the strict instance
+
+
+@pytest.mark.parametrize("name", ["ooco", "tidal"])
+def test_offline_work_runs_where_the_fixed_step_cost_is_over_the_offline_step_cap(
+    name: str,
+) -> None:
+    # SmolLM2 on a CPU: every step costs ~60 ms, more than OOCO's 50 ms offline-step cap. The cap
+    # must not starve the offline requests queued on the relaxed instance (it once did, live).
+    slow = LinearStepModel(base_s=0.06, per_token_s=1e-5, per_ctx_token_s=0.0, per_attn_pair_s=0.0)
+    roles = [InstanceRole.RELAXED, InstanceRole.STRICT]
+    setups = [InstanceSetup(r, 256, 3000, slow, KV_BYTES) for r in roles]
+    ctx = PolicyContext(2, tuple(roles), Slo(3.0, 0.25), {}, seed=3)
+    reqs = [SimRequest(f"off{i}", RequestClass.OFFLINE, 0.0, 40, 8) for i in range(2)]
+    rec = Simulator(setups, make_policy(name, ctx), horizon_s=60).run(reqs)
+    assert all(r.finish_s is not None for r in rec.requests)

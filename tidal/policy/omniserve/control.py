@@ -19,15 +19,32 @@ def admit_ls(
     new_prompt_tokens: int,
     ttft_slo_s: float,
     step_bound_overhead_s: float = 0.0,
+    chunk_size: int = 0,
 ) -> bool:
     """§3.3.3 admission inequality: admit LS request k iff prefilling every incomplete LS prompt
     (P(t) ∪ k, as (prompt, already-prefilled) pairs) beside the LS decodes fits the TTFT SLO —
-    the explicit TTFT of k when it queues behind P(t). Otherwise reject early."""
-    shape = decode
-    for prompt, done in pending_prefill:
-        shape = add_prefill(shape, prompt - done, done)
-    shape = add_prefill(shape, new_prompt_tokens, 0)
-    return model.step_s(shape) <= ttft_slo_s - step_bound_overhead_s
+    the explicit TTFT of k when it queues behind P(t). Otherwise reject early.
+
+    The paper writes that prefill as one step L(·). With `chunk_size` > 0 it is costed as the
+    chunked steps an instance with that chunk size runs (each beside the decodes, each paying
+    the step's fixed cost): where the fixed cost is large against a chunk, one L(·) admits
+    requests whose TTFT then misses the SLO by the fixed cost of every further chunk."""
+    bound = ttft_slo_s - step_bound_overhead_s
+    if chunk_size <= 0:
+        shape = decode
+        for prompt, done in pending_prefill:
+            shape = add_prefill(shape, prompt - done, done)
+        shape = add_prefill(shape, new_prompt_tokens, 0)
+        return model.step_s(shape) <= bound
+    total = 0.0
+    for prompt, done in [*pending_prefill, (new_prompt_tokens, 0)]:
+        while done < prompt:  # FCFS, one chunk a step (`PlanBuilder`'s order)
+            q = min(chunk_size, prompt - done)
+            total += model.step_s(add_prefill(decode, q, done))
+            if total > bound:
+                return False
+            done += q
+    return total <= bound
 
 
 def max_chunk(

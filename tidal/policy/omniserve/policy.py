@@ -39,7 +39,9 @@ def ls_admissible(inst: InstanceState, req: ReqState, ttft_s: float, cfg: OmniCo
     ]
     dec = decode_shape([r.num_computed_tokens for r in inst.running if r.is_online])
     overhead = cfg.num_layers * cfg.comm_overhead_per_layer_s
-    return admit_ls(inst.step_model, pending, dec, req.num_prompt_tokens, ttft_s, overhead)
+    return admit_ls(
+        inst.step_model, pending, dec, req.num_prompt_tokens, ttft_s, overhead, inst.chunk_size
+    )
 
 
 class OmniServePolicy(Policy):

@@ -31,7 +31,7 @@ from tidal.policy.base import (
     StepPlan,
     parse_params,
 )
-from tidal.policy.batch_shape import decode_shape
+from tidal.policy.batch_shape import add_prefill, decode_shape
 from tidal.policy.ooco.config import OocoConfig
 from tidal.policy.ooco.eviction import choose_victims, is_compute_bound
 from tidal.policy.ooco.gating import gate_offline_prefill
@@ -45,6 +45,7 @@ from tidal.policy.ooco.mix_decode import DecodeCandidate, select_mix_decode
 from tidal.policy.plan_builder import PlanBuilder, split_running
 from tidal.policy.registry import register_policy
 
+MIN_CAP_STEPS = 2.0  # an offline step may always last this many of the smallest steps
 _EWMA_S = 10.0  # time constant of the online KV-inflow estimate used by gating, seconds
 
 # Hints a strict instance's `schedule` leaves for `tick` (`InstanceState.hints`), the §3.4.3 pull
@@ -294,7 +295,11 @@ class OocoPolicy(Policy):
                 continue
             if len(b.decode) >= inst.max_batch_reqs or not b.add_decode(r):
                 break
-        cap = self.cfg.offline_step_cap_s
+        # NOTE: never below a few of the instance's own smallest steps: on a machine whose fixed
+        # step cost is over the cap (SmolLM2 on a CPU: ~50 ms) a cap alone admits no prefill at
+        # all, and the offline requests queued here would wait forever.
+        smallest = inst.step_model.step_s(add_prefill(decode_shape([]), 1, 0))
+        cap = max(self.cfg.offline_step_cap_s, MIN_CAP_STEPS * smallest)
         for r in [*(x for x in pre if not x.is_online), *inst.waiting]:
             if b.add_prefill(r, bound_s=cap) == 0:
                 break
