@@ -176,8 +176,11 @@ class TorchEngine:
             return self._step(plan, t0)
         finally:
             self._last_step_s = time.perf_counter() - t0
-            if self.core_share is not None and not self.has_work():
-                self.core_share.idle()
+            if self.core_share is not None:  # renew the stamp past a long step, or free it
+                if self.has_work():
+                    self.core_share.busy(self._last_step_s)
+                else:
+                    self.core_share.idle()
 
     def _step(self, plan: StepPlan | None, t0: float) -> StepResult:
         with self.preemption.step():
