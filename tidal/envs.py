@@ -26,6 +26,9 @@ CACHE_DIR = EnvVar(
 DATA_DIR = EnvVar(
     "TIDAL_DATA_DIR", "", "traces and kernel timings (default: the repository's data/)"
 )
+DTYPE = EnvVar(
+    "TIDAL_DTYPE", "", "torch engine dtype (float32 | bfloat16); default: measured fastest"
+)
 
 SIM_KV_PAYLOAD_BYTES_PER_TOKEN = EnvVar(
     "TIDAL_SIM_KV_PAYLOAD_BYTES_PER_TOKEN",
@@ -33,7 +36,15 @@ SIM_KV_PAYLOAD_BYTES_PER_TOKEN = EnvVar(
     "sim engine: bytes of emulated KV a migration ships per token (default: all of them)",
 )
 
-ALL = (NATS_URL, LOG_LEVEL, HEARTBEAT_S, CACHE_DIR, DATA_DIR, SIM_KV_PAYLOAD_BYTES_PER_TOKEN)
+ALL = (
+    NATS_URL,
+    LOG_LEVEL,
+    HEARTBEAT_S,
+    CACHE_DIR,
+    DATA_DIR,
+    DTYPE,
+    SIM_KV_PAYLOAD_BYTES_PER_TOKEN,
+)
 
 
 def heartbeat_s() -> float:

@@ -27,6 +27,7 @@ from services.cli import (
     bench_migration,
     bench_overload,
     bench_replay,
+    bench_serve,
     natsd,
 )
 from services.cli.benchkit import pct as _pct
@@ -130,6 +131,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_migration.register(bench)
     bench_colocation.register(bench)
     bench_replay.register(bench)
+    bench_serve.register(bench)
     bench_batch.register(bench)
     bench_overload.register(bench)
     # The engine benchmark lives beside the engine; it adds `tidal bench engine` when present.

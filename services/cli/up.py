@@ -16,6 +16,7 @@ import os
 import secrets
 import signal
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from services.common import live_config
 from services.common.live_config import load_live_config
 from services.gateway.auth import API_KEYS_ENV, keys_from
 from tidal import envs
+from tidal.engine import core_share
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -80,6 +82,7 @@ class Supervisor:
         self.services: list[Child] = []
         self.nats: Child | None = None
         self.store_dir = ""
+        self.core_share_path: Path | None = None
         self.nats_url_shown = args.nats_url.split("@")[-1]
         self.nats_url = args.nats_url
         self.api_keys = keys_from(args.api_key)
@@ -102,8 +105,16 @@ class Supervisor:
         children += [self._service(f"cpu-attn-{i}", "services.cpu_attn") for i in range(a.cpu_attn)]
         num_instances = len(load_live_config(a.config, a.policy, a.instances).slots)
         # NOTE: instances share this machine's cores; without a split, each torch engine would
-        # start one thread per core and they would fight over them.
+        # start one thread per core and they would fight over them. This split is where they
+        # start; with a core share each step then runs on cores ÷ instances busy at the time
+        # (tidal.engine.core_share), so a lone stream gets every core.
         threads = max(1, (os.cpu_count() or 1) // num_instances)
+        share: list[str] = []
+        if a.engine == "torch" and num_instances > 1 and not a.fixed_threads:
+            path = Path(tempfile.gettempdir()) / f"tidal-cores-{os.getpid()}.bin"
+            core_share.create(path, num_instances)
+            self.core_share_path = path
+            share = ["--core-share", str(path)]
         for i in range(num_instances):
             extra = [
                 *policy_args,
@@ -115,6 +126,7 @@ class Supervisor:
                 a.sim_step_model,
                 "--num-threads",
                 str(threads),
+                *share,
             ]
             if a.model:
                 extra += ["--model", a.model]
@@ -154,6 +166,8 @@ class Supervisor:
             return 0
         finally:
             state.clear_state()
+            if self.core_share_path is not None:
+                self.core_share_path.unlink(missing_ok=True)
 
     async def _start_nats(self) -> bool:
         port = natsd.free_port()
@@ -341,4 +355,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="sim engine latency: zero | linear[:B,P,D,C] | MODEL@HARDWARE",
     )
     p.add_argument("--log-level", default="INFO", help="log level of every service")
+    p.add_argument(
+        "--fixed-threads",
+        action="store_true",
+        help="torch instances keep cores ÷ instances threads, busy or not (default: each step "
+        "runs on cores ÷ instances busy now)",
+    )
     p.set_defaults(func=_run)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
 from typing import Any
 
 from tidal import envs
@@ -77,8 +78,11 @@ def build_engine(args: argparse.Namespace) -> ControllableEngine:
         kwargs = {"max_model_len": args.max_model_len} if args.max_model_len else {}
         if kv_tokens := getattr(args, "kv_cache_tokens", 0):
             kwargs["kv_cache_tokens"] = kv_tokens
-        engine: ControllableEngine = torch_engine.load_torch_engine(
-            args.model or None, device=args.device, **kwargs
-        )
+        torch_eng = torch_engine.load_torch_engine(args.model or None, device=args.device, **kwargs)
+        if share := getattr(args, "core_share", ""):
+            from tidal.engine.core_share import CoreShare
+
+            torch_eng.core_share = CoreShare(Path(share), args.index)
+        engine: ControllableEngine = torch_eng
         return engine
     raise ValueError(f"unknown engine {args.engine!r}; expected one of {ENGINES}")

@@ -226,6 +226,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="", help="sim engine: tokenizer (default SmolLM2's)")
     p.add_argument("--device", default="cpu", help="torch device (torch engine)")
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's)")
+    p.add_argument(
+        "--core-share",
+        default="",
+        help="torch: file of the engines sharing this machine's cores; each step then runs on "
+        "cores ÷ engines busy (slot = --index)",
+    )
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
     p.add_argument("--kv-cache-tokens", type=int, default=0, help="KV pool size (0: default)")
     p.add_argument(

@@ -2,8 +2,8 @@
 
 Supports RMSNorm, RoPE (default, linear, llama3, yarn), grouped-query attention, SwiGLU MLP, tied
 or untied embeddings and optional QKV bias: Llama 2/3, Qwen2/2.5, SmolLM2. Q/K/V and gate/up are
-fused into one matmul each. Attention is the one swappable function `ATTENTION` (signature of
-`sdpa_paged_attention`), so a faster kernel can replace it.
+fused into one matmul each. Attention is the one swappable function `attention.ATTENTION`
+(signature of `attention.sdpa_paged_attention`), so a faster kernel can replace it.
 
 Rows of a step are ordered by the layer they start at (0 for fresh work, > 0 for work resumed
 after a layer-boundary preemption, OOCO §3.4.1): the rows active at layer i are then a prefix of
@@ -15,33 +15,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from tidal.engine import attention
+from tidal.engine.attention import AttnMeta
 from tidal.engine.model_config import ModelConfig
-
-
-@dataclass
-class PrefillSpan:
-    """Attention inputs of one multi-token item."""
-
-    row_start: int
-    row_end: int
-    ctx_slots: torch.Tensor  # (T,) KV slots of the whole context, new tokens included
-    mask: torch.Tensor | None  # (n, T) bool, True = attend; None = plain causal (T == n)
-
-
-@dataclass
-class AttnMeta:
-    """Attention inputs for the rows active at some layer."""
-
-    decode_rows: torch.Tensor | slice  # rows of single-token items
-    decode_slots: torch.Tensor | None  # (B, T) KV slots per decode row, padded
-    decode_bias: torch.Tensor | None  # (B, 1, 1, T) 0 or -inf; None when no slot is padding
-    decode_kv_rows: torch.Tensor | None = None  # (B*Hk*T,) rows of the (slots*Hk, D) cache view
-    prefills: list[PrefillSpan] = field(default_factory=list)
 
 
 @dataclass
@@ -51,54 +32,6 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # (N,) KV slot each row writes
     # (first layer, number of active rows, meta) per group, ascending in first layer
     groups: list[tuple[int, int, AttnMeta]]
-
-
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttnMeta, float], torch.Tensor]
-
-
-def sdpa_paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta, scale: float
-) -> torch.Tensor:
-    """q (n, H, D); caches (slots, Hk, D) already hold this step's K/V. Returns (n, H*D).
-
-    Decodes: the G query heads sharing a KV head are folded into one (G, D) query block, so GQA
-    needs no repeated KV, and plain matmuls beat SDPA's CPU kernels at one query per request.
-    Prefill chunks: SDPA with `enable_gqa`, causal (or a bottom-right causal mask after a prefix).
-    """
-    n, H, D = q.shape
-    Hk = k_cache.shape[1]
-    G = H // Hk
-    only_decodes = not meta.prefills and meta.decode_rows == slice(0, n)
-    out = q if only_decodes else torch.empty_like(q)
-    if meta.decode_slots is not None:
-        qd = q[meta.decode_rows].view(-1, Hk, G, D)  # (B, Hk, G, D)
-        B, T = meta.decode_slots.shape
-        # NOTE: gather (slot, head) rows straight into a contiguous (B, Hk, T, D): batched
-        # matmuls on a strided (B, T, Hk, D) view run 2x slower, and a copy costs bandwidth.
-        rows = meta.decode_kv_rows
-        assert rows is not None
-        kd = k_cache.view(-1, D).index_select(0, rows).view(B, Hk, T, D)
-        vd = v_cache.view(-1, D).index_select(0, rows).view(B, Hk, T, D)
-        s = torch.matmul(qd, kd.transpose(-1, -2)) * scale  # (B, Hk, G, T)
-        if meta.decode_bias is not None:  # padded slots of shorter contexts
-            s += meta.decode_bias
-        s = s.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-        od = torch.matmul(s, vd)  # (B, Hk, G, D)
-        if only_decodes:
-            return od.view(n, H * D)
-        out[meta.decode_rows] = od.reshape(B, H, D)
-    for p in meta.prefills:
-        qp = q[p.row_start : p.row_end].transpose(0, 1).unsqueeze(0)  # (1, H, m, D)
-        kp = k_cache.index_select(0, p.ctx_slots).transpose(0, 1).unsqueeze(0)  # (1, Hk, T, D)
-        vp = v_cache.index_select(0, p.ctx_slots).transpose(0, 1).unsqueeze(0)
-        op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
-        )  # (1, H, m, D)
-        out[p.row_start : p.row_end] = op[0].transpose(0, 1)
-    return out.view(n, H * D)
-
-
-ATTENTION: AttentionFn = sdpa_paged_attention
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -174,10 +107,7 @@ class LlamaModel:
         self.norm = get("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in state
         self.lm_head = self.embed if tied else get("lm_head.weight")  # (V, hidden)
-        # NOTE: on CPU, x @ W^T with W^T stored (in, out) row-major runs GEMV up to 2x faster
-        # than F.linear (measured with MKL/oneDNN, fp32, M = 1..8), so layer weights are kept
-        # transposed there; CUDA's GEMMs take either layout at full speed.
-        self.transposed = device.type == "cpu"
+        self.transposed, self.gemv_native = weight_layout(device, dtype)
         # a state saved by `fused_state()` already holds the fused, laid-out matrices
         fused = "tidal.transposed" in state
         if fused and bool(state["tidal.transposed"].item()) != self.transposed:
@@ -226,10 +156,15 @@ class LlamaModel:
         freqs = torch.outer(t, inv)  # (P, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = (emb.cos() * self.rope_scale).to(device=device, dtype=dtype)  # (P, D)
-        self.sin = (emb.sin() * self.rope_scale).to(device=device, dtype=dtype)
+        # sin with rotate_half's sign folded in: rope(x) = x*cos + roll(x, D/2)*sin_rot
+        sin = emb.sin() * self.rope_scale
+        sin[:, : config.head_dim // 2] *= -1
+        self.sin_rot = sin.to(device=device, dtype=dtype)
         self.scale = config.head_dim**-0.5
         # called as hook(layer, num_rows) after each layer; tests use it to inject a preemption
         self.layer_hook: Callable[[int, int], None] | None = None
+        self._kv_of: torch.Tensor | None = None  # the KV pool `_kv_list` views
+        self._kv_list: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def fused_state(self) -> dict[str, torch.Tensor]:
         """Weights as this model holds them (fused, laid out), so a later load copies nothing."""
@@ -277,34 +212,36 @@ class LlamaModel:
         q_size, kv_size = cfg.q_size, cfg.kv_size
         x = batch.hidden
         cos = self.cos.index_select(0, batch.positions).unsqueeze(1)  # (N, 1, D)
-        sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
+        sin = self.sin_rot.index_select(0, batch.positions).unsqueeze(1)
         timed = module_s is not None
         sync = torch.cuda.synchronize if timed and self.device.type == "cuda" else _noop
-        gi = 0
+        kv_views = self._kv_views(kv)
+        gi, cur_n = 0, -1
         for li, lay in enumerate(self.layers):
             if li < batch.groups[0][0]:
                 continue  # every row resumes at a later layer
             while gi + 1 < len(batch.groups) and batch.groups[gi + 1][0] <= li:
                 gi += 1
             _, n, meta = batch.groups[gi]
-            xs = x[:n]
+            if n != cur_n:  # the active rows' views, made once per group rather than per layer
+                cur_n, N = n, x.shape[0]
+                xs, c, s = (x, cos, sin) if n == N else (x[:n], cos[:n], sin[:n])
+                slots = batch.slot_mapping if n == N else batch.slot_mapping[:n]
             t0 = time.perf_counter() if timed else 0.0
             h = F.rms_norm(xs, (cfg.hidden_size,), lay.in_norm, cfg.rms_norm_eps)
             qkv = self._linear(h, lay.qkv, lay.qkv_bias)  # (n, q + 2kv)
             qk = qkv[:, : q_size + kv_size].view(n, H + Hk, D)
-            c, s = cos[:n], sin[:n]
-            qk = qk * c + torch.cat([-qk[..., D // 2 :], qk[..., : D // 2]], dim=-1) * s
+            qk = torch.addcmul(qk * c, qk.roll(D // 2, -1), s)  # RoPE: 3 ops, not 7
             v = qkv[:, q_size + kv_size :].view(n, Hk, D)
             if timed:
                 sync()
                 t1 = time.perf_counter()
                 _acc(module_s, "qkv", t1 - t0)
                 t0 = t1
-            k_cache, v_cache = kv[li, 0], kv[li, 1]  # (slots, Hk, D)
-            slots = batch.slot_mapping[:n]
+            k_cache, v_cache = kv_views[li]  # (slots, Hk, D)
             k_cache.index_copy_(0, slots, qk[:, H:])
             v_cache.index_copy_(0, slots, v)
-            o = ATTENTION(qk[:, :H], k_cache, v_cache, meta, self.scale)  # (n, H*D)
+            o = attention.ATTENTION(qk[:, :H], k_cache, v_cache, meta, self.scale)  # (n, H*D)
             if timed:
                 sync()
                 t1 = time.perf_counter()
@@ -328,20 +265,64 @@ class LlamaModel:
                 return li + 1
         return len(self.layers)
 
+    def _kv_views(self, kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(k, v) cache views per layer of `kv`, made once: two ops a layer saved each step."""
+        if self._kv_of is not kv:
+            self._kv_of = kv
+            self._kv_list = [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])]
+        return self._kv_list
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, hidden) final-layer states -> (M, V) fp32 logits."""
         h = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
         if self.lm_head_t is not None and h.shape[0] == 1:
             return torch.mm(h, self.lm_head_t).float()
+        if self.gemv_native and h.shape[0] == 1:
+            return _linear_native(h, self.lm_head, None).float()
         return F.linear(h, self.lm_head).float()
 
     def _linear(
         self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x (n, in) -> (n, out) with w in this model's layout (see `transposed`)."""
-        if not self.transposed:
-            return F.linear(x, w, b)
+        return linear(x, w, b, self.transposed, self.gemv_native)
+
+
+def weight_layout(device: torch.device, dtype: torch.dtype) -> tuple[bool, bool]:
+    """(transposed, gemv_native) for weights of `dtype` on `device`.
+
+    transposed: matrices stored (in, out). On CPU in fp32, x @ W^T with W^T stored (in, out)
+    row-major runs GEMV up to 2x faster than F.linear (measured with MKL/oneDNN, M = 1..8).
+    bf16/fp16 keep HF's (out, in): oneDNN is as fast or faster on it, and ATen's native
+    reduced-precision GEMV needs it. CUDA's GEMMs take either layout at full speed.
+
+    gemv_native: one-row matmuls in bf16/fp16 on CPU skip oneDNN for ATen's own GEMV (fp32
+    accumulation, vectorised), 2-3x faster at SmolLM2's sizes where oneDNN's per-call cost
+    dominates (measured: 30 layers' weights, 1 thread, 9.6 vs 27.6 ms; LM head 2.4 vs 5.5 ms).
+    At M > 1 ATen's fallback GEMM is far slower than oneDNN, so only one-row calls skip it.
+    """
+    cpu = device.type == "cpu"
+    return cpu and dtype == torch.float32, cpu and dtype in (torch.bfloat16, torch.float16)
+
+
+def linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool, gemv_native: bool
+) -> torch.Tensor:
+    """x (n, in) -> (n, out) with w laid out as `weight_layout` says."""
+    if transposed:
         return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+    if gemv_native and x.shape[0] == 1:
+        return _linear_native(x, w, b)
+    return F.linear(x, w, b)
+
+
+def _linear_native(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """F.linear with oneDNN off for this call: ATen's own kernel (see `weight_layout`)."""
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return F.linear(x, w, b)
+    finally:
+        torch._C._set_mkldnn_enabled(was)
 
 
 def _acc(d: dict[str, float] | None, key: str, dt: float) -> None:

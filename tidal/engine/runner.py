@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.engine.api import FinishReason, TokenEvent
-from tidal.engine.llama import AttnMeta, ForwardBatch, LlamaModel, PrefillSpan
+from tidal.engine.attention import AttnMeta, PrefillSpan
+from tidal.engine.llama import ForwardBatch, LlamaModel
 from tidal.engine.sampling import sample
 from tidal.engine.sequence import PartialChunk, Sequence
 
@@ -193,6 +194,10 @@ class StepRunner:
                 if srows == list(range(len(srows)))
                 else torch.tensor(srows, device=dev)
             )
+            if len(single) == 1 and (span := _span(items[single[0]][0], bs)) is not None:
+                meta.decode_span = span  # attention reads the cache in place
+                single = []
+        if single:
             ctx = torch.tensor([items[i][0].num_computed + 1 for i in single])  # (B,)
             nblk = max(len(items[i][0].block_ids) for i in single)
             table = torch.zeros(len(single), nblk, dtype=torch.int64)
@@ -231,3 +236,10 @@ class StepRunner:
                 )
             )
         return meta
+
+
+def _span(seq: Sequence, bs: int) -> tuple[int, int] | None:
+    """(first slot, context length) when a decode's context lies in consecutive blocks."""
+    T = seq.num_computed + 1
+    b = seq.block_ids[: -(-T // bs)]
+    return (b[0] * bs, T) if b == list(range(b[0], b[0] + len(b))) else None

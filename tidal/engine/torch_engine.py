@@ -30,7 +30,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 
@@ -43,6 +43,8 @@ from tidal.engine.api import (
     StepResult,
     StepTelemetry,
 )
+from tidal.engine.core_share import CoreShare
+from tidal.engine.dtype_choice import DtypeChoice
 from tidal.engine.engine_config import EngineConfig, default_dtype
 from tidal.engine.kv_cache import BlockAllocator, block_hashes
 from tidal.engine.llama import LlamaModel
@@ -74,6 +76,9 @@ class TorchEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.dtype_choice: DtypeChoice | None = None  # set by load_torch_engine when it chose
+        # cores shared with the other engines on this machine: threads follow who is busy
+        self.core_share: CoreShare | None = None
         mc: ModelConfig = model.config
         num_blocks = cfg.kv_cache_tokens // cfg.block_size
         self.block_size = cfg.block_size
@@ -109,6 +114,7 @@ class TorchEngine:
         self.last_step_preempted = False
         self.last_preempt_latency_s: float | None = None
         self.num_recompute_preemptions = 0  # requests that lost their KV to memory pressure
+        self._last_step_s = 0.0
         self._log: TextIO | None = None
         if cfg.step_log:
             Path(cfg.step_log).parent.mkdir(parents=True, exist_ok=True)
@@ -144,6 +150,8 @@ class TorchEngine:
         if seq is None:
             return False
         self._free(seq)
+        if self.core_share is not None and not self.has_work():
+            self.core_share.idle()  # the last request left (aborted, migrated): free the cores
         return True
 
     def has_work(self) -> bool:
@@ -162,6 +170,19 @@ class TorchEngine:
 
     def step(self, plan: StepPlan | None = None) -> StepResult:
         t0 = time.perf_counter()
+        if self.core_share is not None:
+            self.core_share.apply(self._last_step_s)
+        try:
+            return self._step(plan, t0)
+        finally:
+            self._last_step_s = time.perf_counter() - t0
+            if self.core_share is not None:  # renew the stamp past a long step, or free it
+                if self.has_work():
+                    self.core_share.busy(self._last_step_s)
+                else:
+                    self.core_share.idle()
+
+    def _step(self, plan: StepPlan | None, t0: float) -> StepResult:
         with self.preemption.step():
             if plan is None:
                 plan = self.planner.plan(
@@ -425,23 +446,5 @@ class TorchEngine:
         seq.partial = None
 
 
-def load_torch_engine(
-    model: str | None = None,
-    device: str = "cpu",
-    dtype: str | None = None,
-    **kwargs: Any,
-) -> TorchEngine:
-    """Load a model (None = the embedded SmolLM2-135M-Instruct GGUF; else an HF directory or a
-    GGUF file) and build an engine. `kwargs` are `EngineConfig` fields, plus `model_name` and
-    `planner`. Raises `ModelLoadError` (one line naming the path) for a missing/corrupt model."""
-    from tidal.engine.weights import EMBEDDED_NAME, build_model, embedded_model_path
-
-    path = embedded_model_path() if model is None else Path(model)
-    dev = torch.device(device)
-    dt = getattr(torch, dtype) if dtype else default_dtype(dev)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}")
-    lm, tok = build_model(path, dev, dt)
-    name = kwargs.pop("model_name", None) or (EMBEDDED_NAME if model is None else path.stem)
-    planner = kwargs.pop("planner", None)
-    return TorchEngine(lm, tok, name, EngineConfig(**kwargs), planner)
+# NOTE: at the end: the loader builds a TorchEngine, so it imports this module first
+from tidal.engine.loader import load_torch_engine  # noqa: E402

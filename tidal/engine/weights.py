@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,9 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tidal
     if gen_path.exists() and "eos_token_id" in (gen := json.loads(gen_path.read_text())):
         cfg_dict = {**cfg_dict, "eos_token_id": gen["eos_token_id"]}
     config = ModelConfig.from_hf_dict(cfg_dict)
-    files = sorted(path.glob("*.safetensors"))
+    # NOTE: tidal-*.safetensors are our own laid-out caches (`build_model`), not checkpoint
+    # shards; merging them in would hand one layout's fused tensors to another.
+    files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("tidal-"))
     if not files:
         raise ModelLoadError(f"no *.safetensors in {path}")
     state: dict[str, torch.Tensor] = {}
@@ -196,13 +199,20 @@ def _gguf_state(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def build_model(
-    model: str | Path, device: torch.device, dtype: torch.dtype
+    model: str | Path,
+    device: torch.device,
+    dtype: torch.dtype | Callable[[ModelConfig], torch.dtype],
 ) -> tuple[LlamaModel, TidalTokenizer]:
-    """Load weights and lay them out for the device. For a model converted into our cache the
-    laid-out weights are cached too (`tidal-<device>-<dtype>.safetensors`), so a later load only
-    maps files: well under 2 s for SmolLM2-135M."""
+    """Load weights and lay them out for the device, in `dtype` (or `dtype(config)`). For a
+    model converted into our cache the laid-out weights are cached too
+    (`tidal-<device>-<dtype>-<layout>.safetensors`), so a later load only maps files: well under
+    2 s for SmolLM2-135M."""
     config, state, tok, hf_dir = load_checkpoint(model)
-    name = f"tidal-{device.type}-{str(dtype).removeprefix('torch.')}.safetensors"
+    if not isinstance(dtype, torch.dtype):
+        dtype = dtype(config)
+    # the layout tag keeps caches of other weight layouts (older versions) apart
+    layout = "io" if device.type == "cpu" and dtype == torch.float32 else "oi"
+    name = f"tidal-{device.type}-{str(dtype).removeprefix('torch.')}-{layout}.safetensors"
     fused = hf_dir / name
     ours = device.type == "cpu" and hf_dir.resolve().is_relative_to(cache_dir().resolve())
     if ours and fused.exists():

@@ -102,7 +102,8 @@ def make_engine(tiny_dirs: dict[str, Path]) -> EngineFactory:
     def make(arch: str = "llama", **kwargs: Any) -> TorchEngine:
         kwargs.setdefault("kv_cache_tokens", 4096)
         kwargs.setdefault("block_size", 8)
-        return load_torch_engine(str(tiny_dirs[arch]), dtype="float32", **kwargs)
+        dtype = kwargs.pop("dtype", "float32")
+        return load_torch_engine(str(tiny_dirs[arch]), dtype=dtype, **kwargs)
 
     return make
 

@@ -1,0 +1,51 @@
+"""Threads that follow the load across the engines of one machine (`tidal up`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tidal.engine import core_share
+from tidal.engine.api import EngineRequest, SamplingParams
+
+
+def test_threads_follow_who_is_busy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "cores.bin"
+    core_share.create(path, 2)
+    a = core_share.CoreShare(path, 0, cores=4)
+    b = core_share.CoreShare(path, 1, cores=4)
+    assert a.busy() == 4  # alone: every core
+    assert b.busy() == 2 and a.busy() == 2  # both busy: half each
+    b.idle()
+    assert a.busy() == 4
+    monkeypatch.setattr(core_share, "MIN_TTL_S", 0.05)
+    b.busy()
+    time.sleep(0.1)  # b died mid-step: its stamp expires
+    assert a.busy() == 4
+    with pytest.raises(ValueError, match="slot 2"):
+        core_share.CoreShare(path, 2)
+    a.close()
+    b.close()
+
+
+def test_engine_takes_the_cores_while_busy_and_frees_its_slot(
+    make_engine: Any, tmp_path: Path
+) -> None:
+    path = tmp_path / "cores.bin"
+    core_share.create(path, 2)
+    other = core_share.CoreShare(path, 1, cores=2)
+    engine = make_engine("llama")
+    engine.core_share = core_share.CoreShare(path, 0, cores=2)
+    engine.add(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0)))
+    engine.step()
+    assert torch.get_num_threads() == 2 and other.busy() == 1  # both busy now
+    engine.step()
+    assert torch.get_num_threads() == 1
+    other.idle()
+    while engine.has_work():
+        engine.step()
+    assert other.busy() == 2  # the engine ran out of work and cleared its slot
