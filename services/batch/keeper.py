@@ -201,6 +201,12 @@ class Keeper:
         checked = await self._check(batch, None)
         order = [j.custom_id for j in checked.jobs] if checked is not None else []
         results = {r["line"]["custom_id"]: r for r in await self.store.results_of(batch.id)}
+        if final == "completed" and len(results) < batch.request_counts.total:
+            # every line has a stored result (that is why we are here), so a short read is the
+            # store's, not the batch's: never write an output file with lines missing
+            log.warning("batch %s: read %d of %d results; finalizing again shortly", batch.id,
+                        len(results), batch.request_counts.total)  # fmt: skip
+            return
         out_lines: list[dict[str, Any]] = []
         err_lines: list[dict[str, Any]] = []
         usage = Usage()
