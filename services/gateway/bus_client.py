@@ -364,6 +364,7 @@ class GatewayBus:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         epoch = self.scheduler_epoch
+        reconnects = self.nc.stats.get("reconnects", 0)
         try:
             await self.nc.publish(subjects.ROUTE, data, reply=inbox)
             while True:
@@ -382,6 +383,12 @@ class GatewayBus:
                     if self.scheduler_epoch != epoch:
                         epoch = self.scheduler_epoch
                         log.warning("a new scheduler is up; asking it to route %s", ask.req_id)
+                        await self.nc.publish(subjects.ROUTE, data, reply=inbox)
+                    elif self.nc.stats.get("reconnects", 0) != reconnects:
+                        # the question or its answer may have been lost in a bus outage; the
+                        # scheduler answers a request it already holds only once
+                        reconnects = self.nc.stats.get("reconnects", 0)
+                        log.warning("bus reconnected; asking again to route %s", ask.req_id)
                         await self.nc.publish(subjects.ROUTE, data, reply=inbox)
                     continue
                 if msg.headers and msg.headers.get("Status") == "503":  # no responders

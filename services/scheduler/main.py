@@ -145,6 +145,9 @@ class Scheduler:
         if req.req_class not in ("online", "offline"):
             await respond(msg, RouteReply(error_code="invalid_request", message="bad class"))
             return
+        if (held := self.cluster.held.get(req.req_id)) is not None:
+            held.msg = msg  # asked again (after a bus outage): answer the newest asker, once
+            return
         now = time.time()
         state = self.cluster.new_request(req, now)
         action, idx, reason = self.cluster.route(state, now, req)
