@@ -68,10 +68,13 @@ def test_default_stack_answers_with_the_real_model() -> None:
 def _batch_round_trip(client: openai.OpenAI, model: str) -> None:
     """The Batch API on the real model: every line answered by the real engine.
 
-    NOTE: not asserted here: that each greedy answer equals the one a lone request gets. Two
-    offline requests sent together right after an online one sometimes come back with other
-    text ("Il Coriobella, Italy."), about 1 run in 3, with or without the prefix cache; found
-    with this test, not yet explained, reported in issue 11's note with its reproduction."""
+    NOTE: not asserted here: that each greedy answer equals the one a lone request gets. The
+    default stack runs bf16 (measured faster here), and bf16 greedy output depends on what a
+    step batches a request with: both questions have near-ties at their first token (fp32
+    logits 25.33 "The" vs 25.24 "L"; 27.26 "Il" vs 27.14 "The"), inside bf16's logit error
+    (max 0.7, as HF's own bf16), so the answer flips with the batch's shape ("L'Étoile...",
+    "The capital of Italy is Rome." beside "Il Coriobella, Italy.", HF fp32's answer). In fp32
+    every path gives the lone request's logits: tests/tidal/engine/test_batch_invariance.py."""
     questions = {"fr": "What is the capital of France?", "it": "What is the capital of Italy?"}
     lines = [
         {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
