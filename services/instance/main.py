@@ -196,11 +196,13 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         )
         hb_stop = asyncio.Event()
         beats = asyncio.create_task(heartbeat_loop(nc, lambda: heartbeat(inst), hb_stop, hb_s))
+        expiry = asyncio.create_task(migrator.expire_loop(hb_stop))
         await inst.run(stop)
         log.info("instance %s draining", args.id)
         await inst.drain(args.drain_timeout_s)
         hb_stop.set()
         await beats
+        await expiry
         await nc.publish(
             subjects.heartbeat("instance", args.id),
             codec.encode(heartbeat(inst, status="stopped")),

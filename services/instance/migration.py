@@ -13,14 +13,17 @@ source:
 
 Any failure before the commit is answered puts the request back into the source's engine
 (`rollback`), so it runs on exactly one instance. A commit whose answer is lost is followed by
-a `MigrateAbort`: a target that did start the request drops it again; duplicated chunks this race
-could still produce carry a `seq` the gateway has already seen and drops. A target's reservation
-that never sees a commit expires (the source died): the gateway's recompute takes over.
+a `MigrateAbort`: a target that did start the request drops it again, and one still importing
+it when the abort lands drops it as the import ends, never starting it; duplicated chunks this
+race could still produce carry a `seq` the gateway has already seen and drops. A target's
+reservation that never sees a commit expires (the source died), checked every second: its
+blocks are free again, a late commit for it is refused, and the gateway's recompute takes over.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -60,6 +63,8 @@ class Reservation:
     expires_s: float
     payload: bytes | None = None
     committed: bool = False
+    aborted: bool = False  # aborted or expired: a commit in progress must not start it
+    released: bool = False  # its blocks and incoming count handed back (once)
 
 
 class Migrator:
@@ -241,7 +246,15 @@ class Migrator:
         offer = res.offer
         try:
             async with inst.engine_lock:
+                if res.aborted:  # the abort landed while this commit waited for the engine
+                    return MigrateOfferReply(ok=False, reason="aborted by the source")
                 await asyncio.to_thread(inst.engine.import_request, res.payload)
+                if res.aborted:
+                    # NOTE: the source gave up on this commit while the KV was imported and runs
+                    # the request itself again: starting it here would run it twice.
+                    inst.engine.abort(offer.req_id)
+                    log.warning("migration of %s aborted during its import", offer.req_id)
+                    return MigrateOfferReply(ok=False, reason="aborted by the source")
         except (ValueError, MemoryError) as exc:
             return MigrateOfferReply(ok=False, reason=f"import failed: {exc}")
         slo = Slo(offer.ttft_slo_s, offer.tpot_slo_s) if offer.ttft_slo_s > 0 else None
@@ -266,19 +279,21 @@ class Migrator:
                 inst.engine.abort(abort.req_id)
             inst.streams.pop(abort.req_id, None)
             inst.adapter.meta.pop(abort.req_id, None)
-            del self.reservations[abort.ticket]
+            self.reservations.pop(abort.ticket, None)
         else:
+            res.aborted = True  # a commit importing it now drops it (see `commit`)
             self._release(abort.ticket)
             del self.reservations[abort.ticket]
 
     def _release(self, ticket: str) -> None:
         res = self.reservations.get(ticket)
-        if res is None or res.committed:
+        if res is None or res.released:
             return
         adapter = self.inst.adapter
         adapter.num_reserved_blocks -= res.num_blocks
         adapter.num_incoming -= 1
         res.num_blocks = 0
+        res.released = True
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -286,5 +301,13 @@ class Migrator:
             if res.expires_s < now:
                 if not res.committed:
                     log.warning("reservation for %s expired (no commit)", res.offer.req_id)
+                    res.aborted = True
                 self._release(ticket)
                 del self.reservations[ticket]
+
+    async def expire_loop(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+        """Expire reservations whose source went silent, also when no new offer comes."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+            self.expire()
