@@ -88,6 +88,10 @@ class Instance:
         self.report_seq = 0
         self.finished_ids: list[str] = []  # ended since the last report
         self.last_report_s = 0.0
+        # An online request gave its first token since the last report: the scheduler's
+        # `place_decode` (push migration) waits on a report that shows it decoding, so the
+        # next report goes out at once, not up to REPORT_MIN_INTERVAL_S later.
+        self.placement_due = False
 
     # ---- inbound ----
 
@@ -257,7 +261,7 @@ class Instance:
                 continue
             num_bad = 0 if ok else num_bad + 1
             origin = getattr(self.engine, "last_step_end_s", None) if ok else None
-            await self.report()
+            await self.report(force=self.placement_due)
 
     async def _step(self, plan: StepPlan, fcfs: bool, origin: float | None = None) -> bool:
         reqs = self.adapter.reqs
@@ -318,6 +322,9 @@ class Instance:
                 error=ev.error,
                 token_ids=list(ev.token_ids),
             )
+            meta = self.adapter.meta.get(ev.req_id)
+            if stream.seq == 0 and ev.token_ids and ev.finish_reason is None:
+                self.placement_due |= meta is not None and meta.slo is not None  # online
             stream.seq += 1
             if ev.finish_reason is not None:
                 del self.streams[ev.req_id]
@@ -333,6 +340,7 @@ class Instance:
         if self.in_flight is None and not self.engine_lock.locked():
             self.adapter.sync(self.engine.snapshot(), self.engine.num_free_blocks(), now)
         self.last_report_s = now
+        self.placement_due = False
         self.report_seq += 1
         rep = self.adapter.report(
             self.report_seq,

@@ -44,6 +44,9 @@ OFFLINE_PAUSED_RETRY_S = 30.0
 NO_CAPACITY_RETRY_S = 1.0
 REJECT_RETRY_S = 1.0
 TICK_S = 0.05  # the policy's tick runs at least this often
+# A report kicks the tick this much later, so that a burst of reports makes one tick. Short: a
+# push migration waits on it (the report showing a request's first token -> `place_decode`).
+TICK_COALESCE_S = 0.001
 
 
 class Scheduler:
@@ -188,7 +191,7 @@ class Scheduler:
                 log.exception("tick failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.kick.wait(), timeout=TICK_S)
-            await asyncio.sleep(0.005)  # coalesce a burst of reports into one tick
+            await asyncio.sleep(TICK_COALESCE_S)
 
     async def tick_once(self) -> None:
         c = self.cluster

@@ -6,15 +6,18 @@ from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from services.common.bus import connect
 from services.instance import main as instance_main
+from services.instance import worker
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     CancelRequest,
     ChatMessage,
     GenerateAck,
     GenerateRequest,
+    InstanceReport,
     SamplingSpec,
     TokenChunk,
 )
@@ -162,3 +165,32 @@ async def test_rejects_bad_requests_with_a_reason(instance: NATS) -> None:
         ),
     )
     assert not empty.ok and "empty" in empty.message
+
+
+async def test_an_online_first_token_is_reported_at_once(
+    instance: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler places a request's decode (push migration) when a report shows it
+    decoding: the report after its first token is not held back by the rate limit."""
+    monkeypatch.setattr(worker, "REPORT_MIN_INTERVAL_S", 30.0)  # no report but the forced ones
+    seen: list[tuple[int, int]] = []  # (output tokens of r1 in a report, tokens streamed then)
+    chunks: list[TokenChunk] = []
+    done = asyncio.Event()
+
+    async def on_state(msg: Msg) -> None:
+        for r in codec.decode(msg.data, InstanceReport).requests:
+            if r.req_id == "r1":
+                seen.append((r.num_output_tokens, len(chunks)))
+
+    async def on_chunk(msg: Msg) -> None:
+        chunks.append(codec.decode(msg.data, TokenChunk))
+        if chunks[-1].finish_reason:
+            done.set()
+
+    await instance.subscribe(subjects.instance_state("inst-t"), cb=on_state)
+    await instance.subscribe(GW, cb=on_chunk)
+    assert (await submit(instance, make_req("r1", max_tokens=40))).ok
+    await asyncio.wait_for(done.wait(), 30)
+    assert len(chunks) == 40
+    # a report showed it decoding, long before its last token
+    assert any(1 <= n < 40 and streamed < 40 for n, streamed in seen), seen
