@@ -254,6 +254,11 @@ class Instance:
                 plan = self.adapter.plan(now)
                 fcfs = num_bad >= MAX_BAD_PLANS
                 ok = None if plan.is_empty and not fcfs else await self._step(plan, fcfs, origin)
+                if self.placement_due:
+                    # NOTE: mirrored while the lock is held: a migration taking the lock next
+                    # would leave `report` without a sync, and the first token unreported.
+                    snaps, free = self.engine.snapshot(), self.engine.num_free_blocks()
+                    self.adapter.sync(snaps, free, time.time())
             if ok is None:
                 await self.report()
                 await self._idle(stop, IDLE_PLAN_RETRY_S)  # the policy idles it for now
