@@ -199,7 +199,9 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         expiry = asyncio.create_task(migrator.expire_loop(hb_stop))
         await inst.run(stop)
         log.info("instance %s draining", args.id)
+        await migrator.close()
         await inst.drain(args.drain_timeout_s)
+        await migrator.close()
         hb_stop.set()
         await beats
         await expiry

@@ -27,7 +27,9 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -73,10 +75,36 @@ class Migrator:
         self.reservations: dict[str, Reservation] = {}  # ticket -> reservation
         self.num_bytes_sent = 0
         self.busy: set[str] = set()  # req_ids leaving now
+        self.tasks: set[asyncio.Task[None]] = set()  # commands and commits in flight
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+        """Run one request's handshake step in a task of its own. NOTE: a subscription hands
+        its messages to its callback one at a time; a command waits for the engine lock (a
+        step in flight) and then for the target, so commands run in the callback queued
+        behind each other: bursts of pushes waited up to 0.6 s on a relaxed instance."""
+
+        async def logged() -> None:
+            try:
+                await coro
+            except Exception:
+                log.exception("%s failed", what)
+
+        task = asyncio.create_task(logged())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def close(self) -> None:
+        """Wait for the handshakes in flight: a request exported mid-handshake lands on one
+        instance (the target, or back here) before the instance stops."""
+        while self.tasks:
+            await asyncio.gather(*list(self.tasks))
 
     # ---------------------------------------------------------------- source side
 
     async def on_command(self, cmd: MigrateCommand, msg: Msg) -> None:
+        self._spawn(self._command(cmd, msg), f"migration of {cmd.req_id}")
+
+    async def _command(self, cmd: MigrateCommand, msg: Msg) -> None:
         result = await self.migrate_out(cmd)
         level = logging.INFO if result.outcome == "ok" else logging.WARNING
         log.log(
@@ -233,6 +261,10 @@ class Migrator:
         return ""
 
     async def on_commit(self, commit: MigrateCommit, msg: Msg) -> None:
+        # in a task: each commit waits for this engine's lock; one per step, not one per commit
+        self._spawn(self._commit_reply(commit, msg), f"commit of {commit.req_id}")
+
+    async def _commit_reply(self, commit: MigrateCommit, msg: Msg) -> None:
         await respond(msg, await self.commit(commit))
 
     async def commit(self, commit: MigrateCommit) -> MigrateOfferReply:

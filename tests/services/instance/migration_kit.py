@@ -108,14 +108,14 @@ async def wait_report(nc: NATS, iid: str, ok: object = None, timeout_s: float = 
 
 
 async def start_request(
-    nc: NATS, iid: str, gw: Gateway, kind: EngineKind, req_id: str = "r1"
+    nc: NATS, iid: str, gw: Gateway, kind: EngineKind, req_id: str = "r1", subject: str = GW
 ) -> None:
-    await nc.subscribe(GW, cb=gw.on_chunk)
+    await nc.subscribe(subject, cb=gw.on_chunk)
     req = GenerateRequest(
         req_id=req_id,
         model="tidal-sim",
         sampling=SamplingSpec(max_tokens=kind.num_tokens, temperature=0.0, ignore_eos=True),
-        reply_subject=GW,
+        reply_subject=subject,
         prompt="migrate me over the sea",
     )
     reply = await nc.request(subjects.instance_submit(iid), codec.encode(req), timeout=10)

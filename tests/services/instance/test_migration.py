@@ -19,6 +19,7 @@ from services.common.bus import connect
 from services.instance import migration
 from services.instance.dataplane import DataPlaneServer
 from tests.services.instance.migration_kit import (
+    GW,
     EngineKind,
     Gateway,
     migrate,
@@ -202,4 +203,33 @@ async def test_commit_answered_too_late_runs_the_request_on_the_source_only(
         assert {c.instance_id for c in gw.chunks} == {"src"}
         # the target holds nothing: no request, no reserved blocks
         await wait_report(nc, "dst", lambda r: not r.requests and r.num_free_blocks == r.num_blocks)
+        await nc.drain()
+
+
+async def test_commands_for_two_requests_run_side_by_side(
+    nats_url: str, engine_kind: EngineKind
+) -> None:
+    """A source handles each migration command in its own task: a target that answers an
+    offer only once it holds two sees both, where commands handled one after the other would
+    leave the first unanswered until it timed out."""
+    async with running(nats_url, "src", 0, engine_kind):
+        nc = await connect(nats_url, "client")
+        await wait_report(nc, "src")
+        offers: list[Msg] = []
+
+        async def pair(msg: Msg) -> None:
+            offers.append(msg)
+            if len(offers) == 2:
+                for m in offers:
+                    await m.respond(codec.encode(MigrateOfferReply(ok=False, reason="no_room")))
+
+        await nc.subscribe(subjects.migrate_offer("pair"), cb=pair)
+        gws = {rid: Gateway() for rid in ("r1", "r2")}
+        for rid, gw in gws.items():
+            await start_request(nc, "src", gw, engine_kind, rid, subject=f"{GW}-{rid}")
+        results = await asyncio.gather(*(migrate(nc, "src", "pair", rid) for rid in gws))
+        assert [(r.req_id, r.outcome) for r in results] == [("r1", "refused"), ("r2", "refused")]
+        for gw in gws.values():
+            await asyncio.wait_for(gw.done.wait(), 60)
+            gw.assert_complete_once(engine_kind.num_tokens)
         await nc.drain()
