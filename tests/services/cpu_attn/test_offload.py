@@ -150,7 +150,7 @@ def test_a_full_worker_refuses_with_a_reason_and_the_request_stays(
     out: dict[str, list[int]] = {}
     engine.add(req("a"))
     decode_until(engine, out, "a", 3)
-    with pytest.raises(OffloadRefused, match="worker full: needs .* MiB"):
+    with pytest.raises(OffloadRefused, match=r"worker full: needs .* MiB"):
         engine.offload("a")
     assert not offloaded(engine) and w.store.stats().num_refused == 1
     finish(engine, out)
