@@ -22,6 +22,8 @@ from services.common.bus import connect, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
 from services.common.live_config import LiveConfig, load_live_config
+from services.instance.cpu_attn_discovery import Discovery
+from services.instance.cpu_attn_link import CpuAttnPool
 from services.instance.dataplane import DataPlaneServer
 from services.instance.engines import ENGINES, build_engine, parse_step_model
 from services.instance.migration import Migrator
@@ -162,6 +164,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     if not isinstance(engine, ControllableEngine):
         raise ValueError(f"engine {engine.name!r} cannot be driven by a policy")
     adapter = build_adapter(args, live, engine)
+    pool: CpuAttnPool | None = None
+    if args.cpu_attn and callable(getattr(engine, "attach_cpu_attn", None)):
+        pool = CpuAttnPool()
+        engine.attach_cpu_attn(pool)  # type: ignore[attr-defined]
+        adapter.cpu_capacity = pool.capacity
     nc: NATS = await connect(args.nats_url, f"instance-{args.id}", args.connect_timeout_s)
     inst = Instance(nc, args.id, engine, adapter, live.cfg.slo)
     migrator = Migrator(inst)
@@ -182,6 +189,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await sub(nc, subjects.migrate_abort(args.id), MigrateAbort, migrator.on_abort)
         await sub(nc, subjects.CTL_POLICY_CHANGED, CtlPolicy, control.on_policy, json=True)
         await nc.subscribe(subjects.instance_control(args.id), cb=control.on_control)
+        reaper: asyncio.Task[None] | None = None
+        if pool is not None:
+            stack.callback(pool.close)
+            discovery = Discovery(pool)
+            await discovery.start(nc)
+            reaper = asyncio.create_task(discovery.reap(stop))
         label = " (emulated timings)" if engine.is_emulated else ""
         log.info(
             "instance %s (slot %d, %s, %s engine%s, model %s, policy %s, data plane %s) ready",
@@ -201,6 +214,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await inst.drain(args.drain_timeout_s)
         hb_stop.set()
         await beats
+        if reaper is not None:
+            await reaper
         await nc.publish(
             subjects.heartbeat("instance", args.id),
             codec.encode(heartbeat(inst, status="stopped")),
@@ -244,6 +259,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="latency model the policy plans with (default: the sim engine's, or the "
         "config's MODEL@HARDWARE roofline for torch)",
+    )
+    p.add_argument(
+        "--cpu-attn",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="torch: offload decode attention to the CPU-attention workers heartbeating on the "
+        "bus when the policy says so (OmniServe)",
     )
     p.add_argument("--data-host", default="127.0.0.1", help="KV data plane address")
     p.add_argument("--data-port", type=int, default=0, help="KV data plane port (0: any free)")
