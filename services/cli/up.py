@@ -102,7 +102,10 @@ class Supervisor:
         if a.instances:  # the same roles for the scheduler's policy and every instance's
             policy_args += ["--roles", ",".join(parse_roles(a.instances))]
         children = [self._service("scheduler-0", "services.scheduler", *policy_args)]
-        children += [self._service(f"cpu-attn-{i}", "services.cpu_attn") for i in range(a.cpu_attn)]
+        gib = ["--capacity-gib", str(a.cpu_attn_gib)]
+        children += [
+            self._service(f"cpu-attn-{i}", "services.cpu_attn", *gib) for i in range(a.cpu_attn)
+        ]
         num_instances = len(load_live_config(a.config, a.policy, a.instances).slots)
         # NOTE: instances share this machine's cores; without a split, each torch engine would
         # start one thread per core and they would fight over them. This split is where they
@@ -276,6 +279,8 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--port {args.port} is not a TCP port")
         if args.cpu_attn < 0:
             raise ValueError("--cpu-attn must be >= 0")
+        if args.cpu_attn_gib <= 0:
+            raise ValueError("--cpu-attn-gib must be > 0")
     except ValueError as exc:
         say(str(exc))
         return 2
@@ -330,6 +335,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated instance roles, one instance each (default: the config's)",
     )
     p.add_argument("--cpu-attn", type=int, default=1, help="number of CPU-attention workers")
+    p.add_argument(
+        "--cpu-attn-gib",
+        type=float,
+        default=4.0,
+        help="host memory each CPU-attention worker holds offloaded KV in, GiB",
+    )
     p.add_argument(
         "--api-key",
         action="append",

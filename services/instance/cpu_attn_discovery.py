@@ -30,7 +30,7 @@ class Discovery:
         self._connecting: set[str] = set()
 
     async def start(self, nc: NATS) -> None:
-        await subscribe(nc, subjects.heartbeat("cpu_attn", "*"), Heartbeat, self.on_heartbeat)
+        await subscribe(nc, f"{subjects.PREFIX}.hb.cpu_attn.*", Heartbeat, self.on_heartbeat)
 
     async def on_heartbeat(self, hb: Heartbeat, msg: Msg) -> None:
         wid = hb.service_id

@@ -291,7 +291,7 @@ class CpuAttnPool:
                     why = msg.errors[rid]
                     log.warning("worker %s failed %s at layer %d: %s", w.id, rid, msg.layer, why)
                     self._lost.add(rid)
-                elif out is not None:
+                elif out is not None and rid in self.where:  # not dropped or recalled since
                     self._results[(rid, msg.layer)] = out[i]
             self._cond.notify_all()
 

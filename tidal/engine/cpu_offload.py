@@ -55,19 +55,19 @@ class CpuOffloadMixin:
         self.num_offloads += 1
 
     def recall(self, req_id: str) -> None:
-        """Bring an offloaded request's KV back (OmniServe §3.2.4: at a token boundary only).
-        MemoryError when it does not fit (it stays offloaded); ValueError mid-token."""
+        """Bring an offloaded request's KV back. OmniServe §3.2.4 recalls at a token boundary;
+        here a request in the middle of a token comes back with its complete tokens and runs
+        that token again on the instance (one token's dense work, and no waiting for the
+        worker). MemoryError when it does not fit: it stays offloaded, as it was."""
         seq = self.seqs[req_id]
         if seq.status != SeqStatus.OFFLOADED or seq.cpu is None or self.cpu_link is None:
             raise ValueError(f"{req_id!r} is not offloaded")
-        if not seq.cpu.at_boundary:
-            raise ValueError(f"{req_id!r} is in the middle of a token; recall it after")
         kv = self.cpu_link.recall(req_id)
         if kv.shape[2] != seq.num_computed:
             held, want = kv.shape[2], seq.num_computed
             raise ValueError(f"{req_id!r}: its worker holds {held} tokens, not {want}")
         self._place_kv(seq, kv)  # MemoryError leaves it offloaded, the worker's copy intact
-        self.cpu_link.drop(req_id)
+        self.cpu_link.drop(req_id)  # with any output still on its way for the token in flight
         seq.cpu = None
         self.num_recalls += 1
 

@@ -155,3 +155,29 @@ def test_a_full_worker_refuses_with_a_reason_and_the_request_stays(
     assert not offloaded(engine) and w.store.stats().num_refused == 1
     finish(engine, out)
     assert out == want
+
+
+def test_recall_in_the_middle_of_a_token_runs_that_token_again_on_the_instance(
+    make_engine: Any, make_worker: WorkerFactory, pool: CpuAttnPool
+) -> None:
+    want = run_alone(make_engine(), [req("a"), req("b", 24, PROMPT[3:])])
+    w = make_worker()
+    pool.connect("w0", "127.0.0.1", w.port)
+    engine = make_engine()
+    engine.attach_cpu_attn(pool)
+    out: dict[str, list[int]] = {}
+    engine.add(req("a"))
+    engine.add(req("b", 24, PROMPT[3:]))
+    decode_until(engine, out, "a", 4)
+    decode_until(engine, out, "b", 4)
+    engine.offload("a")
+    w.loop.call_soon_threadsafe(time.sleep, 1.0)  # the worker stalls: no output comes back
+    for ev in engine.step(StepPlan(decode=("b",), cpu_decode=("a",))).events:
+        out[ev.req_id] += ev.token_ids
+    cpu = engine.seqs["a"].cpu
+    assert cpu is not None and cpu.stage == "wait" and cpu.layer == 0  # mid-token
+    engine.recall("a")
+    assert not offloaded(engine)
+    finish(engine, out)
+    assert out == want
+    engine.check_integrity()
