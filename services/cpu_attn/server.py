@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 
 import torch
 
@@ -140,3 +141,26 @@ class AttnServer:
             owned.discard(msg.req_id)
             return []
         raise ValueError(f"a worker does not take {type(msg).__name__} frames")
+
+
+class ThreadedWorker:
+    """A worker's data plane on its own event loop in a background thread, with no bus: for
+    benchmarks and tests that drive an engine directly."""
+
+    def __init__(self, capacity_bytes: int, host: str = "127.0.0.1") -> None:
+        self.store = KvStore(capacity_bytes)
+        self.server = AttnServer(self.store)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(host, 0), self.loop).result(10)
+        self.port = self.server.port
+
+    def kill(self) -> None:
+        """Close the listener and every connection, as a dead process would."""
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(10)
+
+    def stop(self) -> None:
+        self.kill()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway.batch_metrics import BatchMetrics
+from services.gateway.cpu_attn_metrics import CpuAttnMetrics
 from tidal.schemas.messages import InstanceReport, MigrationEvent
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -98,6 +99,7 @@ class GatewayMetrics:
         )
         self._preempt_seen: dict[str, int] = {}  # instance -> count in its last report
         self.batch = BatchMetrics(self.registry)
+        self.cpu_attn = CpuAttnMetrics(self.registry)
 
     def on_migration(self, ev: MigrationEvent) -> None:
         self.migrations.labels(ev.kind, ev.outcome).inc()

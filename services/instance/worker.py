@@ -289,6 +289,16 @@ class Instance:
             return True
         self.num_steps += 1
         self.last_step_ms = result.telemetry.step_s * 1e3
+        ran = result.telemetry.num_requests or result.events or plan.cpu_decode
+        if not ran and (plan.prefill or plan.decode) and not fcfs:
+            # The engine ran none of the plan (it gave the planned blocks back for lack of
+            # room): a plan it can never run would repeat forever, so count it as refused and
+            # let the engine's own planner take a step after MAX_BAD_PLANS of them.
+            log.warning(
+                "the engine ran nothing of the policy's plan (%s): out of KV blocks",
+                self.adapter.policy.name,
+            )
+            return False
         if getattr(self.engine, "last_step_preempted", False):
             self.num_preemptions += 1
             lat = getattr(self.engine, "last_preempt_latency_s", None)

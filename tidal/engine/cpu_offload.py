@@ -8,6 +8,7 @@ A mixin of `TorchEngine`, kept apart so the engine file stays about one idea.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -30,10 +31,13 @@ class CpuOffloadMixin:
     num_offloads = 0
     num_recalls = 0
     num_cpu_attn_lost = 0  # requests re-queued by recompute after their worker was lost
+    # (offloaded rows, seconds of residual-store and queue work) of recent piggybacked steps
+    piggy_steps: deque[tuple[int, float]]
 
     def attach_cpu_attn(self, link: CpuAttnLink | None) -> None:
         """Use these CPU-attention workers for `offload`/`recall`/`cpu_decode` (None: none)."""
         self.cpu_link = link
+        self.piggy_steps = deque(maxlen=4096)
 
     def offload(self, req_id: str) -> None:
         """Move a decoding request's KV to a worker and free its blocks; it decodes on with its

@@ -200,6 +200,8 @@ class TorchEngine(CpuOffloadMixin):
             module_s: dict[str, float] | None = {} if self.config.profile_modules else None
             piggy = self._piggyback(plan.cpu_decode, not items, self.preemption.is_set)
             out = self.runner.run(items, self.preemption.is_set, module_s, piggy)
+            if piggy is not None:
+                self.piggy_steps.append((len(piggy.seqs), piggy.overhead_s))
             self.last_step_preempted = out.preempted
             if out.preempted:
                 self.last_preempt_latency_s = self.preemption.latency_s()

@@ -181,3 +181,30 @@ def test_recall_in_the_middle_of_a_token_runs_that_token_again_on_the_instance(
     finish(engine, out)
     assert out == want
     engine.check_integrity()
+
+
+@pytest.mark.slow
+def test_smollm2_offloaded_mid_decode_and_recalled_keeps_greedy_output(
+    make_worker: WorkerFactory, pool: CpuAttnPool
+) -> None:
+    from tidal.engine.torch_engine import load_torch_engine
+
+    # NOTE: float32 so the worker's attention and the instance's agree to the last bit that
+    # matters for argmax over 24 tokens; bf16 rounds differently per kernel.
+    def make() -> TorchEngine:
+        return load_torch_engine(None, dtype="float32", kv_cache_tokens=4096)
+
+    engine = make()
+    prompt = engine.tokenizer.encode("The tide comes in twice a day because")
+    want = run_alone(engine, [req("a", 24, prompt)])
+    pool.connect("w0", "127.0.0.1", make_worker().port)
+    engine = make()
+    engine.attach_cpu_attn(pool)
+    out: dict[str, list[int]] = {}
+    engine.add(req("a", 24, prompt))
+    decode_until(engine, out, "a", 4)
+    engine.offload("a")
+    decode_until(engine, out, "a", 16)
+    engine.recall("a")
+    finish(engine, out)
+    assert out == want
