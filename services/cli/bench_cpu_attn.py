@@ -101,6 +101,7 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.wait_for(stop.wait(), rng.expovariate(args.online_rate))
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    m0 = await asyncio.to_thread(_metrics, base)
     in_flight: list[int] = []
     offloaded: list[float] = []
     stop = asyncio.Event()
@@ -117,6 +118,13 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
     stop.set()
     await asyncio.gather(*offl, onl)
     m = await asyncio.to_thread(_metrics, base)
+
+    def delta(name: str) -> float:
+        return m.get(name, 0.0) - m0.get(name, 0.0)
+
+    rows = delta("tidal_cpu_attn_rows_total")
+    ctx_read = delta("tidal_cpu_attn_context_tokens_total")
+    layer_s = delta("tidal_cpu_attn_layer_seconds_sum")
     decode_s = t1 - (min(first_token) if first_token else t0)
     n_layer = m.get("tidal_cpu_attn_layer_seconds_count", 0.0)
     return {
@@ -131,6 +139,9 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
         "online_tpot_p99_ms": round(1e3 * pct(tpots, 99), 1) if tpots else None,
         "offloads": m.get("tidal_offloads_total", 0.0),
         "recalls": m.get("tidal_recalls_total", 0.0),
+        "worker_attn_rows": rows,
+        "worker_attn_us_per_row": round(1e6 * layer_s / rows, 1) if rows else None,
+        "worker_mean_context_tokens": round(ctx_read / rows) if rows else None,
         "worker_attn_ms_per_layer_frame": (
             round(1e3 * m.get("tidal_cpu_attn_layer_seconds_sum", 0.0) / n_layer, 3)
             if n_layer
@@ -139,8 +150,23 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _memory_gb_per_s() -> float:
+    """This machine's copy bandwidth (read + write), one thread, median of 5: the ceiling a
+    worker's attention streams KV at."""
+    import torch
+
+    n = 1 << 26  # 256 MiB of fp32
+    a, b = torch.ones(n), torch.empty(n)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / statistics.median(times) / 1e9
+
+
 def run(args: argparse.Namespace) -> int:
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"copy_gb_per_s": round(_memory_gb_per_s(), 1)}
     for workers in args.workers.split(","):
         up = ["--engine", "torch", "--policy", "omniserve", "--instances", "aggregated"]
         up += ["--kv-cache-tokens", str(args.kv_cache_tokens), "--cpu-attn", workers]
@@ -166,6 +192,20 @@ def run(args: argparse.Namespace) -> int:
             f"  {key:>7}  {r['offline_decode_tokens_per_s']:13.1f}  "
             f"{r['offline_in_flight_median']:>8}/{r['offline_in_flight_peak']:<8}  "
             f"{r['offloaded_peak']:14.0f}  {r['online_tpot_p50_ms']}/{r['online_tpot_p99_ms']}"
+        )
+    item = 2  # bf16, the dtype the embedded engine picks on this machine
+    per_token_layer = 2 * 3 * 64 * item  # SmolLM2: K and V, 3 KV heads x 64
+    print(f"  copy bandwidth here: {results['copy_gb_per_s']} GB/s (one thread, read + write)")
+    for key, r in results.items():
+        if not isinstance(r, dict) or not r.get("worker_attn_rows"):
+            continue
+        est_s = (
+            r["worker_mean_context_tokens"] * per_token_layer / (results["copy_gb_per_s"] * 1e9 / 2)
+        )
+        print(
+            f"  workers={key}: attention {r['worker_attn_us_per_row']} us per request-layer over "
+            f"~{r['worker_mean_context_tokens']} tokens; streaming its KV once at half the copy "
+            f"bandwidth would take {1e6 * est_s:.1f} us"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args) | {"func": None}} | results))

@@ -63,6 +63,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             "recalls_total": str(st.num_recalls),
             "refused_total": str(st.num_refused),
             "connections": str(server.num_connections),
+            "attn_rows_total": str(server.num_rows),
+            "attn_ctx_tokens_total": str(server.num_ctx_tokens),
             "layer_seconds_sum": f"{t.total_s:.6f}",
             "layer_seconds_count": str(t.num),
             "layer_seconds_buckets": ",".join(str(c) for c in t.counts),

@@ -24,6 +24,8 @@ class AttnServer:
         self.store = store
         self.timer = LayerTimer()
         self.num_connections = 0
+        self.num_rows = 0  # attention rows computed (one request at one layer each)
+        self.num_ctx_tokens = 0  # context tokens those rows attended over
         self._server: asyncio.Server | None = None
         self.port = 0
         self._owned: dict[asyncio.StreamWriter, set[str]] = {}
@@ -104,6 +106,8 @@ class AttnServer:
                     return st.attend(msg.layer, msg.req_ids, msg.positions, qkv, H, msg.scale)
 
             out, errors = await asyncio.to_thread(run)
+            self.num_rows += B - len(errors)
+            self.num_ctx_tokens += sum(p + 1 for p in msg.positions) if not errors else 0
             for rid, why in errors.items():
                 log.warning("attention of %s at layer %d not computed: %s", rid, msg.layer, why)
             head = wire.AttnOut(msg.layer, msg.req_ids, msg.dtype, H * D, errors)

@@ -53,6 +53,16 @@ class CpuAttnMetrics(Collector):
         recalls = CounterMetricFamily(
             "tidal_recalls", "Requests recalled from a CPU-attention worker", labels=["worker"]
         )
+        rows = CounterMetricFamily(
+            "tidal_cpu_attn_rows",
+            "Attention rows (one request at one layer) a CPU-attention worker computed",
+            labels=["worker"],
+        )
+        ctx = CounterMetricFamily(
+            "tidal_cpu_attn_context_tokens",
+            "Context tokens those attention rows read",
+            labels=["worker"],
+        )
         layer = HistogramMetricFamily(
             "tidal_cpu_attn_layer_seconds",
             "Attention time of one layer frame (every offloaded row of one instance's step at "
@@ -65,6 +75,8 @@ class CpuAttnMetrics(Collector):
             tokens.add_metric(w, _num(info.get("kv_tokens")))
             offloads.add_metric(w, _num(info.get("offloads_total")))
             recalls.add_metric(w, _num(info.get("recalls_total")))
+            rows.add_metric(w, _num(info.get("attn_rows_total")))
+            ctx.add_metric(w, _num(info.get("attn_ctx_tokens_total")))
             counts = [int(c) for c in info.get("layer_seconds_buckets", "").split(",") if c]
             if len(counts) == len(LayerTimer.BUCKETS) + 1:
                 cum, buckets = 0, []
@@ -72,7 +84,7 @@ class CpuAttnMetrics(Collector):
                     cum += c
                     buckets.append((bound, float(cum)))
                 layer.add_metric(w, buckets, _num(info.get("layer_seconds_sum")))
-        yield from (reqs, tokens, offloads, recalls, layer)
+        yield from (reqs, tokens, offloads, recalls, rows, ctx, layer)
 
 
 def _num(v: str | None) -> float:
