@@ -3,8 +3,8 @@
 For each worker count in `--workers` (default 0,1,2) it starts `tidal up` (torch engine,
 SmolLM2, policy `omniserve`, one aggregated instance whose KV pool is deliberately small,
 `--kv-cache-tokens`), sends `--offline` offline requests of about `--context-tokens` prompt
-tokens at once and, meanwhile, streamed online requests at `--online-rate`. It reports offline
-decode tokens/s, offline requests in flight (median and peak, sampled every 0.25 s), online
+tokens at once and, meanwhile, streamed online requests at `--online-rate`, for `--duration-s`
+(or until the offline requests are done). It reports offline decode tokens/s, offline requests in flight (median and peak, sampled every 0.25 s), online
 TPOT p50/p99, and from the workers' heartbeats their attention time per layer frame. With
 `--overhead` it also times the instance side of piggybacking (residual store and queues) at
 several numbers of offloaded requests, on the engine alone.
@@ -108,7 +108,8 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     offl = [asyncio.create_task(offline(i)) for i in range(args.offline)]
     onl = asyncio.create_task(online_load(stop))
-    while state["done"] < args.offline:
+    end = t0 + args.duration_s
+    while state["done"] < args.offline and time.perf_counter() < end:
         await asyncio.sleep(0.25)
         in_flight.append(state["started"] - state["done"])
         if len(in_flight) % 8 == 0:
@@ -116,7 +117,9 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
             offloaded.append(m.get("tidal_cpu_attn_offloaded_requests", 0.0))
     t1 = time.perf_counter()
     stop.set()
-    await asyncio.gather(*offl, onl)
+    for task in offl:  # the window is over: what is not done is cancelled (client disconnect)
+        task.cancel()
+    await asyncio.gather(*offl, onl, return_exceptions=True)
     m = await asyncio.to_thread(_metrics, base)
 
     def delta(name: str) -> float:
@@ -129,6 +132,7 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
     n_layer = m.get("tidal_cpu_attn_layer_seconds_count", 0.0)
     return {
         "offline_tokens": state["tokens"],
+        "offline_done": state["done"],
         "offline_wall_s": round(t1 - t0, 2),
         "offline_decode_tokens_per_s": round(state["tokens"] / max(decode_s, 1e-9), 2),
         "offline_in_flight_median": statistics.median(in_flight) if in_flight else 0,
@@ -224,7 +228,10 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--offline", type=int, default=64, help="offline requests sent at once")
     p.add_argument("--context-tokens", type=int, default=1000, help="offline prompt, ~tokens")
     p.add_argument("--offline-max-tokens", type=int, default=32, help="offline output tokens")
-    p.add_argument("--online-rate", type=float, default=0.5, help="online requests per second")
+    p.add_argument("--online-rate", type=float, default=0.2, help="online requests per second")
+    p.add_argument(
+        "--duration-s", type=float, default=240.0, help="measure this long (or until done)"
+    )
     p.add_argument("--online-max-tokens", type=int, default=32, help="online output tokens")
     p.add_argument("--overhead", default="", help="also time piggybacking at these row counts")
     p.add_argument("--seed", type=int, default=0)
