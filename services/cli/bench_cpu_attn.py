@@ -4,8 +4,9 @@ For each worker count in `--workers` (default 0,1,2) it starts `tidal up` (torch
 SmolLM2, policy `omniserve`, one aggregated instance whose KV pool is deliberately small,
 `--kv-cache-tokens`), sends `--offline` offline requests of about `--context-tokens` prompt
 tokens at once and, meanwhile, streamed online requests at `--online-rate`, for `--duration-s`
-(or until the offline requests are done). It reports offline decode tokens/s, offline requests in flight (median and peak, sampled every 0.25 s), online
-TPOT p50/p99, and from the workers' heartbeats their attention time per layer frame. With
+(or until the offline requests are done). It reports offline decode tokens/s, offline requests
+in flight (median and peak, sampled every 0.25 s), online TPOT p50/p99, and from the workers'
+heartbeats their attention time per layer frame. With
 `--overhead` it also times the instance side of piggybacking (residual store and queues) at
 several numbers of offloaded requests, on the engine alone.
 
