@@ -249,7 +249,9 @@ class Instance:
                 self.adapter.sync(self.engine.snapshot(), self.engine.num_free_blocks(), now)
                 plan = self.adapter.plan(now)
                 fcfs = num_bad >= MAX_BAD_PLANS
-                ok = None if plan.is_empty and not fcfs else await self._step(plan, fcfs, origin)
+                # an engine whose requests run by themselves (sglang) steps to collect tokens
+                idle = plan.is_empty and not fcfs and not getattr(self.engine, "self_driven", False)
+                ok = None if idle else await self._step(plan, fcfs, origin)
             if ok is None:
                 await self.report()
                 await self._idle(stop, IDLE_PLAN_RETRY_S)  # the policy idles it for now
