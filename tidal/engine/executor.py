@@ -63,7 +63,9 @@ def execute(
     for rid in plan.swap_in:
         engine.swap_in(rid)
         ex.num_swapped_in += 1
-    if plan.prefill or plan.decode:
+    # an engine whose requests run by themselves (sglang) steps to collect their tokens even
+    # when the plan computes nothing new
+    if plan.prefill or plan.decode or getattr(engine, "self_driven", False):
         step_plan = StepPlan(prefill=dict(plan.prefill), decode=tuple(plan.decode))
         ex.result = engine.step(fit_to_engine(step_plan, forced or {}))
     return ex

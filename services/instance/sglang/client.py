@@ -23,6 +23,7 @@ import httpx
 from tidal.engine.sglang_api import SglangLoad, parse_loads
 
 log = logging.getLogger("tidal.instance.sglang")
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request and per poll
 
 LOADS_INTERVAL_S = 0.25  # how often /v1/loads is read
 

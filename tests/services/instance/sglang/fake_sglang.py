@@ -28,6 +28,7 @@ import contextlib
 import json
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,7 +131,7 @@ class FakeSglang:
             if bad := set(sp) - SAMPLING_KEYS:
                 return JSONResponse({"error": f"unknown sampling_params {sorted(bad)}"}, 400)
             r = FakeReq(
-                body["rid"],
+                body.get("rid") or uuid.uuid4().hex,  # SGLang makes one when omitted
                 list(body["input_ids"]),
                 int(sp.get("max_new_tokens", 128)),
                 int(body.get("priority") or 0),

@@ -22,6 +22,7 @@ from tidal.engine.api import (
     StepPlan,
     TokenEvent,
 )
+from tidal.engine.executor import execute
 from tidal.engine.sglang_api import PRIORITY
 
 PROMPT = [11, 12, 13, 14, 15]
@@ -262,3 +263,17 @@ def wait_for(pred, what: str, timeout_s: float = 30.0) -> None:  # type: ignore[
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+def test_requests_in_sglang_stream_even_when_the_plan_names_none(engine: SglangEngine) -> None:
+    """Once admitted a request runs in SGLang by itself: the executor still steps the engine
+    for an empty plan so its tokens go out."""
+    engine.add(req("e", 6))
+    events = execute(engine, StepPlan(prefill={"e": 5})).result
+    got = list(events.events) if events else []
+    deadline = time.monotonic() + 30
+    while engine.has_work() and time.monotonic() < deadline:
+        ex = execute(engine, StepPlan())
+        assert ex.result is not None
+        got += ex.result.events
+    assert tokens_of(got, "e") == greedy(PROMPT, 6)
