@@ -125,6 +125,7 @@ class ChunkUpdate:
     finish: FinishReason | None
     error: str = ""  # SGLang's message when it failed or aborted the request
     completion_tokens: int = 0  # cumulative, for this submission
+    stop_token: int | None = None  # the EOS / stop token id that ended it (its text is not shown)
 
 
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -152,16 +153,23 @@ def parse_chunk(obj: Mapping[str, Any], seen: int) -> ChunkUpdate:
     out_lps = meta.get("output_token_logprobs")
     if isinstance(out_lps, list) and n_new and len(out_lps) >= n_new:
         lps = tuple(float(e[0]) for e in out_lps[len(out_lps) - n_new :])
-    finish, error = None, ""
+    finish, error, stop_token = None, "", None
     fr = meta.get("finish_reason")
     if isinstance(fr, dict):
         kind = str(fr.get("type", ""))
         finish = FINISH.get(kind, FinishReason.ERROR)
         if finish in (FinishReason.ABORT, FinishReason.ERROR):
             error = f"SGLang {kind or 'finish'}: {fr.get('message', '')}".strip()
+        matched = fr.get("matched")
+        if (
+            finish is FinishReason.STOP
+            and isinstance(matched, int)
+            and not isinstance(matched, bool)
+        ):
+            stop_token = matched
     elif isinstance(fr, str):
         finish = FINISH.get(fr, FinishReason.ERROR)
-    return ChunkUpdate(new, lps, finish, error, completion_tokens=seen + n_new)
+    return ChunkUpdate(new, lps, finish, error, seen + n_new, stop_token)
 
 
 @dataclass(frozen=True)

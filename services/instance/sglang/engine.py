@@ -243,7 +243,9 @@ class SglangEngine:
         if finish is None and r.remaining <= 0:
             finish = FinishReason.LENGTH
         final = finish is not None
-        text, hit_stop = r.detok.update(r.output_ids, final)
+        # as the torch engine: the EOS / stop token that ended it is output, but not text
+        ends = up.stop_token is not None and r.output_ids[-1:] == [up.stop_token]
+        text, hit_stop = r.detok.update(r.output_ids[:-1] if ends else r.output_ids, final)
         if hit_stop:
             finish = FinishReason.STOP
         # SGLang still runs it only when Tidal ended it (a stop string, max_tokens)

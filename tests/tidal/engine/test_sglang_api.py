@@ -125,3 +125,9 @@ def test_server_args_turn_priority_scheduling_on_and_rids_have_one_length() -> N
     assert argv[-2:] == ["--tp", "2"]
     rids = {new_rid() for _ in range(100)}
     assert len(rids) == 100 and len({len(r) for r in rids}) == 1
+
+
+def test_the_stop_token_that_ended_a_request_is_named() -> None:
+    up = parse_chunk(chunk([4, 2], 2, {"type": "stop", "matched": 2}), 1)
+    assert up.finish is FinishReason.STOP and up.stop_token == 2 and up.token_ids == (2,)
+    assert parse_chunk(chunk([4], 1, {"type": "stop", "matched": "END"}), 0).stop_token is None

@@ -277,3 +277,12 @@ def test_requests_in_sglang_stream_even_when_the_plan_names_none(engine: SglangE
         assert ex.result is not None
         got += ex.result.events
     assert tokens_of(got, "e") == greedy(PROMPT, 6)
+
+
+def test_a_stop_token_ends_the_request_as_output_but_not_as_text(engine: SglangEngine) -> None:
+    want = greedy(PROMPT, 30)
+    engine.add(req("t", 30, stop_token_ids=(want[3],)))
+    events = run(engine)
+    assert events[-1].finish_reason is FinishReason.STOP
+    assert tokens_of(events, "t") == want[:4]  # SGLang stopped on it
+    assert "".join(e.text for e in events) == WordTokenizer().decode(want[:3])
