@@ -273,7 +273,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.instances:
             parse_roles(args.instances)
         # A bad config, policy or role fails here, not in every child.
-        load_live_config(args.config, args.policy, args.instances)
+        slots = load_live_config(args.config, args.policy, args.instances).slots
+        if args.engine == "sglang":
+            sglang_args(args, 0, len(slots))  # --sglang-urls names one server per instance
         if args.port < 1 or args.port > 65535:
             raise ValueError(f"--port {args.port} is not a TCP port")
         if args.cpu_attn < 0:
