@@ -27,12 +27,13 @@ Nothing here does I/O; `services/instance/sglang/` does.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tidal.engine.api import FinishReason, SamplingParams
+from tidal.engine.api import EngineRequest, FinishReason, SamplingParams
 from tidal.schemas.enums import RequestClass
 
 SGLANG_VERSION = "0.5.23"  # the release this mapping was read from
@@ -200,3 +201,74 @@ def parse_loads(obj: Mapping[str, Any]) -> SglangLoad:
         usage = max(usage, float(d.get("token_usage", 0.0)))
         tput += float(d.get("gen_throughput", 0.0))
     return SglangLoad(r, w, used, total, usage, tput)
+
+
+@dataclass(frozen=True)
+class RecomputePayload:
+    """What a migration on this backend carries instead of KV: the request, the tokens it
+    generated and how much of their text the client has (`Detokenizer.emitted`)."""
+
+    KIND = "tidal-sglang-recompute/1"
+
+    model: str
+    req: EngineRequest
+    output_ids: list[int]
+    logprobs: list[float]
+    emitted: str
+
+    def encode(self) -> bytes:
+        r, sp = self.req, self.req.sampling
+        sampling = {
+            "max_tokens": sp.max_tokens,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "top_k": sp.top_k,
+            "seed": sp.seed,
+            "stop": list(sp.stop),
+            "stop_token_ids": list(sp.stop_token_ids),
+            "ignore_eos": sp.ignore_eos,
+            "logprobs": sp.logprobs,
+        }
+        obj = {
+            "kind": self.KIND,
+            "model": self.model,
+            "req_id": r.req_id,
+            "req_class": str(r.req_class),
+            "arrival_s": r.arrival_s,
+            "prompt_token_ids": r.prompt_token_ids,
+            "sampling": sampling,
+            "output_ids": self.output_ids,
+            "logprobs": self.logprobs,
+            "emitted": self.emitted,
+        }
+        return json.dumps(obj).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> RecomputePayload:
+        """ValueError for a foreign or corrupt payload."""
+        try:
+            p = json.loads(data)
+            if not isinstance(p, dict) or p.get("kind") != cls.KIND:
+                raise ValueError("not an SGLang recompute payload")
+            s = p["sampling"]
+            sp = SamplingParams(
+                **{**s, "stop": tuple(s["stop"]), "stop_token_ids": tuple(s["stop_token_ids"])}
+            )
+            req = EngineRequest(
+                str(p["req_id"]),
+                [int(t) for t in p["prompt_token_ids"]],
+                sp,
+                RequestClass(p["req_class"]),
+                float(p["arrival_s"]),
+            )
+            return cls(
+                str(p["model"]),
+                req,
+                [int(t) for t in p["output_ids"]],
+                [float(x) for x in p["logprobs"]],
+                str(p["emitted"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if "not an SGLang" in str(exc):
+                raise
+            raise ValueError(f"corrupt SGLang migration payload: {exc}") from None

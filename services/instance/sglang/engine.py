@@ -22,7 +22,6 @@ stream for the same tokens, and a recompute never repeats text.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -34,7 +33,6 @@ from tidal.engine.api import (
     EngineRequest,
     FinishReason,
     RequestClass,
-    SamplingParams,
     SeqSnapshot,
     StepPlan,
     StepResult,
@@ -43,11 +41,10 @@ from tidal.engine.api import (
     Tokenizer,
 )
 from tidal.engine.sampling import Detokenizer
-from tidal.engine.sglang_api import generate_body, new_rid, parse_chunk
+from tidal.engine.sglang_api import RecomputePayload, generate_body, new_rid, parse_chunk
 
 log = logging.getLogger("tidal.instance.sglang")
 
-PAYLOAD_KIND = "tidal-sglang-recompute/1"
 MAX_SGLANG_ABORTS = 3  # aborts by SGLang itself (not asked) requeued before the request fails
 
 
@@ -314,63 +311,24 @@ class SglangEngine:
 
     def export_request(self, req_id: str, remove: bool = True) -> bytes:
         r = self._get(req_id)
-        sp = r.req.sampling
-        payload = {
-            "kind": PAYLOAD_KIND,
-            "model": self.model_name,
-            "req_id": req_id,
-            "req_class": str(r.req.req_class),
-            "arrival_s": r.req.arrival_s,
-            "prompt_token_ids": r.req.prompt_token_ids,
-            "output_ids": r.output_ids,
-            "logprobs": r.logprobs,
-            "emitted": r.detok.emitted,
-            "sampling": {
-                "max_tokens": sp.max_tokens,
-                "temperature": sp.temperature,
-                "top_p": sp.top_p,
-                "top_k": sp.top_k,
-                "seed": sp.seed,
-                "stop": list(sp.stop),
-                "stop_token_ids": list(sp.stop_token_ids),
-                "ignore_eos": sp.ignore_eos,
-                "logprobs": sp.logprobs,
-            },
-        }
+        data = RecomputePayload(
+            self.model_name, r.req, r.output_ids, r.logprobs, r.detok.emitted
+        ).encode()
         if remove:
             self.reqs.pop(req_id, None)
             self._stop_submission(r)
             self.num_recomputes += 1
-        return json.dumps(payload).encode()
+        return data
 
     def import_request(self, data: bytes) -> None:
-        try:
-            p = json.loads(data)
-            if not isinstance(p, dict) or p.get("kind") != PAYLOAD_KIND:
-                raise ValueError("not an SGLang recompute payload")
-            if p["model"] != self.model_name:
-                raise ValueError(f"payload is for model {p['model']!r}, not {self.model_name!r}")
-            s = p["sampling"]
-            sampling = SamplingParams(
-                **{**s, "stop": tuple(s["stop"]), "stop_token_ids": tuple(s["stop_token_ids"])}
-            )
-            req = EngineRequest(
-                str(p["req_id"]),
-                [int(t) for t in p["prompt_token_ids"]],
-                sampling,
-                RequestClass(p["req_class"]),
-                float(p["arrival_s"]),
-            )
-            output = [int(t) for t in p["output_ids"]]
-            lps = [float(x) for x in p["logprobs"]]
-            emitted = str(p["emitted"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"corrupt SGLang migration payload: {exc}") from None
-        if req.req_id in self.reqs:
-            raise ValueError(f"duplicate request {req.req_id}")
-        r = _Req(req, Detokenizer(self.tokenizer, sampling.stop), output, lps)
-        r.detok.emitted = emitted
-        self.reqs[req.req_id] = r
+        p = RecomputePayload.decode(data)
+        if p.model != self.model_name:
+            raise ValueError(f"payload is for model {p.model!r}, not {self.model_name!r}")
+        if p.req.req_id in self.reqs:
+            raise ValueError(f"duplicate request {p.req.req_id}")
+        r = _Req(p.req, Detokenizer(self.tokenizer, p.req.sampling.stop), p.output_ids, p.logprobs)
+        r.detok.emitted = p.emitted  # the text the client already has
+        self.reqs[p.req.req_id] = r
 
     def snapshot(self) -> list[SeqSnapshot]:
         """Waiting here: no KV. In SGLang: running, its whole context counted as computed
