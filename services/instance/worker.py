@@ -126,6 +126,8 @@ class Instance:
         self.adapter.meta[req.req_id] = ReqMeta(slo, req.arrival_unix_s or time.time())
         self.pending_add.append(engine_req)
         self.wake.set()
+        if (wake_step := getattr(self.engine, "wake_step", None)) is not None:
+            wake_step()  # an engine that waits inside its step (sglang) admits it now
         if engine_req.req_class is RequestClass.ONLINE:
             self.preempt_offline_step(f"online {req.req_id} arrived")
         ack = GenerateAck(

@@ -164,8 +164,8 @@ class SglangEngine:
             if not r.rid:
                 num_prefill += self._submit(r)
         if not self.client.arrived.is_set():
-            self._wake.clear()
             self._wait_for_tokens()
+        self._wake.clear()  # a wake after this ends the next step's wait at once
         self.client.arrived.clear()
         events = self._drain()
         num_decode = sum(len(e.token_ids) for e in events)
@@ -185,6 +185,10 @@ class SglangEngine:
             if left <= 0:
                 return
             self.client.arrived.wait(min(left, 0.005))
+
+    def wake_step(self) -> None:
+        """Thread-safe: end the running step's wait for tokens (new work is waiting)."""
+        self._wake.set()
 
     def request_preempt(self) -> bool:
         """An online request arrived: end the step's wait so it is admitted now. SGLang's
