@@ -46,7 +46,7 @@ async def running(nats_url: str, iid: str, index: int, sglang_url: str) -> Async
 
 
 async def test_a_migration_on_sglang_is_a_recompute_with_the_same_output(nats_url: str) -> None:
-    a, b, ref = FakeSglang(token_s=0.05), FakeSglang(token_s=0.05), FakeSglang(token_s=0.05)
+    a, b, ref = (FakeSglang(token_s=0.08) for _ in range(3))
     with a.serve(), b.serve(), ref.serve():
         async with running(nats_url, "ref", 0, ref.url):
             nc = await connect(nats_url, "ref-client")
