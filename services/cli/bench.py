@@ -29,6 +29,7 @@ from services.cli import (
     bench_overload,
     bench_replay,
     bench_serve,
+    bench_sglang,
     natsd,
 )
 from services.cli.benchkit import pct as _pct
@@ -136,6 +137,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_batch.register(bench)
     bench_overload.register(bench)
     bench_cpu_attn.register(bench)
+    bench_sglang.register(bench)
     # The engine benchmark lives beside the engine; it adds `tidal bench engine` when present.
     try:
         engine_bench = importlib.import_module("tidal.engine.bench")

@@ -69,8 +69,9 @@ class GatewayMetrics:
         )
         self.migrations = Counter(
             "tidal_migrations",
-            "Migrations by kind (push: online after prefill; pull: offline decode) and outcome",
-            ["kind", "outcome"],
+            "Migrations by kind (push: online after prefill; pull: offline decode), outcome and "
+            "mode (kv: KV moved; recompute: the target recomputes prompt + output, sglang engine)",
+            ["kind", "outcome", "mode"],
             registry=self.registry,
         )
         self.migration_seconds = Histogram(
@@ -102,7 +103,7 @@ class GatewayMetrics:
         self.cpu_attn = CpuAttnMetrics(self.registry)
 
     def on_migration(self, ev: MigrationEvent) -> None:
-        self.migrations.labels(ev.kind, ev.outcome).inc()
+        self.migrations.labels(ev.kind, ev.outcome, ev.mode).inc()
         if ev.outcome == "ok":
             self.migration_seconds.labels(ev.kind).observe(ev.total_s)
             self.kv_transfer_bytes.inc(ev.num_bytes)

@@ -77,7 +77,11 @@ def heartbeat(inst: Instance, status: str = "") -> Heartbeat:
             num_steps=inst.num_steps,
             last_step_ms=round(inst.last_step_ms, 3),
         ),
-        info={"policy": inst.adapter.policy.name, "data_url": inst.data_url},
+        info={
+            "policy": inst.adapter.policy.name,
+            "data_url": inst.data_url,
+            **(engine_info() if (engine_info := getattr(inst.engine, "info", None)) else {}),
+        },
     )
 
 
@@ -163,7 +167,21 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     engine = await asyncio.to_thread(build_engine, args)  # loading weights can take seconds
     if not isinstance(engine, ControllableEngine):
         raise ValueError(f"engine {engine.name!r} cannot be driven by a policy")
-    adapter = build_adapter(args, live, engine)
+    try:
+        adapter = build_adapter(args, live, engine)
+        await _serve(args, stop, live, engine, adapter)
+    finally:
+        if (close := getattr(engine, "close", None)) is not None:
+            await asyncio.to_thread(close)  # an SGLang child stops with its worker
+
+
+async def _serve(
+    args: argparse.Namespace,
+    stop: asyncio.Event,
+    live: LiveConfig,
+    engine: ControllableEngine,
+    adapter: PolicyAdapter,
+) -> None:
     pool: CpuAttnPool | None = None
     if args.cpu_attn and callable(getattr(engine, "attach_cpu_attn", None)):
         pool = CpuAttnPool()
@@ -237,7 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"given the same): {', '.join(ROLES)}",
     )
     p.add_argument("--engine", default="sim", choices=ENGINES, help="engine to host")
-    p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
+    p.add_argument("--model", default="", help="model path (torch, sglang) or served name (sim)")
     p.add_argument("--tokenizer", default="", help="sim engine: tokenizer (default SmolLM2's)")
     p.add_argument("--device", default="cpu", help="torch device (torch engine)")
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's)")
@@ -248,6 +266,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "cores ÷ engines busy (slot = --index)",
     )
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
+    p.add_argument(
+        "--sglang-url",
+        default="",
+        help="sglang: attach to this running SGLang server (else start one as a child)",
+    )
+    p.add_argument(
+        "--sglang-args",
+        default="",
+        help='sglang: extra `sglang.launch_server` arguments for the child, e.g. "--tp 2"',
+    )
+    p.add_argument(
+        "--sglang-python",
+        default="",
+        help="sglang: the Python that has sglang installed (default: this one)",
+    )
+    p.add_argument(
+        "--sglang-start-timeout-s",
+        type=float,
+        default=900.0,
+        help="sglang: how long to wait for the server to answer /health",
+    )
     p.add_argument("--kv-cache-tokens", type=int, default=0, help="KV pool size (0: default)")
     p.add_argument(
         "--sim-step-model",

@@ -126,6 +126,8 @@ class Instance:
         self.adapter.meta[req.req_id] = ReqMeta(slo, req.arrival_unix_s or time.time())
         self.pending_add.append(engine_req)
         self.wake.set()
+        if (wake_step := getattr(self.engine, "wake_step", None)) is not None:
+            wake_step()  # an engine that waits inside its step (sglang) admits it now
         if engine_req.req_class is RequestClass.ONLINE:
             self.preempt_offline_step(f"online {req.req_id} arrived")
         ack = GenerateAck(
@@ -249,7 +251,9 @@ class Instance:
                 self.adapter.sync(self.engine.snapshot(), self.engine.num_free_blocks(), now)
                 plan = self.adapter.plan(now)
                 fcfs = num_bad >= MAX_BAD_PLANS
-                ok = None if plan.is_empty and not fcfs else await self._step(plan, fcfs, origin)
+                # an engine whose requests run by themselves (sglang) steps to collect tokens
+                idle = plan.is_empty and not fcfs and not getattr(self.engine, "self_driven", False)
+                ok = None if idle else await self._step(plan, fcfs, origin)
             if ok is None:
                 await self.report()
                 await self._idle(stop, IDLE_PLAN_RETRY_S)  # the policy idles it for now

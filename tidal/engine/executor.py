@@ -86,7 +86,9 @@ def execute(
     if cpu_decode:  # one just offloaded, or refused, may not be offloaded: ride only those that are
         offloaded = {s.req_id for s in engine.snapshot() if s.status == "offloaded"}
         cpu_decode = tuple(r for r in cpu_decode if r in offloaded)
-    if plan.prefill or plan.decode or cpu_decode:
+    # an engine whose requests run by themselves (sglang) steps to collect their tokens even
+    # when the plan computes nothing new
+    if plan.prefill or plan.decode or cpu_decode or getattr(engine, "self_driven", False):
         step_plan = StepPlan(
             prefill=dict(plan.prefill), decode=tuple(plan.decode), cpu_decode=cpu_decode
         )
