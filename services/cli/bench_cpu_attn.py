@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print("  workers  offline tok/s  in flight p50/peak  offloaded peak  online TPOT p50/p99 ms")
     for key, r in results.items():
-        if key == "overhead":
+        if not isinstance(r, dict) or "offline_decode_tokens_per_s" not in r:
             continue
         print(
             f"  {key:>7}  {r['offline_decode_tokens_per_s']:13.1f}  "

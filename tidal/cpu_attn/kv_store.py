@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 class StoreFull(Exception):
@@ -147,11 +148,12 @@ class KvStore:
             kc[:, pos] = qkv[i, H : H + Hk]
             vc[:, pos] = qkv[i, H + Hk :]
             e.lens[layer] = pos + 1
-            k, v = kc[:, : pos + 1], vc[:, : pos + 1]  # (Hk, T, D)
-            q = qkv[i, :H].view(Hk, H // Hk, D)  # the G query heads sharing a KV head
-            s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (Hk, G, T)
-            p = s.softmax(dim=-1, dtype=torch.float32).to(qkv.dtype)
-            out[i] = torch.matmul(p, v).reshape(H * D)
+            k, v = kc[:, : pos + 1], vc[:, : pos + 1]  # (Hk, T, D) views, rows contiguous
+            q = qkv[i, :H].view(1, Hk, H // Hk, D)  # the G query heads sharing a KV head
+            # NOTE: one SDPA call per request: in bf16 at T = 1000 it takes 100 us where two
+            # matmuls and a softmax take 189 (one thread, measured); fp32 is 83 for both
+            o = F.scaled_dot_product_attention(q, k.unsqueeze(0), v.unsqueeze(0), scale=scale)
+            out[i] = o.reshape(H * D)
         return out, errors
 
     def stats(self) -> StoreStats:

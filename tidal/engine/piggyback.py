@@ -154,21 +154,25 @@ class Piggyback:
         t0 = time.perf_counter()
         ids = [s.req_id for s in waiting]
         got = self.link.take(layer, ids)
+        waited = 0.0
         if self.wait_s > 0 and len(got) < len(ids):
-            deadline = time.perf_counter() + self.wait_s
+            w0 = time.perf_counter()
+            deadline = w0 + self.wait_s
             while len(got) < len(ids) and (left := deadline - time.perf_counter()) > 0:
                 if self.should_stop is not None and self.should_stop():
                     break
                 self.link.wait(min(left, 0.005))
                 got |= self.link.take(layer, [i for i in ids if i not in got])
+            waited = time.perf_counter() - w0  # waiting for the worker is not overhead
         rows = [s for s in waiting if s.req_id in got]
         self._post = rows
         if not rows:
+            self.overhead_s += time.perf_counter() - t0 - waited
             return None
         x = torch.cat([_x(s) for s in rows])
         o = torch.stack([got[s.req_id] for s in rows]).to(device=self.device, dtype=x.dtype)
         self.num_rows_back += len(rows)
-        self.overhead_s += time.perf_counter() - t0
+        self.overhead_s += time.perf_counter() - t0 - waited
         return x, o
 
     def advance(self, layer: int, x: torch.Tensor) -> None:
