@@ -166,5 +166,13 @@ class ThreadedWorker:
 
     def stop(self) -> None:
         self.kill()
+
+        async def settle() -> None:  # connection tasks end before the loop does
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(settle(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)

@@ -107,6 +107,14 @@ class Piggyback:
         self.wait_s, self.should_stop = wait_s, should_stop
         self._entering: list[Sequence] = []
         self._post: list[Sequence] = []
+        # rows by where they stand, so each layer touches only its own rows
+        self._fresh = [s for s in seqs if s.cpu is not None and s.cpu.at_boundary]
+        self._pre: dict[int, list[Sequence]] = {}
+        self._wait: dict[int, list[Sequence]] = {}
+        for s in seqs:
+            if s.cpu is not None and not s.cpu.at_boundary:
+                book = self._pre if s.cpu.stage == "pre" else self._wait
+                book.setdefault(s.cpu.layer, []).append(s)
         self.num_rows_sent = 0
         self.num_rows_back = 0
         self.overhead_s = 0.0  # residual store and queue work on the engine thread
@@ -114,15 +122,15 @@ class Piggyback:
     def enter(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(residuals (m, hidden), positions (m,)) of the rows entering QKV at `layer`."""
         t0 = time.perf_counter()
-        if layer == 0:
-            fresh = [s for s in self.seqs if s.cpu is not None and s.cpu.at_boundary]
-            if fresh:
-                ids = torch.tensor([s.token_ids[s.num_computed] for s in fresh], device=self.device)
-                x0 = self.embed(ids)
-                for i, s in enumerate(fresh):
-                    assert s.cpu is not None
-                    s.cpu.stage, s.cpu.layer, s.cpu.x = "pre", 0, x0[i : i + 1]
-        rows = [s for s in self.seqs if _at(s, "pre", layer)]
+        if layer == 0 and self._fresh:
+            fresh, self._fresh = self._fresh, []
+            ids = torch.tensor([s.token_ids[s.num_computed] for s in fresh], device=self.device)
+            x0 = self.embed(ids)
+            for i, s in enumerate(fresh):
+                assert s.cpu is not None
+                s.cpu.stage, s.cpu.layer, s.cpu.x = "pre", 0, x0[i : i + 1]
+            self._pre.setdefault(0, []).extend(fresh)
+        rows = self._pre.pop(layer, [])
         self._entering = rows
         if not rows:
             self.overhead_s += time.perf_counter() - t0
@@ -142,13 +150,14 @@ class Piggyback:
         for s in rows:
             assert s.cpu is not None
             s.cpu.stage = "wait"  # its residual stays in s.cpu.x until the output is back
+        self._wait.setdefault(layer, []).extend(rows)
         self.num_rows_sent += len(rows)
         self._entering = []
 
     def arrived(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(residuals (m, hidden), attention outputs (m, H*D)) of the rows whose output for
         `layer` is back; they join this layer's o_proj and MLP."""
-        waiting = [s for s in self.seqs if _at(s, "wait", layer)]
+        waiting = self._wait.get(layer)
         if not waiting:
             return None
         t0 = time.perf_counter()
@@ -165,6 +174,7 @@ class Piggyback:
                 got |= self.link.take(layer, [i for i in ids if i not in got])
             waited = time.perf_counter() - w0  # waiting for the worker is not overhead
         rows = [s for s in waiting if s.req_id in got]
+        self._wait[layer] = [s for s in waiting if s.req_id not in got]
         self._post = rows
         if not rows:
             self.overhead_s += time.perf_counter() - t0 - waited
@@ -181,15 +191,12 @@ class Piggyback:
         for i, s in enumerate(self._post):
             assert s.cpu is not None
             s.cpu.stage, s.cpu.layer, s.cpu.x = "pre", layer + 1, x[i : i + 1]
+        self._pre.setdefault(layer + 1, []).extend(self._post)
         self._post = []
 
     def finished(self) -> list[Sequence]:
         """Rows that ran every layer this step: their hidden states are ready for logits."""
-        return [s for s in self.seqs if _at(s, "pre", self.num_layers)]
-
-
-def _at(s: Sequence, stage: str, layer: int) -> bool:
-    return s.cpu is not None and s.cpu.stage == stage and s.cpu.layer == layer
+        return self._pre.get(self.num_layers, [])
 
 
 def _x(s: Sequence) -> torch.Tensor:
