@@ -20,9 +20,9 @@ def _compose() -> str:
     return found
 
 
-def _config(env: dict[str, str]) -> subprocess.CompletedProcess:
+def _config(env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [_compose(), "-f", str(ROOT / "docker-compose.yml"), "config"],
+        [_compose(), "-f", str(ROOT / "docker-compose.yml"), *extra, "config"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -70,6 +70,34 @@ def test_docker_compose_config_accepts_the_file() -> None:
     assert sched[sched.index("--roles") + 1] == "relaxed,strict"
     # Every Tidal service is built from the one Dockerfile.
     assert all(services[n]["build"]["context"] == str(ROOT) for n in services if n != "nats")
+
+
+def test_the_sglang_profile_runs_each_instance_on_its_own_sglang_gpu_server() -> None:
+    env = {"TIDAL_NATS_PASSWORD": "s3cret", "TIDAL_ENGINE": "sglang", "TIDAL_MODEL": "/models/m"}
+    plain = yaml.safe_load(_config(env).stdout)["services"]
+    assert not {"sglang-relaxed", "sglang-strict"} & set(plain)  # only with the profile
+    out = _config(env, "--profile", "sglang")
+    assert out.returncode == 0, out.stderr
+    services = yaml.safe_load(out.stdout)["services"]
+    for inst, server in (
+        ("instance-relaxed", "sglang-relaxed"),
+        ("instance-strict", "sglang-strict"),
+    ):
+        cmd = services[inst]["command"]
+        assert cmd[cmd.index("--engine") + 1] == "sglang"
+        assert cmd[cmd.index("--model") + 1] == "/models/m"
+        assert cmd[cmd.index("--sglang-url") + 1] == f"http://{server}:30000"
+        sgl = services[server]
+        assert sgl["image"].startswith("lmsysorg/sglang:")
+        argv = sgl["command"]
+        assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
+        assert argv[argv.index("--model-path") + 1] == "/models/m"
+        assert {"--enable-priority-scheduling", "--enable-metrics"} <= set(argv)
+        assert argv[argv.index("--port") + 1] == "30000"
+        (gpu,) = sgl["deploy"]["resources"]["reservations"]["devices"]
+        assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+        # the worker reads the same model directory for its tokenizer
+        assert any(str(v.get("target")) == "/models" for v in services[inst]["volumes"])
 
 
 def test_compose_rejects_a_broken_file(tmp_path: Path) -> None:

@@ -24,10 +24,12 @@ from pathlib import Path
 from services.cli import (
     bench_batch,
     bench_colocation,
+    bench_cpu_attn,
     bench_migration,
     bench_overload,
     bench_replay,
     bench_serve,
+    bench_sglang,
     natsd,
 )
 from services.cli.benchkit import pct as _pct
@@ -134,6 +136,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_serve.register(bench)
     bench_batch.register(bench)
     bench_overload.register(bench)
+    bench_cpu_attn.register(bench)
+    bench_sglang.register(bench)
     # The engine benchmark lives beside the engine; it adds `tidal bench engine` when present.
     try:
         engine_bench = importlib.import_module("tidal.engine.bench")

@@ -48,6 +48,7 @@ def _print_status(status: dict[str, Any]) -> None:
         "running",
         "waiting",
         "kv",
+        "attn ms/layer",
         "up s",
     ):
         table.add_column(col)
@@ -57,6 +58,12 @@ def _print_status(status: dict[str, Any]) -> None:
         if s.get("emulated"):
             engine += " (emulated)"
         kv = f"{load['num_kv_blocks_used']}/{load['num_kv_blocks_total']}" if load else ""
+        running, attn = str(load.get("num_running", "")), ""
+        if s["kind"] == "cpu_attn":  # a worker: offloaded requests, KV tokens held
+            info = s.get("info") or {}
+            running = info.get("offloaded_requests", "")
+            kv = f"{info.get('kv_tokens', '?')} tok" if info else ""
+            attn = info.get("attn_ms_per_layer", "")
         table.add_row(
             s["kind"],
             s["id"],
@@ -64,9 +71,10 @@ def _print_status(status: dict[str, Any]) -> None:
             s.get("role", ""),
             engine,
             s.get("model", ""),
-            str(load.get("num_running", "")),
+            running,
             str(load.get("num_waiting", "")),
             kv,
+            attn,
             str(s.get("uptime_s", "")),
         )
     console = Console() if sys.stdout.isatty() else Console(width=160)

@@ -102,7 +102,10 @@ class Supervisor:
         if a.instances:  # the same roles for the scheduler's policy and every instance's
             policy_args += ["--roles", ",".join(parse_roles(a.instances))]
         children = [self._service("scheduler-0", "services.scheduler", *policy_args)]
-        children += [self._service(f"cpu-attn-{i}", "services.cpu_attn") for i in range(a.cpu_attn)]
+        gib = ["--capacity-gib", str(a.cpu_attn_gib)]
+        children += [
+            self._service(f"cpu-attn-{i}", "services.cpu_attn", *gib) for i in range(a.cpu_attn)
+        ]
         num_instances = len(load_live_config(a.config, a.policy, a.instances).slots)
         # NOTE: instances share this machine's cores; without a split, each torch engine would
         # start one thread per core and they would fight over them. This split is where they
@@ -134,6 +137,8 @@ class Supervisor:
                 extra += ["--max-model-len", str(a.max_model_len)]
             if a.kv_cache_tokens:
                 extra += ["--kv-cache-tokens", str(a.kv_cache_tokens)]
+            if a.engine == "sglang":
+                extra += sglang_args(a, i, num_instances)
             children.append(self._service(f"instance-{i}", "services.instance", *extra))
         children.append(self._service("batch-0", "services.batch"))
         children.append(
@@ -271,11 +276,15 @@ def _run(args: argparse.Namespace) -> int:
         if args.instances:
             parse_roles(args.instances)
         # A bad config, policy or role fails here, not in every child.
-        load_live_config(args.config, args.policy, args.instances)
+        slots = load_live_config(args.config, args.policy, args.instances).slots
+        if args.engine == "sglang":
+            sglang_args(args, 0, len(slots))  # --sglang-urls names one server per instance
         if args.port < 1 or args.port > 65535:
             raise ValueError(f"--port {args.port} is not a TCP port")
         if args.cpu_attn < 0:
             raise ValueError("--cpu-attn must be >= 0")
+        if args.cpu_attn_gib <= 0:
+            raise ValueError("--cpu-attn-gib must be > 0")
     except ValueError as exc:
         say(str(exc))
         return 2
@@ -305,9 +314,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--engine",
         default="torch",
-        choices=("sim", "torch"),
-        help="instance engine: torch (real model) or sim (emulated timings)",
+        choices=("sim", "torch", "sglang"),
+        help="instance engine: torch (real model), sim (emulated timings) or sglang (a real "
+        "SGLang server per instance; README, SGLang backend)",
     )
+    p.add_argument(
+        "--sglang-urls",
+        default="",
+        help="sglang: comma-separated SGLang server per instance, in slot order (default: each "
+        "instance starts its own)",
+    )
+    p.add_argument("--sglang-args", default="", help="sglang: extra launch_server arguments")
+    p.add_argument("--sglang-python", default="", help="sglang: the Python that has sglang")
     p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
     p.add_argument(
@@ -330,6 +348,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated instance roles, one instance each (default: the config's)",
     )
     p.add_argument("--cpu-attn", type=int, default=1, help="number of CPU-attention workers")
+    p.add_argument(
+        "--cpu-attn-gib",
+        type=float,
+        default=4.0,
+        help="host memory each CPU-attention worker holds offloaded KV in, GiB",
+    )
     p.add_argument(
         "--api-key",
         action="append",
@@ -362,3 +386,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "runs on cores ÷ instances busy now)",
     )
     p.set_defaults(func=_run)
+
+
+def sglang_args(a: argparse.Namespace, index: int, num_instances: int) -> list[str]:
+    """One instance's `--sglang-*` options: its server from `--sglang-urls`, or its own child."""
+    urls = [u for u in a.sglang_urls.split(",") if u] if a.sglang_urls else []
+    if urls and len(urls) != num_instances:
+        raise ValueError(f"--sglang-urls names {len(urls)} server(s) for {num_instances} instances")
+    out = ["--sglang-url", urls[index]] if urls else []
+    if a.sglang_args:
+        out += ["--sglang-args", a.sglang_args]
+    if a.sglang_python:
+        out += ["--sglang-python", a.sglang_python]
+    return out

@@ -214,6 +214,8 @@ class GatewayBus:
         if self.metrics is not None:
             await subscribe(self.nc, subjects.MIGRATION_EVENTS, MigrationEvent, self._on_mig)
             await subscribe(self.nc, subjects.BATCH_STATS, BatchStats, self._on_batch_stats)
+            workers = f"{subjects.PREFIX}.hb.cpu_attn.*"
+            await subscribe(self.nc, workers, Heartbeat, self._on_worker_beat)
 
     async def _on_mig(self, ev: MigrationEvent, _: Msg) -> None:
         assert self.metrics is not None
@@ -223,6 +225,10 @@ class GatewayBus:
         self.resync.on_report(rep)
         if self.metrics is not None:
             self.metrics.on_report(rep)
+
+    async def _on_worker_beat(self, hb: Heartbeat, _: Msg) -> None:
+        assert self.metrics is not None
+        self.metrics.cpu_attn.on_heartbeat(hb)
 
     async def _on_batch_stats(self, st: BatchStats, _: Msg) -> None:
         assert self.metrics is not None

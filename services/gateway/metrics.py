@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway.batch_metrics import BatchMetrics
+from services.gateway.cpu_attn_metrics import CpuAttnMetrics
 from tidal.schemas.messages import InstanceReport, MigrationEvent
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -68,8 +69,9 @@ class GatewayMetrics:
         )
         self.migrations = Counter(
             "tidal_migrations",
-            "Migrations by kind (push: online after prefill; pull: offline decode) and outcome",
-            ["kind", "outcome"],
+            "Migrations by kind (push: online after prefill; pull: offline decode), outcome and "
+            "mode (kv: KV moved; recompute: the target recomputes prompt + output, sglang engine)",
+            ["kind", "outcome", "mode"],
             registry=self.registry,
         )
         self.migration_seconds = Histogram(
@@ -98,9 +100,10 @@ class GatewayMetrics:
         )
         self._preempt_seen: dict[str, int] = {}  # instance -> count in its last report
         self.batch = BatchMetrics(self.registry)
+        self.cpu_attn = CpuAttnMetrics(self.registry)
 
     def on_migration(self, ev: MigrationEvent) -> None:
-        self.migrations.labels(ev.kind, ev.outcome).inc()
+        self.migrations.labels(ev.kind, ev.outcome, ev.mode).inc()
         if ev.outcome == "ok":
             self.migration_seconds.labels(ev.kind).observe(ev.total_s)
             self.kv_transfer_bytes.inc(ev.num_bytes)

@@ -13,7 +13,7 @@ from tidal.engine.sim import DEFAULT_SIM_STEP_MODEL, ZERO_STEP_MODEL, SimEngine,
 from tidal.perf.api import StepModel
 from tidal.perf.linear import LinearStepModel
 
-ENGINES = ("sim", "torch")
+ENGINES = ("sim", "torch", "sglang")
 
 
 def parse_step_model(spec: str) -> StepModel:
@@ -85,4 +85,11 @@ def build_engine(args: argparse.Namespace) -> ControllableEngine:
             torch_eng.core_share = CoreShare(Path(share), args.index)
         engine: ControllableEngine = torch_eng
         return engine
+    if args.engine == "sglang":
+        # An HTTP client of a SGLang server (started here as a child, or --sglang-url): the
+        # worker never imports sglang, so the default install stays torch-only.
+        from services.instance.sglang.launcher import build_sglang_engine
+
+        sgl: ControllableEngine = build_sglang_engine(args)
+        return sgl
     raise ValueError(f"unknown engine {args.engine!r}; expected one of {ENGINES}")

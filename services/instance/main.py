@@ -22,6 +22,8 @@ from services.common.bus import connect, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
 from services.common.live_config import LiveConfig, load_live_config
+from services.instance.cpu_attn_discovery import Discovery
+from services.instance.cpu_attn_link import CpuAttnPool
 from services.instance.dataplane import DataPlaneServer
 from services.instance.engines import ENGINES, build_engine, parse_step_model
 from services.instance.migration import Migrator
@@ -75,7 +77,11 @@ def heartbeat(inst: Instance, status: str = "") -> Heartbeat:
             num_steps=inst.num_steps,
             last_step_ms=round(inst.last_step_ms, 3),
         ),
-        info={"policy": inst.adapter.policy.name, "data_url": inst.data_url},
+        info={
+            "policy": inst.adapter.policy.name,
+            "data_url": inst.data_url,
+            **(engine_info() if (engine_info := getattr(inst.engine, "info", None)) else {}),
+        },
     )
 
 
@@ -161,7 +167,26 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     engine = await asyncio.to_thread(build_engine, args)  # loading weights can take seconds
     if not isinstance(engine, ControllableEngine):
         raise ValueError(f"engine {engine.name!r} cannot be driven by a policy")
-    adapter = build_adapter(args, live, engine)
+    try:
+        adapter = build_adapter(args, live, engine)
+        await _serve(args, stop, live, engine, adapter)
+    finally:
+        if (close := getattr(engine, "close", None)) is not None:
+            await asyncio.to_thread(close)  # an SGLang child stops with its worker
+
+
+async def _serve(
+    args: argparse.Namespace,
+    stop: asyncio.Event,
+    live: LiveConfig,
+    engine: ControllableEngine,
+    adapter: PolicyAdapter,
+) -> None:
+    pool: CpuAttnPool | None = None
+    if args.cpu_attn and callable(getattr(engine, "attach_cpu_attn", None)):
+        pool = CpuAttnPool()
+        engine.attach_cpu_attn(pool)  # type: ignore[attr-defined]
+        adapter.cpu_capacity = pool.capacity
     nc: NATS = await connect(args.nats_url, f"instance-{args.id}", args.connect_timeout_s)
     inst = Instance(nc, args.id, engine, adapter, live.cfg.slo)
     migrator = Migrator(inst)
@@ -182,6 +207,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await sub(nc, subjects.migrate_abort(args.id), MigrateAbort, migrator.on_abort)
         await sub(nc, subjects.CTL_POLICY_CHANGED, CtlPolicy, control.on_policy, json=True)
         await nc.subscribe(subjects.instance_control(args.id), cb=control.on_control)
+        reaper: asyncio.Task[None] | None = None
+        if pool is not None:
+            stack.callback(pool.close)
+            discovery = Discovery(pool)
+            await discovery.start(nc)
+            reaper = asyncio.create_task(discovery.reap(stop))
         label = " (emulated timings)" if engine.is_emulated else ""
         log.info(
             "instance %s (slot %d, %s, %s engine%s, model %s, policy %s, data plane %s) ready",
@@ -205,6 +236,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         hb_stop.set()
         await beats
         await expiry
+        if reaper is not None:
+            await reaper
         await nc.publish(
             subjects.heartbeat("instance", args.id),
             codec.encode(heartbeat(inst, status="stopped")),
@@ -226,7 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"given the same): {', '.join(ROLES)}",
     )
     p.add_argument("--engine", default="sim", choices=ENGINES, help="engine to host")
-    p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
+    p.add_argument("--model", default="", help="model path (torch, sglang) or served name (sim)")
     p.add_argument("--tokenizer", default="", help="sim engine: tokenizer (default SmolLM2's)")
     p.add_argument("--device", default="cpu", help="torch device (torch engine)")
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's)")
@@ -237,6 +270,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "cores ÷ engines busy (slot = --index)",
     )
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
+    p.add_argument(
+        "--sglang-url",
+        default="",
+        help="sglang: attach to this running SGLang server (else start one as a child)",
+    )
+    p.add_argument(
+        "--sglang-args",
+        default="",
+        help='sglang: extra `sglang.launch_server` arguments for the child, e.g. "--tp 2"',
+    )
+    p.add_argument(
+        "--sglang-python",
+        default="",
+        help="sglang: the Python that has sglang installed (default: this one)",
+    )
+    p.add_argument(
+        "--sglang-start-timeout-s",
+        type=float,
+        default=900.0,
+        help="sglang: how long to wait for the server to answer /health",
+    )
     p.add_argument("--kv-cache-tokens", type=int, default=0, help="KV pool size (0: default)")
     p.add_argument(
         "--sim-step-model",
@@ -248,6 +302,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="latency model the policy plans with (default: the sim engine's, or the "
         "config's MODEL@HARDWARE roofline for torch)",
+    )
+    p.add_argument(
+        "--cpu-attn",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="torch: offload decode attention to the CPU-attention workers heartbeating on the "
+        "bus when the policy says so (OmniServe)",
     )
     p.add_argument("--data-host", default="127.0.0.1", help="KV data plane address")
     p.add_argument("--data-port", type=int, default=0, help="KV data plane port (0: any free)")

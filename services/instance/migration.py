@@ -11,6 +11,9 @@ source:
    streaming to the same gateway subject with `seq` continuing;
 5. the source forgets it and tells the gateway where it went (a `moved_to` chunk).
 
+An engine that cannot export KV (`--engine sglang`) exports token ids instead: the target
+recomputes prompt + generated tokens, and the result says `mode="recompute"`.
+
 Any failure before the commit is answered puts the request back into the source's engine
 (`rollback`), so it runs on exactly one instance. A commit whose answer is lost is followed by
 a `MigrateAbort`: a target that did start the request drops it again, and one still importing
@@ -31,6 +34,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
@@ -106,6 +110,9 @@ class Migrator:
 
     async def _command(self, cmd: MigrateCommand, msg: Msg) -> None:
         result = await self.migrate_out(cmd)
+        # an engine that cannot move KV (sglang) migrates by recompute; metrics say which
+        mode = getattr(self.inst.engine, "migration_mode", "kv")
+        result = msgspec.structs.replace(result, mode=mode)
         level = logging.INFO if result.outcome == "ok" else logging.WARNING
         log.log(
             level,

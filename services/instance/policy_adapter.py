@@ -10,14 +10,24 @@ is its `max_tokens` (the policy's `ReqState.max_output_tokens`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.cluster.view import report_of, sync_instance
 from tidal.engine.api import SeqSnapshot
 from tidal.perf.api import StepModel
-from tidal.policy.base import InstanceRole, InstanceState, Policy, ReqState, Slo, StepPlan
+from tidal.policy.base import (
+    CpuPoolState,
+    InstanceRole,
+    InstanceState,
+    Policy,
+    ReqState,
+    Slo,
+    StepPlan,
+)
 from tidal.schemas.messages import InstanceReport
+from tidal.sim.models import CpuAttnRoofline
 
 
 @dataclass
@@ -45,6 +55,8 @@ class PolicyAdapter:
     num_reserved_blocks: int = 0  # held for incoming migrations (not the policy's to plan)
     num_incoming: int = 0
     forced: dict[str, int] = field(default_factory=dict)  # req_id -> tokens its cut chunk needs
+    # (live CPU-attention workers, KV bytes free on them), when the engine can offload
+    cpu_capacity: Callable[[], tuple[int, int]] | None = None
 
     @staticmethod
     def build(
@@ -84,6 +96,7 @@ class PolicyAdapter:
         free = max(0, num_free_blocks - self.num_reserved_blocks)
         sync_instance(self.inst, snaps, self.reqs, free, slos=slos, now=now)
         self.inst.num_incoming = self.num_incoming
+        self.inst.cpu = self._cpu_pool()
         self.forced = {s.req_id: s.forced_tokens for s in snaps if s.forced_tokens}
         for rid, r in self.reqs.items():
             m = self.meta.get(rid)
@@ -95,6 +108,23 @@ class PolicyAdapter:
             r.max_tbt_s = m.max_tbt_s
             r.num_preemptions = m.num_preemptions
             r.num_migrations = m.num_migrations
+
+    def _cpu_pool(self) -> CpuPoolState | None:
+        """The CPU-attention workers as a policy sees them (None: none are live). Live, an
+        offloaded request's token is in flight until its outputs are back, which the engine
+        tracks itself, so the pool is never `busy_until` a time; the host room is what the
+        workers say is free."""
+        if self.cpu_capacity is None:
+            return None
+        num_workers, free_bytes = self.cpu_capacity()
+        if num_workers == 0:
+            return None
+        per_token = self.inst.kv_bytes_per_token
+        return CpuPoolState(
+            num_workers=num_workers,
+            model=CpuAttnRoofline(kv_bytes_per_token=per_token),
+            host_kv_capacity_tokens=max(1, int(free_bytes // per_token)),
+        )
 
     def plan(self, now: float) -> StepPlan:
         return self.policy.schedule(self.inst, now)

@@ -130,6 +130,8 @@ class Instance:
         self.adapter.meta[req.req_id] = ReqMeta(slo, req.arrival_unix_s or time.time())
         self.pending_add.append(engine_req)
         self.wake.set()
+        if (wake_step := getattr(self.engine, "wake_step", None)) is not None:
+            wake_step()  # an engine that waits inside its step (sglang) admits it now
         if engine_req.req_class is RequestClass.ONLINE:
             self.preempt_offline_step(f"online {req.req_id} arrived")
         ack = GenerateAck(
@@ -253,7 +255,9 @@ class Instance:
                 self.adapter.sync(self.engine.snapshot(), self.engine.num_free_blocks(), now)
                 plan = self.adapter.plan(now)
                 fcfs = num_bad >= MAX_BAD_PLANS
-                ok = None if plan.is_empty and not fcfs else await self._step(plan, fcfs, origin)
+                # an engine whose requests run by themselves (sglang) steps to collect tokens
+                idle = plan.is_empty and not fcfs and not getattr(self.engine, "self_driven", False)
+                ok = None if idle else await self._step(plan, fcfs, origin)
                 if self.placement_due:
                     # NOTE: mirrored while the lock is held: a migration taking the lock next
                     # would leave `report` without a sync, and the first token unreported.
@@ -298,6 +302,16 @@ class Instance:
             return True
         self.num_steps += 1
         self.last_step_ms = result.telemetry.step_s * 1e3
+        ran = result.telemetry.num_requests or result.events or plan.cpu_decode
+        if not ran and (plan.prefill or plan.decode) and not fcfs:
+            # The engine ran none of the plan (it gave the planned blocks back for lack of
+            # room): a plan it can never run would repeat forever, so count it as refused and
+            # let the engine's own planner take a step after MAX_BAD_PLANS of them.
+            log.warning(
+                "the engine ran nothing of the policy's plan (%s): out of KV blocks",
+                self.adapter.policy.name,
+            )
+            return False
         if getattr(self.engine, "last_step_preempted", False):
             self.num_preemptions += 1
             lat = getattr(self.engine, "last_preempt_latency_s", None)

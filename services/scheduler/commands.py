@@ -72,6 +72,7 @@ class Commands:
             num_bytes=res.num_bytes,
             transfer_s=res.transfer_s,
             total_s=res.total_s,
+            mode=res.mode,
         )
         await self.nc.publish(subjects.MIGRATION_EVENTS, codec.encode(event))
 

@@ -57,7 +57,7 @@ def test_default_stack_answers_with_the_real_model() -> None:
         # The default stack runs the `tidal` policy on a relaxed and a strict instance: the
         # request was prefilled on the relaxed one and pushed, KV included, to the strict one.
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
-        assert b'tidal_migrations_total{kind="push",outcome="ok"} 1.0' in metrics
+        assert b'tidal_migrations_total{kind="push",mode="kv",outcome="ok"} 1.0' in metrics
         _batch_round_trip(client, models[0])
     finally:
         proc.send_signal(signal.SIGINT)

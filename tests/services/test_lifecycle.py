@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -50,11 +52,25 @@ def test_services_drain_and_exit_0_on_sigterm(nats_url: str) -> None:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            env={**os.environ, "TIDAL_LOG_LEVEL": "INFO"},
         )
         for m in ("services.scheduler", "services.cpu_attn", "services.instance")
     ]
-    time.sleep(3)  # let them connect
+    logs: list[list[str]] = [[] for _ in procs]
+    readers = [
+        threading.Thread(target=lambda p=p, out=out: out.extend(p.stderr), daemon=True)
+        for p, out in zip(procs, logs, strict=True)
+    ]
+    for t in readers:
+        t.start()
+    # NOTE: wait for each to say it is ready (connected, handlers installed), not a fixed time:
+    # on a loaded machine importing torch alone can take longer than any sleep chosen here
+    deadline = time.monotonic() + 120
+    while not all(any(" ready" in line for line in out) for out in logs):
+        assert time.monotonic() < deadline, logs
+        assert all(p.poll() is None for p in procs), logs
+        time.sleep(0.1)
     for p in procs:
         p.send_signal(signal.SIGTERM)
-    for p in procs:
-        assert p.wait(timeout=30) == 0, p.stderr.read() if p.stderr else ""
+    for p, out in zip(procs, logs, strict=True):
+        assert p.wait(timeout=30) == 0, "".join(out)

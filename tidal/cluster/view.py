@@ -50,7 +50,12 @@ _LISTED = {
     Phase.OFFLOADED.value: "offloaded",
     PENDING_IN: "pending_in",
 }  # report phase -> InstanceState list; any other phase (migrating) is in no list
-_SNAP_PHASE = {"waiting": Phase.WAITING, "running": Phase.RUNNING, "swapped": Phase.SWAPPED}
+_SNAP_PHASE = {
+    "waiting": Phase.WAITING,
+    "running": Phase.RUNNING,
+    "swapped": Phase.SWAPPED,
+    "offloaded": Phase.OFFLOADED,
+}
 
 
 def req_report(r: ReqState, phase: str | None = None) -> ReqReport:
@@ -259,12 +264,14 @@ def sync_instance(
     waiting, running and swapped lists are rebuilt from the snapshots' status, `num_free_blocks`
     is the engine's and `num_waiting_tokens` is recomputed. `reqs` (req_id -> ReqState) is
     updated in place: a request keeps its object, a new one gets one (its SLO from `slos`,
-    `queued_s` = `now`), and one the engine no longer has is dropped unless `inst.offloaded` or
-    `inst.pending_in` (which the engine does not know) still lists it. Times the engine does not
-    know (first token, ...) are left to the caller."""
+    `queued_s` = `now`), and one the engine no longer has is dropped unless `inst.pending_in`
+    (which the engine does not know) still lists it. Offloaded requests (KV on CPU-attention
+    workers) are the engine's too: `inst.offloaded` is rebuilt from the snapshots. Times the
+    engine does not know (first token, ...) are left to the caller."""
     waiting: list[ReqState] = []
     running: list[ReqState] = []
     swapped: list[ReqState] = []
+    offloaded: list[ReqState] = []
     num_waiting_tokens = 0
     live: set[str] = set()
     for s in snaps:
@@ -297,12 +304,14 @@ def sync_instance(
             num_waiting_tokens += r.num_prefill_left
         elif phase is Phase.RUNNING:
             running.append(r)
+        elif phase is Phase.OFFLOADED:
+            offloaded.append(r)
         else:
             swapped.append(r)
     inst.waiting, inst.running, inst.swapped = waiting, running, swapped
+    inst.offloaded = offloaded
     inst.num_waiting_tokens = num_waiting_tokens
     inst.num_free_blocks = num_free_blocks
-    live.update(r.req_id for r in inst.offloaded)
     live.update(r.req_id for r in inst.pending_in)
     for rid in [rid for rid in reqs if rid not in live]:
         del reqs[rid]

@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ import torch.nn.functional as F
 from tidal.engine import attention
 from tidal.engine.attention import AttnMeta
 from tidal.engine.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from tidal.engine.piggyback import Piggyback
 
 
 @dataclass
@@ -200,66 +204,109 @@ class LlamaModel:
 
     def forward_layers(
         self,
-        batch: ForwardBatch,
+        batch: ForwardBatch | None,
         kv: torch.Tensor,
         should_stop: Callable[[], bool] | None = None,
         module_s: dict[str, float] | None = None,
+        piggy: Piggyback | None = None,
     ) -> int:
         """Run every layer on `batch.hidden` in place; returns how many layers ran (all of them
-        unless `should_stop()` turned true at a layer boundary). kv: (L, 2, slots, Hk, D)."""
+        unless `should_stop()` turned true at a layer boundary). kv: (L, 2, slots, Hk, D).
+
+        `piggy`: offloaded requests riding this step (OmniServe §3.2.2): at each layer their
+        rows join the QKV matmul and, once their attention output is back from the worker, the
+        o_proj and MLP matmuls (layer-wise batching); `batch` is None when they are alone."""
         cfg = self.config
         H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_size, kv_size = cfg.q_size, cfg.kv_size
-        x = batch.hidden
-        cos = self.cos.index_select(0, batch.positions).unsqueeze(1)  # (N, 1, D)
-        sin = self.sin_rot.index_select(0, batch.positions).unsqueeze(1)
         timed = module_s is not None
         sync = torch.cuda.synchronize if timed and self.device.type == "cuda" else _noop
         kv_views = self._kv_views(kv)
-        gi, cur_n = 0, -1
+        if batch is not None:
+            x = batch.hidden
+            cos = self.cos.index_select(0, batch.positions).unsqueeze(1)  # (N, 1, D)
+            sin = self.sin_rot.index_select(0, batch.positions).unsqueeze(1)
+            first = batch.groups[0][0]
+        else:
+            first = len(self.layers)  # no rows of the step's own
+        gi, cur_n, n = 0, -1, 0
         for li, lay in enumerate(self.layers):
-            if li < batch.groups[0][0]:
-                continue  # every row resumes at a later layer
-            while gi + 1 < len(batch.groups) and batch.groups[gi + 1][0] <= li:
-                gi += 1
-            _, n, meta = batch.groups[gi]
-            if n != cur_n:  # the active rows' views, made once per group rather than per layer
-                cur_n, N = n, x.shape[0]
-                xs, c, s = (x, cos, sin) if n == N else (x[:n], cos[:n], sin[:n])
-                slots = batch.slot_mapping if n == N else batch.slot_mapping[:n]
+            regular = li >= first
+            if regular:
+                assert batch is not None
+                while gi + 1 < len(batch.groups) and batch.groups[gi + 1][0] <= li:
+                    gi += 1
+                _, n, meta = batch.groups[gi]
+                if n != cur_n:  # the active rows' views, made once per group, not per layer
+                    cur_n, N = n, x.shape[0]
+                    xs, c, s = (x, cos, sin) if n == N else (x[:n], cos[:n], sin[:n])
+                    slots = batch.slot_mapping if n == N else batch.slot_mapping[:n]
+            pin = piggy.enter(li) if piggy is not None else None
             t0 = time.perf_counter() if timed else 0.0
-            h = F.rms_norm(xs, (cfg.hidden_size,), lay.in_norm, cfg.rms_norm_eps)
-            qkv = self._linear(h, lay.qkv, lay.qkv_bias)  # (n, q + 2kv)
-            qk = qkv[:, : q_size + kv_size].view(n, H + Hk, D)
-            qk = torch.addcmul(qk * c, qk.roll(D // 2, -1), s)  # RoPE: 3 ops, not 7
-            v = qkv[:, q_size + kv_size :].view(n, Hk, D)
-            if timed:
-                sync()
-                t1 = time.perf_counter()
-                _acc(module_s, "qkv", t1 - t0)
-                t0 = t1
-            k_cache, v_cache = kv_views[li]  # (slots, Hk, D)
-            k_cache.index_copy_(0, slots, qk[:, H:])
-            v_cache.index_copy_(0, slots, v)
-            o = attention.ATTENTION(qk[:, :H], k_cache, v_cache, meta, self.scale)  # (n, H*D)
-            if timed:
-                sync()
-                t1 = time.perf_counter()
-                _acc(module_s, "attention", t1 - t0)
-                t0 = t1
-            xs += self._linear(o, lay.o)
-            if timed:
-                sync()
-                t1 = time.perf_counter()
-                _acc(module_s, "o_proj", t1 - t0)
-                t0 = t1
-            h = F.rms_norm(xs, (cfg.hidden_size,), lay.post_norm, cfg.rms_norm_eps)
-            g, u = self._linear(h, lay.gate_up).chunk(2, dim=-1)
-            xs += self._linear(F.silu(g) * u, lay.down)
-            if timed:
+            if regular or pin is not None:
+                if pin is None:
+                    hx, hc, hs = xs, c, s
+                else:
+                    px, ppos = pin
+                    pc = self.cos.index_select(0, ppos).unsqueeze(1)
+                    ps = self.sin_rot.index_select(0, ppos).unsqueeze(1)
+                    hx, hc, hs = (
+                        (torch.cat([xs, px]), torch.cat([c, pc]), torch.cat([s, ps]))
+                        if regular
+                        else (px, pc, ps)
+                    )
+                m = hx.shape[0]
+                h = F.rms_norm(hx, (cfg.hidden_size,), lay.in_norm, cfg.rms_norm_eps)
+                qkv = self._linear(h, lay.qkv, lay.qkv_bias)  # (m, q + 2kv)
+                qk = qkv[:, : q_size + kv_size].view(m, H + Hk, D)
+                qk = torch.addcmul(qk * hc, qk.roll(D // 2, -1), hs)  # RoPE: 3 ops, not 7
+                v = qkv[:, q_size + kv_size :].view(m, Hk, D)
+                if pin is not None:
+                    assert piggy is not None  # q, k, v out first: the worker starts meanwhile
+                    r0 = n if regular else 0
+                    piggy.send(li, qk[r0:, :H], qk[r0:, H:], v[r0:], self.scale)
+                if timed:
+                    sync()
+                    t1 = time.perf_counter()
+                    _acc(module_s, "qkv", t1 - t0)
+                    t0 = t1
+            if regular:
+                qkr, vr = (qk, v) if pin is None else (qk[:n], v[:n])
+                k_cache, v_cache = kv_views[li]  # (slots, Hk, D)
+                k_cache.index_copy_(0, slots, qkr[:, H:])
+                v_cache.index_copy_(0, slots, vr)
+                o = attention.ATTENTION(qkr[:, :H], k_cache, v_cache, meta, self.scale)
+                if timed:
+                    sync()
+                    t1 = time.perf_counter()
+                    _acc(module_s, "attention", t1 - t0)
+                    t0 = t1
+            back = piggy.arrived(li) if piggy is not None else None
+            if back is None and regular:
+                xs += self._linear(o, lay.o)
+                if timed:
+                    sync()
+                    t1 = time.perf_counter()
+                    _acc(module_s, "o_proj", t1 - t0)
+                    t0 = t1
+                h = F.rms_norm(xs, (cfg.hidden_size,), lay.post_norm, cfg.rms_norm_eps)
+                g, u = self._linear(h, lay.gate_up).chunk(2, dim=-1)
+                xs += self._linear(F.silu(g) * u, lay.down)
+            elif back is not None:
+                assert piggy is not None
+                bx, bo = back  # the residual store's rows whose attention output is back
+                X = torch.cat([xs, bx]) if regular else bx.clone()
+                X += self._linear(torch.cat([o, bo]) if regular else bo, lay.o)
+                h = F.rms_norm(X, (cfg.hidden_size,), lay.post_norm, cfg.rms_norm_eps)
+                g, u = self._linear(h, lay.gate_up).chunk(2, dim=-1)
+                X += self._linear(F.silu(g) * u, lay.down)
+                if regular:
+                    xs.copy_(X[:n])
+                piggy.advance(li, X[n:] if regular else X)
+            if timed and regular:
                 sync()
                 _acc(module_s, "mlp", time.perf_counter() - t0)
-            if self.layer_hook is not None:
+            if self.layer_hook is not None and regular:
                 self.layer_hook(li, n)
             if should_stop is not None and li + 1 < len(self.layers) and should_stop():
                 return li + 1

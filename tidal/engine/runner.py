@@ -11,6 +11,7 @@ import torch
 from tidal.engine.api import FinishReason, TokenEvent
 from tidal.engine.attention import AttnMeta, PrefillSpan
 from tidal.engine.llama import ForwardBatch, LlamaModel
+from tidal.engine.piggyback import Piggyback
 from tidal.engine.sampling import sample
 from tidal.engine.sequence import PartialChunk, Sequence
 
@@ -30,6 +31,7 @@ class RunOutput:
     decode_context_tokens: int = 0  # KV tokens the decodes attend to
     prefill_attn_pairs: int = 0  # Σ new·(cached + new) over prefill chunks
     prefill_sq_tokens: int = 0  # Σ new² over prefill chunks
+    num_cpu_decode_tokens: int = 0  # tokens of offloaded requests (attention on CPU workers)
 
 
 class StepRunner:
@@ -53,10 +55,14 @@ class StepRunner:
         items: list[Item],
         should_stop: Callable[[], bool],
         module_s: dict[str, float] | None,
+        piggy: Piggyback | None = None,
     ) -> RunOutput:
+        """Run `items`, and the offloaded rows `piggy` carries (OmniServe §3.2.2) beside them."""
         out = RunOutput()
-        if not items:
+        if not items and piggy is None:
             return out
+        if self.keep_logits:
+            self.last_logits = {}
 
         # Row order: fresh single-token items, fresh chunks, then resumed chunks by start layer,
         # so the rows active at any layer form a prefix (see llama.py).
@@ -74,12 +80,13 @@ class StepRunner:
                 out.prefill_attn_pairs += n * (seq.num_computed + n)
                 out.prefill_sq_tokens += n * n
             out.num_context_tokens += seq.num_computed + n
-        batch, rows = self._build(items, [start(it) for it in items])
-        layers = self.model.forward_layers(batch, self.kv, should_stop, module_s)
+        batch, rows = self._build(items, [start(it) for it in items]) if items else (None, [])
+        layers = self.model.forward_layers(batch, self.kv, should_stop, module_s, piggy)
         if layers < self.model.config.num_hidden_layers:
             # OOCO §3.4.1: keep every interrupted chunk's progress; resume from `layers`.
+            assert batch is not None or not items
             for (seq, n), (r0, r1) in zip(items, rows, strict=True):
-                if start((seq, n)) < layers:
+                if start((seq, n)) < layers and batch is not None:
                     seq.partial = PartialChunk(n, layers, batch.hidden[r0:r1].clone())
             out.preempted = True
             return out
@@ -93,19 +100,31 @@ class StepRunner:
             seq.partial = None
             out.done.append(seq)
         if sampled:
+            assert batch is not None
             idx = torch.tensor([r for _, r in sampled], device=self.device)
-            logits = self.model.logits(batch.hidden.index_select(0, idx))  # (M, V) fp32
-            seqs = [s for s, _ in sampled]
-            want_lp = any(s.req.sampling.logprobs is not None for s in seqs)
-            toks, lps = sample(
-                logits, [s.req.sampling for s in seqs], [s.generator for s in seqs], want_lp
-            )
-            if self.keep_logits:
-                self.last_logits = {s.req_id: logits[i].cpu() for i, s in enumerate(seqs)}
-            for i, seq in enumerate(seqs):
-                lp = lps[i] if seq.req.sampling.logprobs is not None else None
-                out.events.append(self._append(seq, toks[i], lp))
+            self._sample([s for s, _ in sampled], batch.hidden.index_select(0, idx), out)
+        if piggy is not None and (fin := piggy.finished()):
+            hidden = torch.cat([_cpu_x(s) for s in fin])
+            for s in fin:  # this token's KV is on the worker at every layer now
+                assert s.cpu is not None
+                s.num_computed += 1
+                s.cpu.stage, s.cpu.layer, s.cpu.x = "idle", 0, None
+            out.num_cpu_decode_tokens = len(fin)
+            self._sample(fin, hidden, out)
         return out
+
+    def _sample(self, seqs: list[Sequence], hidden: torch.Tensor, out: RunOutput) -> None:
+        """Sample the next token of each of `seqs` from its final hidden state (M, hidden)."""
+        logits = self.model.logits(hidden)  # (M, V) fp32
+        want_lp = any(s.req.sampling.logprobs is not None for s in seqs)
+        toks, lps = sample(
+            logits, [s.req.sampling for s in seqs], [s.generator for s in seqs], want_lp
+        )
+        if self.keep_logits:
+            self.last_logits |= {s.req_id: logits[i].cpu() for i, s in enumerate(seqs)}
+        for i, seq in enumerate(seqs):
+            lp = lps[i] if seq.req.sampling.logprobs is not None else None
+            out.events.append(self._append(seq, toks[i], lp))
 
     def _append(self, seq: Sequence, tok: int, logprob: float | None) -> TokenEvent:
         sp = seq.req.sampling
@@ -236,6 +255,11 @@ class StepRunner:
                 )
             )
         return meta
+
+
+def _cpu_x(seq: Sequence) -> torch.Tensor:
+    assert seq.cpu is not None and seq.cpu.x is not None
+    return seq.cpu.x
 
 
 def _span(seq: Sequence, bs: int) -> tuple[int, int] | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.engine.api import EngineRequest
+from tidal.engine.piggyback import CpuProgress
 from tidal.engine.sampling import Detokenizer
 
 
@@ -15,6 +16,7 @@ class SeqStatus(enum.StrEnum):
     WAITING = "waiting"  # no KV (new, or preempted by recompute)
     RUNNING = "running"  # holds KV blocks
     SWAPPED = "swapped"  # KV in host memory (swap_out); not schedulable until swap_in
+    OFFLOADED = "offloaded"  # KV on a CPU-attention worker; decodes by piggybacking
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Sequence:
     partial: PartialChunk | None = None
     swapped_kv: torch.Tensor | None = None  # (L, 2, T, Hk, D) on the host while SWAPPED
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    cpu: CpuProgress | None = None  # while OFFLOADED: its worker and its token's progress
 
     @property
     def req_id(self) -> str:

@@ -44,6 +44,7 @@ from tidal.engine.api import (
     StepTelemetry,
 )
 from tidal.engine.core_share import CoreShare
+from tidal.engine.cpu_offload import CpuOffloadMixin
 from tidal.engine.dtype_choice import DtypeChoice
 from tidal.engine.engine_config import EngineConfig, default_dtype
 from tidal.engine.kv_cache import BlockAllocator, block_hashes
@@ -59,8 +60,10 @@ from tidal.policy.plan import StepPlan
 
 __all__ = ["EngineConfig", "TorchEngine", "default_dtype", "load_torch_engine"]
 
+_DECODING = (SeqStatus.RUNNING, SeqStatus.OFFLOADED)  # counted as running in `load()`
 
-class TorchEngine:
+
+class TorchEngine(CpuOffloadMixin):
     name = "torch"
     is_emulated = False
 
@@ -160,8 +163,8 @@ class TorchEngine:
     def load(self) -> EngineLoad:
         seqs = list(self.seqs.values())
         return EngineLoad(
-            num_running=sum(s.status == SeqStatus.RUNNING for s in seqs),
-            num_waiting=sum(s.status != SeqStatus.RUNNING for s in seqs),
+            num_running=sum(s.status in _DECODING for s in seqs),
+            num_waiting=sum(s.status not in _DECODING for s in seqs),
             num_kv_blocks_used=self.allocator.num_used,
             num_kv_blocks_total=self.allocator.num_blocks,
             num_online=sum(s.req.req_class == RequestClass.ONLINE for s in seqs),
@@ -188,13 +191,17 @@ class TorchEngine:
                 plan = self.planner.plan(
                     self.schedulable(), self.allocator.num_free, self.block_size
                 )
+            self._requeue_lost()
             items, finished = self._prepare(plan)
             events = [self.runner.finish_event(s, "length") for s in finished]
             for s in finished:
                 self.seqs.pop(s.req_id, None)
                 self._free(s)
             module_s: dict[str, float] | None = {} if self.config.profile_modules else None
-            out = self.runner.run(items, self.preemption.is_set, module_s)
+            piggy = self._piggyback(plan.cpu_decode, not items, self.preemption.is_set)
+            out = self.runner.run(items, self.preemption.is_set, module_s, piggy)
+            if piggy is not None:
+                self.piggy_steps.append((len(piggy.seqs), piggy.overhead_s))
             self.last_step_preempted = out.preempted
             if out.preempted:
                 self.last_preempt_latency_s = self.preemption.latency_s()
@@ -243,10 +250,11 @@ class TorchEngine:
                 forced_tokens=s.partial.num_tokens if s.partial else 0,
             )
             for s in self.seqs.values()
-            if s.status != SeqStatus.SWAPPED
+            if s.status not in (SeqStatus.SWAPPED, SeqStatus.OFFLOADED)
         ]
 
     def snapshot(self) -> list[SeqSnapshot]:
+        self._requeue_lost()  # the policy plans with what the workers still hold
         return [
             SeqSnapshot(
                 req_id=s.req_id,
@@ -271,6 +279,10 @@ class TorchEngine:
         seq = self.seqs[req_id]
         if seq.status == SeqStatus.SWAPPED:
             raise ValueError(f"{req_id!r} is swapped out; swap it in or abort it")
+        if seq.status == SeqStatus.OFFLOADED:
+            self._drop_offloaded(seq)
+            seq.num_computed, seq.hashes, seq.status = 0, [], SeqStatus.WAITING
+            self.num_recompute_preemptions += 1
         if seq.block_ids:
             self._preempt_recompute(seq)
 
@@ -316,6 +328,8 @@ class TorchEngine:
         """The request as bytes (tokens, sampling and RNG state, KV of all layers, any
         preempted partial chunk); with `remove` it also leaves this engine."""
         seq = self.seqs[req_id]
+        if seq.status == SeqStatus.OFFLOADED:
+            raise ValueError(f"{req_id!r} is offloaded to a CPU-attention worker; recall it first")
         n = self._kv_tokens(seq)
         kv = seq.swapped_kv
         if seq.status == SeqStatus.RUNNING and n:
@@ -358,8 +372,8 @@ class TorchEngine:
         when blocks run out. Returns (items to run, requests to end for a full KV cache)."""
         items: list[tuple[Sequence, int]] = []
         finished: list[Sequence] = []
-        if plan.cpu_decode or plan.offload or plan.recall:
-            raise ValueError("this engine has no CPU-attention path (offload/recall/cpu_decode)")
+        if plan.offload or plan.recall:
+            raise ValueError("offload/recall are the executor's to carry out, before the step")
         # Cut chunks first, then decodes, then prefill chunks: the order the runner batches
         # rows in, which a chunk cut at a layer boundary resumes with.
         merged = dict(plan.prefill) | dict.fromkeys(plan.decode, 1)
@@ -440,6 +454,7 @@ class TorchEngine:
         seq.num_registered = 0
 
     def _free(self, seq: Sequence) -> None:
+        self._drop_offloaded(seq)
         if seq.block_ids:
             self._release_blocks(seq)
         seq.swapped_kv = None

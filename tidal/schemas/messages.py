@@ -224,6 +224,7 @@ class MigrateResult(msgspec.Struct, frozen=True):
     num_bytes: int = 0
     transfer_s: float = 0.0
     total_s: float = 0.0
+    mode: str = "kv"  # "kv": KV moved | "recompute": the target recomputes it (sglang engine)
 
 
 class MigrationEvent(msgspec.Struct, frozen=True):
@@ -238,6 +239,7 @@ class MigrationEvent(msgspec.Struct, frozen=True):
     num_bytes: int = 0
     transfer_s: float = 0.0
     total_s: float = 0.0
+    mode: str = "kv"  # `MigrateResult.mode`
 
 
 class BatchStats(msgspec.Struct, frozen=True):

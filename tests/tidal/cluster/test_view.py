@@ -188,13 +188,16 @@ def snap(rid: str, status: str, computed: int = 0, out: int = 0, blocks: int = 0
 
 def test_sync_instance_mirrors_the_engine() -> None:
     inst = make_instance(3)
-    off = make_request("o", Phase.OFFLOADED, 3)
-    inst.offloaded.append(off)
-    reqs: dict[str, ReqState] = {"o": off}
+    reqs: dict[str, ReqState] = {}
     slo = Slo(2.0, 0.1)
     sync_instance(
         inst,
-        [snap("a", "running", 310, 11, 20), snap("b", "waiting"), snap("c", "swapped", 40)],
+        [
+            snap("a", "running", 310, 11, 20),
+            snap("b", "waiting"),
+            snap("c", "swapped", 40),
+            snap("o", "offloaded", 300, 5),
+        ],
         reqs,
         60,
         slos={"a": slo},
@@ -203,6 +206,7 @@ def test_sync_instance_mirrors_the_engine() -> None:
     assert [r.req_id for r in inst.running] == ["a"]
     assert [r.req_id for r in inst.waiting] == ["b"]
     assert [r.req_id for r in inst.swapped] == ["c"]
+    assert [r.req_id for r in inst.offloaded] == ["o"] and reqs["o"].phase is Phase.OFFLOADED
     assert inst.num_free_blocks == 60 and inst.num_waiting_tokens == 300
     a = reqs["a"]
     assert (a.phase, a.instance_id, a.num_computed_tokens, a.num_output_tokens, a.num_blocks) == (
@@ -213,10 +217,14 @@ def test_sync_instance_mirrors_the_engine() -> None:
         20,
     )
     assert a.slo == slo and a.queued_s == T0 + 9 and a.is_decoding
-    # Next step: b started (same object), a finished and left the engine; o stays offloaded.
-    b = reqs["b"]
-    sync_instance(inst, [snap("b", "running", 256, 0, 16)], reqs, 50)
+    # Next step: b started (same object), a finished and left the engine; o stays offloaded
+    # (on a CPU-attention worker: the engine still reports it).
+    b, o = reqs["b"], reqs["o"]
+    sync_instance(
+        inst, [snap("b", "running", 256, 0, 16), snap("o", "offloaded", 301, 6)], reqs, 50
+    )
     assert inst.running == [b] and reqs["b"] is b and b.phase is Phase.RUNNING
+    assert inst.offloaded == [o] and o.num_output_tokens == 6
     assert set(reqs) == {"b", "o"} and inst.waiting == [] and inst.swapped == []
     with pytest.raises(ValueError, match="status"):
         sync_instance(inst, [snap("x", "lost")], reqs, 50)

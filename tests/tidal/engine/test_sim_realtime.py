@@ -54,7 +54,9 @@ def test_preemption_from_another_thread_cuts_at_the_next_layer_and_resumes() -> 
     t.join()
     # signalled at 50 ms inside layer 3 (40-60 ms): the step ends when that layer does
     assert res.events == [] and eng.last_step_preempted
-    assert elapsed == pytest.approx(0.06, abs=0.03)
+    # NOTE: wall time is only bounded below (a sleep never ends early; on a loaded machine it
+    # ends late): the emulated step_s below says which layers ran
+    assert elapsed >= 0.05
     assert eng.last_preempt_latency_s is not None and eng.last_preempt_latency_s < LAYER_S + 0.02
     assert res.telemetry.step_s == pytest.approx(3 * LAYER_S)  # emulated: the layers run
     (snap,) = eng.snapshot()
@@ -65,8 +67,8 @@ def test_preemption_from_another_thread_cuts_at_the_next_layer_and_resumes() -> 
     res = eng.step(StepPlan(prefill={"a": 20}))
     elapsed = time.perf_counter() - t0
     assert [e.num_output_tokens for e in res.events] == [1] and not eng.last_step_preempted
-    assert elapsed == pytest.approx(7 * LAYER_S, abs=0.04)  # only the 7 layers left
-    assert res.telemetry.step_s == pytest.approx(7 * LAYER_S)
+    assert elapsed >= 7 * LAYER_S - 0.005  # it waited out the 7 layers left ...
+    assert res.telemetry.step_s == pytest.approx(7 * LAYER_S)  # ... and only those
     out = [t for e in res.events for t in e.token_ids]
     fast = make_engine()  # finish without waiting: migrate to a non-realtime engine
     fast.import_request(eng.export_request("a"))

@@ -1,0 +1,202 @@
+"""A small fake of the SGLang HTTP server, for unit tests of the `sglang` engine adapter alone.
+
+It speaks the subset the adapter uses, as SGLang 0.5.23 defines it (PyPI wheel
+`sglang-0.5.23-cp311`):
+
+- `POST /generate` — `sglang/srt/entrypoints/http_server.py` `generate_request` with the body
+  `GenerateReqInput` (`sglang/srt/managers/io_struct.py`); streamed as `data: {json}` lines and
+  `data: [DONE]`, `output_ids` cumulative (`managers/tokenizer_manager.py`, the default without
+  `--incremental-streaming-output`), `meta_info.completion_tokens` and `finish_reason`
+  (`{"type": "length"}` / `{"type": "stop", "matched": id}` / `{"type": "abort"}`); unknown body
+  or `sampling_params` keys get HTTP 400 (`entrypoints/api_contract.py`,
+  `sampling/sampling_params.py`); `max_new_tokens` defaults to 128;
+- `POST /abort_request` — `AbortReq` (`rid`, `abort_all`), rid matched by prefix;
+- `GET /v1/loads` — `entrypoints/v1_loads.py` over `managers/load_snapshot.py` `LoadSnapshot`;
+- `GET /server_info`, `GET /health`.
+
+Scheduling is a crude stand-in for SGLang's: at most `max_running` requests decode, one token
+each per `token_s`; the waiting ones go in by priority (larger first), then arrival. The next
+token is a fixed function of the whole context, like greedy decoding, so a recompute from
+prompt + generated ids continues exactly as the uninterrupted request would. This is a test of
+the adapter alone, never evidence that Tidal runs on SGLang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.cli import natsd
+
+BODY_KEYS = {"rid", "input_ids", "text", "sampling_params", "stream", "priority", "return_logprob"}
+BODY_KEYS |= {"bootstrap_host", "bootstrap_port", "bootstrap_room"}
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos"}
+SAMPLING_KEYS |= {"stop_token_ids", "sampling_seed", "skip_special_tokens", "stop"}
+VOCAB = 1000
+
+
+def next_token(context: list[int]) -> int:
+    """Deterministic 'greedy' next token of a context (never 0-2: no special tokens)."""
+    return 3 + (sum(context[-4:]) * 31 + len(context) * 7) % (VOCAB - 3)
+
+
+@dataclass
+class FakeReq:
+    rid: str
+    input_ids: list[int]
+    max_new: int
+    priority: int
+    stop_ids: set[int]
+    arrival: float
+    out: list[int] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class FakeSglang:
+    def __init__(self, max_running: int = 8, token_s: float = 0.002, total_tokens: int = 20000):
+        self.max_running = max_running
+        self.token_s = token_s
+        self.total_tokens = total_tokens
+        self.bodies: list[dict[str, Any]] = []  # every /generate body, in arrival order
+        self.aborts: list[str] = []  # every /abort_request rid
+        self.refuse = ""  # when set, /generate answers 400 with this message
+        self.running: list[FakeReq] = []
+        self.waiting: list[FakeReq] = []
+        self.app = self._build()
+        self.url = ""
+        self._server: uvicorn.Server | None = None
+
+    # ---- scheduling ----
+
+    def _admit(self) -> None:
+        self.waiting.sort(key=lambda r: (-r.priority, r.arrival))
+        while self.waiting and len(self.running) < self.max_running:
+            self.running.append(self.waiting.pop(0))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.token_s)
+            self._admit()
+            for r in list(self.running):
+                tok = next_token([*r.input_ids, *r.out])
+                r.out.append(tok)
+                if tok in r.stop_ids:
+                    r.finish = {"type": "stop", "matched": tok}
+                elif len(r.out) >= r.max_new:
+                    r.finish = {"type": "length", "length": r.max_new}
+                meta = {
+                    "id": r.rid,
+                    "finish_reason": r.finish,
+                    "prompt_tokens": len(r.input_ids),
+                    "completion_tokens": len(r.out),
+                }
+                r.chunks.put_nowait({"text": None, "output_ids": list(r.out), "meta_info": meta})
+                if r.finish is not None:
+                    self.running.remove(r)
+                    r.chunks.put_nowait(None)
+
+    def _abort(self, rid: str) -> None:
+        for q in (self.running, self.waiting):
+            for r in [r for r in q if r.rid.startswith(rid)]:
+                q.remove(r)
+                r.finish = {"type": "abort", "message": "Abort in waiting queue"}
+                r.chunks.put_nowait(None)
+
+    # ---- HTTP ----
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/generate")
+        async def generate(request: Request) -> Response:
+            body = await request.json()
+            self.bodies.append(body)
+            if self.refuse:
+                return JSONResponse({"error": {"message": self.refuse}}, 400)
+            if bad := set(body) - BODY_KEYS:
+                return JSONResponse({"error": f"unknown field(s) {sorted(bad)}"}, 400)
+            sp = body.get("sampling_params") or {}
+            if bad := set(sp) - SAMPLING_KEYS:
+                return JSONResponse({"error": f"unknown sampling_params {sorted(bad)}"}, 400)
+            r = FakeReq(
+                body.get("rid") or uuid.uuid4().hex,  # SGLang makes one when omitted
+                list(body["input_ids"]),
+                int(sp.get("max_new_tokens", 128)),
+                int(body.get("priority") or 0),
+                set(sp.get("stop_token_ids") or ()),
+                time.monotonic(),
+            )
+            self.waiting.append(r)
+
+            async def stream() -> AsyncIterator[bytes]:
+                while (chunk := await r.chunks.get()) is not None:
+                    yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+
+        @app.post("/abort_request")
+        async def abort(request: Request) -> Response:
+            body = await request.json()
+            self.aborts.append(body.get("rid", ""))
+            self._abort(body.get("rid", ""))
+            return Response(status_code=200)
+
+        @app.get("/v1/loads")
+        async def loads() -> dict[str, Any]:
+            used = sum(len(r.input_ids) + len(r.out) for r in self.running)
+            load = {
+                "dp_rank": 0,
+                "num_running_reqs": len(self.running),
+                "num_waiting_reqs": len(self.waiting),
+                "num_used_tokens": used,
+                "max_total_num_tokens": self.total_tokens,
+                "token_usage": used / self.total_tokens,
+                "gen_throughput": 123.0,
+            }
+            return {"version": "0.5.23", "loads": [load]}
+
+        @app.get("/server_info")
+        async def server_info() -> dict[str, Any]:
+            return {"served_model_name": "fake-model", "context_length": 4096, "version": "0.5.23"}
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        @app.on_event("startup")
+        async def start_loop() -> None:
+            app.state.loop_task = asyncio.create_task(self._loop())
+
+        return app
+
+    @contextlib.contextmanager
+    def serve(self) -> Iterator[str]:
+        port = natsd.free_port()
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        thread = threading.Thread(target=self._server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("fake SGLang did not start")
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{port}"
+        try:
+            yield self.url
+        finally:
+            self._server.should_exit = True
+            thread.join(timeout=10)

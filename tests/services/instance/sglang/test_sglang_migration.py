@@ -1,0 +1,84 @@
+"""Recompute migration between two `--engine sglang` instances over a real nats-server, each
+instance attached to its own fake SGLang server (`fake_sglang`: a test of the adapter, not of
+SGLang). The source aborts the request in its SGLang; the target resubmits prompt + generated
+ids to its own; the gateway subject gets each `seq` once and the text of a run that never
+moved."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from services.common.bus import connect
+from services.instance import main as instance_main
+from tests.services.instance.migration_kit import (
+    EngineKind,
+    Gateway,
+    migrate,
+    start_request,
+    wait_report,
+)
+from tests.services.instance.sglang.fake_sglang import FakeSglang
+from tidal.engine.tokenizer import embedded_model_path
+
+pytestmark = pytest.mark.nats
+KIND = EngineKind("sglang", (), 40)  # `running` below passes the engine's options
+
+
+@contextlib.asynccontextmanager
+async def running(nats_url: str, iid: str, index: int, sglang_url: str) -> AsyncIterator[None]:
+    argv = [
+        *("--nats-url", nats_url, "--id", iid, "--index", str(index)),
+        *("--policy", "aggregated", "--roles", "aggregated,aggregated"),
+        *("--engine", "sglang", "--sglang-url", sglang_url),
+        # the tokenizer comes from the model: the embedded SmolLM2's GGUF
+        *("--model", str(embedded_model_path()), "--sglang-start-timeout-s", "30"),
+    ]
+    stop = asyncio.Event()
+    task = asyncio.create_task(instance_main.serve(instance_main.parse_args(argv), stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
+
+
+async def test_a_migration_on_sglang_is_a_recompute_with_the_same_output(nats_url: str) -> None:
+    a, b, ref = (FakeSglang(token_s=0.08) for _ in range(3))
+    with a.serve(), b.serve(), ref.serve():
+        async with running(nats_url, "ref", 0, ref.url):
+            nc = await connect(nats_url, "ref-client")
+            await wait_report(nc, "ref")
+            want = Gateway()
+            await start_request(nc, "ref", want, KIND, req_id="ref-r")
+            await asyncio.wait_for(want.done.wait(), 60)
+            await nc.drain()
+        async with running(nats_url, "src", 0, a.url), running(nats_url, "dst", 1, b.url):
+            nc = await connect(nats_url, "client")
+            await wait_report(nc, "src")
+            await wait_report(nc, "dst")
+            gw = Gateway()
+            await start_request(nc, "src", gw, KIND)
+            res = await migrate(nc, "src", "dst")
+            assert res.outcome == "ok", res
+            assert res.mode == "recompute"
+            await asyncio.wait_for(gw.done.wait(), 60)
+            gw.assert_complete_once(KIND.num_tokens)
+            moved = [c for c in gw.chunks if c.moved_to]
+            assert [c.moved_to for c in moved] == ["dst"]
+            assert "".join(c.text for c in gw.tokens) == "".join(c.text for c in want.tokens)
+            # the source's SGLang was told to stop it; the target's got prompt + generated ids
+            for _ in range(600):  # the abort is posted on the source client's own loop
+                if a.aborts:
+                    break
+                await asyncio.sleep(0.05)
+            assert a.aborts == [a.bodies[0]["rid"]]
+            (resumed,) = b.bodies
+            n_before = len(resumed["input_ids"]) - len(a.bodies[0]["input_ids"])
+            assert n_before >= 5
+            assert resumed["input_ids"][: len(a.bodies[0]["input_ids"])] == a.bodies[0]["input_ids"]
+            assert resumed["sampling_params"]["max_new_tokens"] == 40 - n_before
+            await nc.drain()
