@@ -144,7 +144,7 @@ def omni_step(
     be_bound = bound - d * cfg.piggyback_overhead_per_layer_s if pig else bound
     dec, pre = split_running(inst)
     dec = [r for r in dec if r.phase is Phase.RUNNING]
-    victims = make_room_for_decodes(inst, dec)
+    victims = make_room_for_decodes(inst, dec, decoding_first=cpu is not None)
     if victims:
         # Out of KV: BE decodes go to the CPU workers (or are preempted without them).
         room = _HostRoom(cpu, in_flight)
