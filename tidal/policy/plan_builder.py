@@ -101,9 +101,13 @@ def ids(reqs: Iterable[ReqState]) -> tuple[str, ...]:
     return tuple(r.req_id for r in reqs)
 
 
-def make_room_for_decodes(inst: InstanceState, decodes: list[ReqState]) -> list[ReqState]:
+def make_room_for_decodes(
+    inst: InstanceState, decodes: list[ReqState], decoding_first: bool = False
+) -> list[ReqState]:
     """vLLM-style: when the next token of every decode does not fit in the free KV blocks, evict
-    the newest running requests (offline before online) until it does. Returns the victims."""
+    the newest running requests (offline before online) until it does. Returns the victims.
+    `decoding_first`: offline decodes go before offline prefills (a caller that can offload a
+    decode keeps its KV, where an evicted prefill recomputes every chunk it had)."""
     bs = inst.block_size
     need = 0
     for r in decodes:
@@ -115,6 +119,8 @@ def make_room_for_decodes(inst: InstanceState, decodes: list[ReqState]) -> list[
     run = [r for r in inst.running if r.phase is Phase.RUNNING]
     # Offline first, newest first.
     pool = [r for r in reversed(run) if not r.is_online] + [r for r in reversed(run) if r.is_online]
+    if decoding_first:
+        pool.sort(key=lambda r: (r.is_online, not r.is_decoding))  # stable: newest first within
     victims: list[ReqState] = []
     members = {id(r) for r in decodes}
     for v in pool:

@@ -144,7 +144,7 @@ def omni_step(
     be_bound = bound - d * cfg.piggyback_overhead_per_layer_s if pig else bound
     dec, pre = split_running(inst)
     dec = [r for r in dec if r.phase is Phase.RUNNING]
-    victims = make_room_for_decodes(inst, dec)
+    victims = make_room_for_decodes(inst, dec, decoding_first=cpu is not None)
     if victims:
         # Out of KV: BE decodes go to the CPU workers (or are preempted without them).
         room = _HostRoom(cpu, in_flight)
@@ -216,10 +216,14 @@ def omni_step(
     if has_slack and inst.offloaded and slack[iid] > patience:
         # Delayed swap-in (§3.2.4): only a request whose token is out (not in this step's CPU
         # batch) and only if its KV and the next token fit.
+        # NOTE: a recall that leaves the GPU decodes no room to grow is undone by an offload a
+        # few steps later (live, 1k-token requests ping-ponged hundreds of times in 3 minutes,
+        # each a one-shot KV copy both ways): keep a block per GPU decode plus 5 % free after it.
+        reserve = len(b.decode) + inst.num_blocks // 20
         for r in inst.offloaded:
             if r.req_id in cpu_decode:
                 continue
-            if b.budget.take(r, 1):
+            if b.budget.free - b.budget.cost(r, 1) >= reserve and b.budget.take(r, 1):
                 recall.append(r.req_id)
             break
     if not (b.prefill or b.decode or offload or cpu_decode or recall):
