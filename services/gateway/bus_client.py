@@ -72,6 +72,7 @@ class _Down:
     reason: str
     at_s: float  # monotonic time the notice came in
     exclude: bool = True  # keep the request off that instance (False: the instance is fine)
+    alive: bool = False  # the instance still runs the request: cancel it there
 
 
 @dataclass
@@ -90,6 +91,11 @@ class RequestHandle:
     num_recomputes: int = 0
     num_migrations: int = 0
     placed_at_s: float = 0.0  # monotonic time an instance last accepted it
+    reconnects_at_place: int = 0  # the bus's reconnect count when an instance accepted it
+    client_req_id: str = ""  # the id the client knows (a re-run copy may have another)
+
+    def __post_init__(self) -> None:
+        self.client_req_id = self.client_req_id or self.request.req_id
 
     async def batches(self) -> AsyncIterator[list[TokenChunk]]:
         """The request's chunks in order, in batches of whatever has arrived: a burst of tokens
@@ -127,6 +133,13 @@ class RequestHandle:
             return []
         if item.seq < self.num_chunks:
             return []  # already delivered (a duplicate after a migration race)
+        if item.seq > self.num_chunks and self._reconnected():
+            # Chunks are plain NATS messages, in order from one instance: a gap after a bus
+            # outage is chunks lost in it, for good. The instance still runs the request, so
+            # the stream would wait forever for them: run it again elsewhere from what the
+            # client has, under a new id so that what the old copy still sends is dropped.
+            why = f"chunks {self.num_chunks}..{item.seq - 1} were lost in a bus outage"
+            return await self._lost(_Down(item.instance_id, why, time.monotonic(), alive=True))
         self.early[item.seq] = item
         out: list[TokenChunk] = []
         while self.num_chunks in self.early:
@@ -141,11 +154,20 @@ class RequestHandle:
                 break
         return out
 
+    def _reconnected(self) -> bool:
+        """Has the bus reconnected since an instance last accepted the request?"""
+        return bool(self.bus.nc.stats.get("reconnects", 0) != self.reconnects_at_place)
+
     async def _lost(self, down: _Down) -> list[TokenChunk]:
-        """The instance running the request died: run it elsewhere, resuming after what the
-        client already has (recompute), or end it with an error if that keeps failing."""
+        """The instance running the request died (or its chunks were lost): run it elsewhere,
+        resuming after what the client already has (recompute), or end it with an error if that
+        keeps failing."""
+        if down.alive:
+            await self._abandon(down.reason)
         if self.num_recomputes < MAX_RECOMPUTES:
             self.num_recomputes += 1
+            if self.bus.metrics is not None:
+                self.bus.metrics.recomputes.labels(self.request.req_class).inc()
             log.warning(
                 "request %s lost on %s after %d token(s); recomputing elsewhere",
                 self.request.req_id,
@@ -180,6 +202,15 @@ class RequestHandle:
                 error=f"instance {down.instance_id} failed mid-request: {reason}",
             )
         ]
+
+    async def _abandon(self, reason: str) -> None:
+        """Cancel the copy that still runs and take a new id for the next one."""
+        old = self.request.req_id
+        await self.bus.nc.publish(subjects.CANCEL, codec.encode(CancelRequest(old, reason)))
+        new = f"{self.client_req_id}.r{self.num_recomputes + 1}"
+        self.request = msgspec.structs.replace(self.request, req_id=new)
+        self.bus.handles.pop(old, None)
+        self.bus.handles[new] = self
 
     async def cancel(self, reason: str = "client disconnected") -> None:
         if self.is_finished:
@@ -307,6 +338,7 @@ class GatewayBus:
                 if not handle.ack.ok:  # keep the first ack: a recompute's prompt holds outputs
                     handle.ack = ack
                 handle.placed_at_s = time.monotonic()
+                handle.reconnects_at_place = self.nc.stats.get("reconnects", 0)
                 return
             if ack.error_code == "draining":
                 tried.append(route.instance_id)
