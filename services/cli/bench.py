@@ -24,6 +24,7 @@ from pathlib import Path
 from services.cli import (
     bench_batch,
     bench_colocation,
+    bench_faults,
     bench_migration,
     bench_overload,
     bench_replay,
@@ -134,6 +135,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_serve.register(bench)
     bench_batch.register(bench)
     bench_overload.register(bench)
+    bench_faults.register(bench)
     # The engine benchmark lives beside the engine; it adds `tidal bench engine` when present.
     try:
         engine_bench = importlib.import_module("tidal.engine.bench")
