@@ -15,11 +15,9 @@ import argparse
 import asyncio
 import contextlib
 import importlib
-import json
 import statistics
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 from services.cli import (
     bench_batch,
@@ -32,7 +30,7 @@ from services.cli import (
     natsd,
 )
 from services.cli.benchkit import pct as _pct
-from services.cli.benchkit import stack
+from services.cli.benchkit import save_json, stack
 
 
 @contextlib.contextmanager
@@ -110,8 +108,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             f"  {name:15s} p50 {stats['p50']:7.2f} ms   p99 {stats['p99']:7.2f} ms   "
             f"(n={stats['n']})"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    save_json(args.json, report)
     return 0
 
 

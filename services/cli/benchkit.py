@@ -3,6 +3,7 @@ writing a report as JSON."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -28,7 +29,9 @@ def save_json(path: str, report: dict[str, Any]) -> None:
     if not path:
         return
     clean = {
-        k: {a: v for a, v in vars(x).items() if not callable(v)} if hasattr(x, "_get_kwargs") else x
+        k: {a: v for a, v in vars(x).items() if not callable(v)}
+        if isinstance(x, argparse.Namespace)
+        else x
         for k, x in report.items()
     }
     Path(path).write_text(json.dumps(clean, indent=2, default=str))

@@ -156,9 +156,10 @@ async def _retrying(fn: Any, timeout_s: float) -> Any:
             await asyncio.sleep(0.3)
 
 
-async def _stream(c: openai.AsyncOpenAI, i: int, max_tokens: int, r: StreamResult) -> None:
+async def stream(c: openai.AsyncOpenAI, i: int, max_tokens: int, r: StreamResult) -> None:
+    """One chat stream (`ignore_eos`, usage included) read to its end into `r`."""
     try:
-        stream = await c.chat.completions.create(
+        chunks = await c.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": f"stream {i}"}],
             max_tokens=max_tokens,
@@ -167,7 +168,7 @@ async def _stream(c: openai.AsyncOpenAI, i: int, max_tokens: int, r: StreamResul
             extra_body={"ignore_eos": True},
         )
         pieces = []
-        async for chunk in stream:
+        async for chunk in chunks:
             if chunk.choices and chunk.choices[0].delta.content:
                 r.token_times.append(time.monotonic())
                 pieces.append(chunk.choices[0].delta.content)
@@ -235,7 +236,7 @@ async def run_mixed(
             assert time.monotonic() < deadline, f"batch {batch_id}: no line done"
             await asyncio.sleep(0.1)
         results = [StreamResult() for _ in range(streams)]
-        tasks = [asyncio.create_task(_stream(c, i, max_tokens, r)) for i, r in enumerate(results)]
+        tasks = [asyncio.create_task(stream(c, i, max_tokens, r)) for i, r in enumerate(results)]
         while not all(len(r.token_times) >= 3 or r.error for r in results):
             assert time.monotonic() < deadline, "streams did not start"
             await asyncio.sleep(0.05)

@@ -1,5 +1,5 @@
 """A running `tidal up --engine sim` that a test may kill parts of (kill -9); `tidal up` brings
-each killed child back."""
+each killed child back. The abuse tests' shared stack (`fuzz_up`, `http`) is in fuzzkit.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from collections.abc import Iterator
 import pytest
 
 from services.cli.faultkit import MODEL, Stack
+from tests.fault.fuzzkit import fuzz_up, http
 
-__all__ = ["MODEL", "Up", "up"]
+__all__ = ["MODEL", "Up", "fuzz_up", "http", "up"]
 
 
 class Up(Stack):
