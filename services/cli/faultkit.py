@@ -72,16 +72,23 @@ class Stack:
     def log_text(self) -> str:
         return (self.tmp / "up.log").read_text(errors="replace")
 
-    def pid_of(self, service_id: str) -> int:
-        if service_id == "nats-server":
-            return self.nats_pid()
+    def status(self) -> dict[str, Any]:
+        """`tidal ctl status --json` of this stack."""
         out = subprocess.run([sys.executable, "-m", "services.cli.main", "ctl", "status",
                               "--json"], env=self.env, cwd=REPO, capture_output=True, text=True,
                              timeout=60)  # fmt: skip
-        for s in json.loads(out.stdout)["services"]:
+        assert out.returncode == 0, out.stderr
+        status: dict[str, Any] = json.loads(out.stdout)
+        return status
+
+    def pid_of(self, service_id: str) -> int:
+        if service_id == "nats-server":
+            return self.nats_pid()
+        services = self.status()["services"]
+        for s in services:
             if s["id"] == service_id:
                 return int(s["pid"])
-        raise AssertionError(f"{service_id} not in status: {out.stdout}")
+        raise AssertionError(f"{service_id} not in status: {services}")
 
     def nats_pid(self) -> int:
         out = subprocess.run(["pgrep", "-f", f"nats-server.*{self.tmp / 'js'}"],

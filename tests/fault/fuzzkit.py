@@ -4,115 +4,54 @@ share per module (`fuzz_up`, `http`), and their helpers."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from services.cli import natsd
+from services.cli.faultkit import MODEL, Stack
 
-MODEL = "tidal-sim"
-REPO = Path(__file__).resolve().parents[2]
 CHAT = [{"role": "user", "content": "hi"}]
 MB = 1024 * 1024
 
 
-@dataclass
-class FuzzUp:
-    proc: subprocess.Popen
-    base: str  # http://127.0.0.1:PORT
-    nats_url: str
-    env: dict[str, str]
-    log_path: Path
+class FuzzUp(Stack):
+    """`tidal up --engine sim` with no emulated step time; `root` is its URL without /v1."""
+
+    def __init__(self) -> None:
+        super().__init__(step_model="zero")
+        self.root = self.base.removesuffix("/v1")
+
+    @property
+    def nats_url(self) -> str:
+        return str(json.loads((self.tmp / "up.json").read_text())["nats_url"])
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def status(self) -> dict[str, Any]:
-        out = subprocess.run(
-            [sys.executable, "-m", "services.cli.main", "ctl", "status", "--json"],
-            env=self.env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert out.returncode == 0, out.stderr
-        status: dict[str, Any] = json.loads(out.stdout)
-        return status
+        return self.log_text()
 
     def pids(self) -> dict[str, int]:
         return {s["id"]: int(s["pid"]) for s in self.status()["services"]}
 
 
-def _get(url: str) -> bytes | None:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            data: bytes = resp.read()
-            return data
-    except OSError:
-        return None
-
-
 @pytest.fixture(scope="module")
 def fuzz_up() -> Iterator[FuzzUp]:
-    port = natsd.free_port()
-    tmp = Path(tempfile.mkdtemp(prefix="tidal-fuzz-"))
-    env = {**os.environ, "TIDAL_STATE_FILE": str(tmp / "up.json"), "TIDAL_HEARTBEAT_S": "0.2"}
-    env.pop("TIDAL_NATS_URL", None)
-    argv = [
-        sys.executable,
-        "-m",
-        "services.cli.main",
-        "up",
-        "--engine",
-        "sim",
-        "--port",
-        str(port),
-        "--cpu-attn",
-        "0",
-        "--sim-step-model",
-        "zero",
-        "--store-dir",
-        str(tmp / "js"),
-        "--log-level",
-        "INFO",
-    ]
-    log_path = tmp / "up.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    stack = FuzzUp()
     try:
-        deadline = time.monotonic() + 60
-        while b'"tidal-sim"' not in (_get(base + "/v1/models") or b""):
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        stack.wait_ready()
+        deadline = time.monotonic() + 30
+        while not (stack.tmp / "up.json").exists():  # written just after the API answers
+            assert time.monotonic() < deadline, stack.log_text()
             time.sleep(0.1)
-        while not (tmp / "up.json").exists():
-            time.sleep(0.1)
-        nats_url = json.loads((tmp / "up.json").read_text())["nats_url"]
-        yield FuzzUp(proc, base, nats_url, env, log_path)
+        yield stack
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        stack.stop()
 
 
 @pytest.fixture(scope="module")
 def http(fuzz_up: FuzzUp) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=fuzz_up.base, timeout=60) as client:
+    with httpx.Client(base_url=fuzz_up.root, timeout=60) as client:
         yield client
 
 

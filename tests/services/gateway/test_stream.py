@@ -1,12 +1,13 @@
-"""A request's stream in the gateway (`RequestHandle`) on a hand-driven bus: chunks lost in a bus
-outage while the instance still runs the request make it run again, and the old copy is cut."""
+"""A request's stream in the gateway (`services/gateway/stream.py`) on a hand-driven bus: chunks
+lost in a bus outage while the instance still runs the request make it run again, and the old
+copy is cut."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from services.gateway.bus_client import RequestHandle
+from services.gateway.stream import RequestHandle
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import CancelRequest, GenerateRequest, SamplingSpec, TokenChunk
 
