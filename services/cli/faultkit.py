@@ -57,6 +57,7 @@ class Stack:
                                      stderr=subprocess.STDOUT)  # fmt: skip
         self.base = f"http://127.0.0.1:{self.port}/v1"
         self.api_key = api_key
+        self.extra: list[subprocess.Popen] = []  # gateways started beside `tidal up`'s
         self.client = openai.OpenAI(base_url=self.base, api_key=api_key, max_retries=0)
 
     def wait_ready(self, timeout_s: float = 90.0) -> None:
@@ -95,7 +96,36 @@ class Stack:
                              capture_output=True, text=True)  # fmt: skip
         return int(out.stdout.split()[0])
 
+    def add_gateway(self, gateway_id: str = "gateway-1", timeout_s: float = 90.0) -> str:
+        """A second gateway on the same bus (not supervised by `tidal up`); its API base URL."""
+        deadline = time.monotonic() + timeout_s
+        while not (self.tmp / "up.json").exists():  # `tidal up` writes it once ready
+            assert time.monotonic() < deadline, self.log_text()
+            time.sleep(0.1)
+        url = json.loads((self.tmp / "up.json").read_text())["nats_url"]
+        port = natsd.free_port()
+        env = {**self.env, "TIDAL_NATS_URL": url, "TIDAL_LOG_LEVEL": "WARNING"}
+        argv = [sys.executable, "-m", "services.gateway", "--id", gateway_id, "--port", str(port)]
+        self.extra.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=self.log,
+                                           stderr=subprocess.STDOUT))  # fmt: skip
+        base = f"http://127.0.0.1:{port}/v1"
+        client = openai.OpenAI(base_url=base, api_key=self.api_key, max_retries=0)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(openai.APIError):
+                if [m.id for m in client.models.list()] == [MODEL]:
+                    return base
+            assert self.extra[-1].poll() is None, self.log_text()
+            time.sleep(0.2)
+        raise AssertionError(f"{gateway_id} not up in {timeout_s:.0f} s:\n" + self.log_text())
+
     def stop(self) -> None:
+        for p in self.extra:
+            p.terminate()
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
         self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(30)
@@ -107,6 +137,8 @@ class Stack:
 
 @dataclass
 class StreamResult:
+    gateway: int = 0  # which gateway it went through (0: `tidal up`'s gateway-0)
+    in_flight_at_kill: bool = False  # started and not finished when the kill came
     text: str = ""
     finish: str | None = None
     completion_tokens: int | None = None
@@ -130,7 +162,6 @@ class Outcome:
     batch_lost: list[str]  # custom_ids missing from the output
     batch_duplicated: list[str]  # custom_ids in the output more than once
     batch_errors: list[str]  # first lines of the error file, if any
-    in_flight_at_kill: int  # streams started and not finished when the kill came
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -139,7 +170,7 @@ class Outcome:
             "resume_s": self.resume_s,
             "error_s": self.error_s,
             "streams": len(self.streams),
-            "streams_in_flight_at_kill": self.in_flight_at_kill,
+            "streams_in_flight_at_kill": sum(s.in_flight_at_kill for s in self.streams),
             "streams_complete": sum(1 for s in self.streams if not s.error),
             "streams_errored": sum(1 for s in self.streams if s.error),
             "streams_hung": sum(1 for s in self.streams if s.timed_out),
@@ -231,24 +262,31 @@ async def run_mixed(
     batch_max_tokens: int = 32,
     timeout_s: float = 240.0,
 ) -> Outcome:
-    """Start the batch, then the streams; kill -9 `kill` (a service id or `nats-server`) once
-    every stream has its first tokens; wait everything out."""
+    """Start the batch, then the streams, alternately through `tidal up`'s gateway-0 and a
+    second gateway; kill -9 `kill` (a service id or `nats-server`) once every stream has its
+    first tokens; wait everything out."""
     pid = await asyncio.to_thread(stack.pid_of, kill)
+    second = await asyncio.to_thread(stack.add_gateway)
     # a hang shows as the client's own timeout, well before the caller's deadline
     c = openai.AsyncOpenAI(base_url=stack.base, api_key=stack.api_key, max_retries=0, timeout=90)
+    c2 = openai.AsyncOpenAI(base_url=second, api_key=stack.api_key, max_retries=0, timeout=90)
     try:
         batch_id = await _batch(c, batch_lines, batch_max_tokens)
         deadline = time.monotonic() + timeout_s
         while (await _lines_done(c, batch_id))[1] < 1:
             assert time.monotonic() < deadline, f"batch {batch_id}: no line done"
             await asyncio.sleep(0.1)
-        results = [StreamResult() for _ in range(streams)]
-        tasks = [asyncio.create_task(stream(c, i, max_tokens, r)) for i, r in enumerate(results)]
+        results = [StreamResult(gateway=i % 2) for i in range(streams)]
+        tasks = [
+            asyncio.create_task(stream((c, c2)[r.gateway], i, max_tokens, r))
+            for i, r in enumerate(results)
+        ]
         while not all(len(r.token_times) >= 3 or r.error for r in results):
             assert time.monotonic() < deadline, "streams did not start"
             await asyncio.sleep(0.05)
         status, done_at_kill = await _lines_done(c, batch_id)
-        in_flight = sum(1 for t in tasks if not t.done())
+        for r, t in zip(results, tasks, strict=True):
+            r.in_flight_at_kill = not t.done()
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         probe = asyncio.create_task(_probe(c, killed_at, timeout_s))
@@ -269,6 +307,7 @@ async def run_mixed(
             errors = err.text.splitlines()[:3]
     finally:
         await c.close()
+        await c2.close()
     resumed = [
         min(t for t in r.token_times if t > killed_at) - killed_at
         for r in results
@@ -289,5 +328,4 @@ async def run_mixed(
         batch_lost=[f"f{i}" for i in range(batch_lines) if f"f{i}" not in counts],
         batch_duplicated=sorted(k for k, n in counts.items() if n > 1),
         batch_errors=errors,
-        in_flight_at_kill=in_flight,
     )

@@ -53,6 +53,7 @@ class RequestHandle:
     num_recomputes: int = 0
     num_migrations: int = 0
     placed_at_s: float = 0.0  # monotonic time an instance last accepted it
+    placed_at_unix_s: float = 0.0  # when that request was sent (its process started before)
     reconnects_at_place: int = 0  # the bus's reconnect count when an instance accepted it
     client_req_id: str = ""  # the id the client knows (a re-run copy may have another)
 
@@ -141,7 +142,10 @@ class RequestHandle:
             )
             self.early.clear()
             try:
-                await self.bus.place(self, exclude=[down.instance_id] if down.exclude else [])
+                # the process that lost it started before it took the request; one started
+                # since under the same id (`tidal up` restarts it) may take it again
+                exclude = [down.instance_id] if down.exclude else []
+                await self.bus.place(self, exclude, self.placed_at_unix_s)
                 return []
             except ApiError as exc:
                 reason = f"{down.reason}; no instance took it again: {exc.message}"

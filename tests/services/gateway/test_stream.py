@@ -5,6 +5,7 @@ copy is cut."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from services.gateway.stream import RequestHandle
@@ -33,7 +34,7 @@ class FakeBus:
     def release(self, handle: RequestHandle) -> None:
         self.handles.pop(handle.request.req_id, None)
 
-    async def place(self, handle: RequestHandle, exclude: list[str]) -> None:
+    async def place(self, handle: RequestHandle, exclude: list[str], at: float = 0.0) -> None:
         self.placed.append((handle.request, exclude))
         handle.instance_id = "i1"
         handle.reconnects_at_place = self.nc.stats["reconnects"]
@@ -85,5 +86,45 @@ def test_without_a_reconnect_an_early_chunk_waits_for_the_one_before_it() -> Non
         assert await _take(h, chunk("r1", 1, "i0")) == []  # a migration race, not a loss
         assert await _take(h, chunk("r1", 0, "i0")) == [" w0", " w1"]
         assert bus.placed == [] and bus.nc.published == []
+
+    asyncio.run(go())
+
+
+def test_an_instance_that_did_not_answer_is_excluded_as_of_when_it_was_asked() -> None:
+    """A process started after the request was sent (a restart) is not the one that failed it."""
+    import nats.errors
+
+    from services.gateway.bus_client import GatewayBus
+    from tidal.schemas.messages import GenerateAck, RouteReply
+
+    class Reply:
+        data = codec.encode(GenerateAck(ok=True))
+
+    class Nc(FakeNats):
+        calls = 0
+
+        async def request(self, subject: str, data: bytes, timeout: float) -> Reply:
+            self.calls += 1
+            if self.calls == 1:
+                await asyncio.sleep(0.3)  # the submit times out
+                raise nats.errors.TimeoutError
+            return Reply()
+
+    async def go() -> None:
+        bus = GatewayBus(Nc(), "g", 8)  # type: ignore[arg-type]
+        asked: list[tuple[list[str], float]] = []
+
+        async def route(req: GenerateRequest, exclude: list[str], at: float) -> RouteReply:
+            asked.append((list(exclude), at))
+            return RouteReply(instance_id="i0")
+
+        bus._route = route  # type: ignore[method-assign]
+        _, h = handle()
+        before = time.time()
+        await bus.place(h, [])
+        (first, _), (again, excluded_at) = asked
+        assert first == [] and again == ["i0"]
+        assert before <= excluded_at < before + 0.25  # when it was sent, not when it failed
+        assert h.placed_at_unix_s >= excluded_at
 
     asyncio.run(go())
