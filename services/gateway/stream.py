@@ -6,6 +6,7 @@ dies or the stream loses chunks (recompute from the prompt plus the tokens alrea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -34,7 +35,6 @@ class _Down:
     reason: str
     at_s: float  # monotonic time the notice came in
     exclude: bool = True  # keep the request off that instance (False: the instance is fine)
-    alive: bool = False  # the instance still runs the request: cancel it there
 
 
 @dataclass
@@ -102,7 +102,7 @@ class RequestHandle:
             # the stream would wait forever for them: run it again elsewhere from what the
             # client has, under a new id so that what the old copy still sends is dropped.
             why = f"chunks {self.num_chunks}..{item.seq - 1} were lost in a bus outage"
-            return await self._lost(_Down(item.instance_id, why, time.monotonic(), alive=True))
+            return await self._lost(_Down(item.instance_id, why, time.monotonic()))
         self.early[item.seq] = item
         out: list[TokenChunk] = []
         while self.num_chunks in self.early:
@@ -125,8 +125,10 @@ class RequestHandle:
         """The instance running the request died (or its chunks were lost): run it elsewhere,
         resuming after what the client already has (recompute), or end it with an error if that
         keeps failing."""
-        if down.alive:
-            await self._abandon(down.reason)
+        # Whatever may still run it (an instance that lost only its chunks, or one the gateway
+        # did not know it had moved to) is cancelled, and the next copy runs under a new id: an
+        # instance still holding the old one would refuse a copy under the same id.
+        await self._abandon(down.reason)
         if self.num_recomputes < MAX_RECOMPUTES:
             self.num_recomputes += 1
             if self.bus.metrics is not None:
@@ -172,7 +174,8 @@ class RequestHandle:
     async def _abandon(self, reason: str) -> None:
         """Cancel the copy that still runs and take a new id for the next one."""
         old = self.request.req_id
-        await self.bus.nc.publish(subjects.CANCEL, codec.encode(CancelRequest(old, reason)))
+        with contextlib.suppress(Exception):  # best effort: the bus may be down right now
+            await self.bus.nc.publish(subjects.CANCEL, codec.encode(CancelRequest(old, reason)))
         new = f"{self.client_req_id}.r{self.num_recomputes + 1}"
         self.request = msgspec.structs.replace(self.request, req_id=new)
         self.bus.handles.pop(old, None)
