@@ -92,7 +92,7 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="fresh stacks per fault (median)")
     p.add_argument("--streams", type=int, default=32, help="concurrent online streams")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per stream")
-    p.add_argument("--batch-lines", type=int, default=160, help="lines of the offline batch")
+    p.add_argument("--batch-lines", type=int, default=200, help="lines of the offline batch")
     p.add_argument("--batch-max-tokens", type=int, default=32, help="tokens per batch line")
     p.add_argument("--sim-step-model", default="linear:0.004,0.002,0,0", help="emulated step time")
     p.add_argument("--json", default="", help="also write the figures here as JSON")

@@ -52,8 +52,8 @@ class Stack:
                 str(self.port), "--cpu-attn", "0", "--sim-step-model", step_model,
                 "--store-dir", str(self.tmp / "js"), "--sync-always", "--log-level", "WARNING",
                 *extra]  # fmt: skip
-        self.log = (self.tmp / "up.log").open("w")
-        self.proc = subprocess.Popen(argv, env=self.env, cwd=REPO, stdout=self.log,
+        self.log_file = (self.tmp / "up.log").open("w")
+        self.proc = subprocess.Popen(argv, env=self.env, cwd=REPO, stdout=self.log_file,
                                      stderr=subprocess.STDOUT)  # fmt: skip
         self.base = f"http://127.0.0.1:{self.port}/v1"
         self.api_key = api_key
@@ -106,7 +106,7 @@ class Stack:
         port = natsd.free_port()
         env = {**self.env, "TIDAL_NATS_URL": url, "TIDAL_LOG_LEVEL": "WARNING"}
         argv = [sys.executable, "-m", "services.gateway", "--id", gateway_id, "--port", str(port)]
-        self.extra.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=self.log,
+        self.extra.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=self.log_file,
                                            stderr=subprocess.STDOUT))  # fmt: skip
         base = f"http://127.0.0.1:{port}/v1"
         client = openai.OpenAI(base_url=base, api_key=self.api_key, max_retries=0)
@@ -132,7 +132,7 @@ class Stack:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
-        self.log.close()
+        self.log_file.close()
 
 
 @dataclass
@@ -258,7 +258,7 @@ async def run_mixed(
     *,
     streams: int = 32,
     max_tokens: int = 64,
-    batch_lines: int = 160,
+    batch_lines: int = 200,
     batch_max_tokens: int = 32,
     timeout_s: float = 240.0,
 ) -> Outcome:
