@@ -163,6 +163,10 @@ class Outcome:
     batch_duplicated: list[str]  # custom_ids in the output more than once
     batch_errors: list[str]  # first lines of the error file, if any
 
+    def own_client(self, s: StreamResult) -> bool:
+        """Was `s` a client of the gateway killed (`tidal up`'s gateway-0 is gateway 0)?"""
+        return self.kill == "gateway-0" and s.gateway == 0
+
     def summary(self) -> dict[str, Any]:
         return {
             "kill": self.kill,
@@ -173,6 +177,8 @@ class Outcome:
             "streams_in_flight_at_kill": sum(s.in_flight_at_kill for s in self.streams),
             "streams_complete": sum(1 for s in self.streams if not s.error),
             "streams_errored": sum(1 for s in self.streams if s.error),
+            # errors other than a killed gateway's own clients': online requests lost
+            "streams_lost": sum(1 for s in self.streams if s.error and not self.own_client(s)),
             "streams_hung": sum(1 for s in self.streams if s.timed_out),
             "batch_status": self.batch_status,
             "batch_lines": self.batch_lines,
