@@ -31,7 +31,7 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def _one(kill: str, args: argparse.Namespace) -> dict[str, Any]:
-    stack = Stack(step_model=args.sim_step_model)
+    stack = Stack(step_model=args.sim_step_model, heartbeat_s=args.heartbeat_s)
     try:
         stack.wait_ready()
         o = asyncio.run(
@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         }
     print(
         f"Recovery from kill -9 under mixed load (sim engine, EMULATED timings, step model "
-        f"{args.sim_step_model}; {args.streams} streams x {args.max_tokens} tokens + a "
+        f"{args.sim_step_model}, heartbeats every {args.heartbeat_s:g} s; {args.streams} "
+        f"streams x {args.max_tokens} tokens + a "
         f"{args.batch_lines}-line batch; median of {args.repeats}, counts summed):"
     )
     print("  (recovery: to the first request served again; resume: to the last stream in flight "
@@ -101,5 +102,12 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-lines", type=int, default=200, help="lines of the offline batch")
     p.add_argument("--batch-max-tokens", type=int, default=32, help="tokens per batch line")
     p.add_argument("--sim-step-model", default="linear:0.004,0.002,0,0", help="emulated step time")
+    p.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=0.5,
+        help="TIDAL_HEARTBEAT_S of the stack (default: the product's; a dead service is "
+        "noticed after 4 missed)",
+    )
     p.add_argument("--json", default="", help="also write the figures here as JSON")
     p.set_defaults(func=run)

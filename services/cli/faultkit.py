@@ -41,12 +41,16 @@ class Stack:
     restarts each child killed. Runs this checkout's code (`python -m`, from the repository)."""
 
     def __init__(
-        self, *extra: str, step_model: str = "linear:0.004,0.002,0,0", api_key: str = "unused"
+        self,
+        *extra: str,
+        step_model: str = "linear:0.004,0.002,0,0",
+        api_key: str = "unused",
+        heartbeat_s: float = 0.2,  # tests: a dead instance is noticed after 0.8 s, not 2
     ) -> None:
         self.port = natsd.free_port()
         self.tmp = Path(tempfile.mkdtemp(prefix="tidal-fault-"))
         self.env = {**os.environ, "TIDAL_STATE_FILE": str(self.tmp / "up.json"),
-                    "TIDAL_HEARTBEAT_S": "0.2"}  # fmt: skip
+                    "TIDAL_HEARTBEAT_S": str(heartbeat_s)}  # fmt: skip
         self.env.pop("TIDAL_NATS_URL", None)
         argv = [sys.executable, "-m", "services.cli.main", "up", "--engine", "sim", "--port",
                 str(self.port), "--cpu-attn", "0", "--sim-step-model", step_model,
