@@ -155,18 +155,19 @@ class GatewayBus:
         self, handle: RequestHandle, exclude: list[str], excluded_at_unix_s: float = 0.0
     ) -> None:
         """Find an instance that accepts the request, trying others if one does not answer.
-        `exclude`: instances whose processes started before `excluded_at_unix_s` (the ones that
-        failed it); a process started since under the same id may take it."""
+        `exclude`: instances whose processes started at or before `excluded_at_unix_s` (the ones
+        that failed it); a process started since under the same id may take it."""
         req = handle.request
         tried = list(exclude)
         failed_at = (excluded_at_unix_s or time.time()) if tried else 0.0
         for _ in range(MAX_ROUTE_ATTEMPTS):
             route = await self._route(req, tried, failed_at)
             handle.instance_id = route.instance_id
-            # NOTE: the time it is sent, not the time it failed: the instance's process restarted
-            # meanwhile (`tidal up` restarts it in seconds; the submit times out in 5) did not
-            # fail it, and excluding it kept the request held until the gateway gave up.
-            sent_at = time.time()
+            # NOTE: the process the scheduler routed to is the one that fails it (its start time,
+            # else the time it was sent), not the time the failure shows: the instance's process
+            # restarted meanwhile (`tidal up` restarts it in seconds; the submit times out in 5)
+            # did not fail it, and excluding it kept the request held until the gateway gave up.
+            incarnation = route.instance_started_unix_s or time.time()
             try:
                 reply = await self.nc.request(
                     subjects.instance_submit(route.instance_id),
@@ -178,19 +179,19 @@ class GatewayBus:
                     "instance %s did not take %s; trying another", route.instance_id, req.req_id
                 )
                 tried.append(route.instance_id)
-                failed_at = max(failed_at, sent_at)
+                failed_at = max(failed_at, incarnation)
                 continue
             ack = codec.decode(reply.data, GenerateAck)
             if ack.ok:
                 if not handle.ack.ok:  # keep the first ack: a recompute's prompt holds outputs
                     handle.ack = ack
                 handle.placed_at_s = time.monotonic()
-                handle.placed_at_unix_s = sent_at
+                handle.placed_at_unix_s = incarnation
                 handle.reconnects_at_place = self.nc.stats.get("reconnects", 0)
                 return
             if ack.error_code == "draining":
                 tried.append(route.instance_id)
-                failed_at = max(failed_at, sent_at)
+                failed_at = max(failed_at, incarnation)
                 continue
             raise ApiError(
                 _ACK_ERRORS.get(ack.error_code, 400), ack.message, code=ack.error_code or None

@@ -53,7 +53,7 @@ class RequestHandle:
     num_recomputes: int = 0
     num_migrations: int = 0
     placed_at_s: float = 0.0  # monotonic time an instance last accepted it
-    placed_at_unix_s: float = 0.0  # when that request was sent (its process started before)
+    placed_at_unix_s: float = 0.0  # start of the process that took it (else when it was sent)
     reconnects_at_place: int = 0  # the bus's reconnect count when an instance accepted it
     client_req_id: str = ""  # the id the client knows (a re-run copy may have another)
 

@@ -171,7 +171,8 @@ class Scheduler:
             await self.reply_reject(msg, "no instance is taking work", "no_capacity")
             return
         self.num_routed += 1
-        await respond(msg, RouteReply(instance_id=iid))
+        started = self.cluster.reports[idx].started_unix_s
+        await respond(msg, RouteReply(instance_id=iid, instance_started_unix_s=started))
 
     async def reply_reject(self, msg: Msg, reason: str, code: str = "rejected") -> None:
         self.num_rejected += 1
