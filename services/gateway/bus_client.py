@@ -187,6 +187,7 @@ class GatewayBus:
                     handle.ack = ack
                 handle.placed_at_s = time.monotonic()
                 handle.placed_at_unix_s = incarnation
+                handle.progress_unix_s = time.time()
                 handle.reconnects_at_place = self.nc.stats.get("reconnects", 0)
                 return
             if ack.error_code == "draining":

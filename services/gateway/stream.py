@@ -54,6 +54,7 @@ class RequestHandle:
     num_migrations: int = 0
     placed_at_s: float = 0.0  # monotonic time an instance last accepted it
     placed_at_unix_s: float = 0.0  # start of the process that took it (else when it was sent)
+    progress_unix_s: float = 0.0  # when it was last placed or last delivered a chunk
     reconnects_at_place: int = 0  # the bus's reconnect count when an instance accepted it
     client_req_id: str = ""  # the id the client knows (a re-run copy may have another)
 
@@ -111,6 +112,7 @@ class RequestHandle:
             self.instance_id = chunk.instance_id
             self.token_ids += chunk.token_ids
             out.append(chunk)
+            self.progress_unix_s = time.time()
             if chunk.finish_reason is not None:
                 self.is_finished = True
                 self.bus.release(self)
