@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,22 +90,13 @@ class Keeper:
 
     async def _watch_batches(self, stop: asyncio.Event) -> None:
         """Wake the keeper whenever a batch is created or changed (a new one, a cancel)."""
-        while not stop.is_set():
-            try:
-                watcher = await self.store.batches.watch(">", meta_only=True)
-                try:
-                    while True:
-                        with contextlib.suppress(nats.errors.TimeoutError):
-                            entry = await watcher.updates(timeout=5.0)
-                            if entry is not None:
-                                self.kick.set()
-                finally:
-                    with contextlib.suppress(Exception):
-                        await watcher.stop()
-            except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
-                log.warning("batch watcher: %r; watching again", exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=1.0)
+
+        def on_entry(entry: Any) -> None:
+            if entry is not None:
+                self.kick.set()
+
+        await _follow(stop, "batch watcher", lambda: self.store.batches.watch(">", meta_only=True),
+                      on_entry)  # fmt: skip
 
     async def step(self, now_s: float) -> None:
         batches = await self.store.list_batches()
@@ -272,35 +264,55 @@ class Keeper:
 
     async def _watch_results(self, stop: asyncio.Event) -> None:
         """Keep `tally` equal to the results bucket: read it all, then follow new results."""
-        while not stop.is_set():
+
+        def reset() -> None:
             self.tally = Tally()
+
+        def on_entry(entry: Any) -> None:
+            if entry is None:
+                self.tally.ready = True
+                return
+            if not entry.value:
+                return
+            batch_id = entry.key.split(".", 1)[0]
+            result = decode_or_none(entry.value, dict, f"result {entry.key}")
+            if result is None:
+                return
+            self.tally.by_batch[batch_id][entry.key] = bool(result.get("ok"))
+            self.kick.set()
+
+        await _follow(stop, "batch results watcher", lambda: self.store.results.watch(">"),
+                      on_entry, reset)  # fmt: skip
+
+
+async def _follow(
+    stop: asyncio.Event,
+    name: str,
+    watch: Callable[[], Awaitable[Any]],
+    on_entry: Callable[[Any], None],
+    reset: Callable[[], None] | None = None,
+) -> None:
+    """Hand every update of a KV watcher to `on_entry` (None once it has read what was stored),
+    until `stop`; after a bus error, `reset` and watch again from the start."""
+    while not stop.is_set():
+        if reset is not None:
+            reset()
+        try:
+            watcher = await watch()
             try:
-                watcher = await self.store.results.watch(">")
-                try:
-                    while True:
-                        try:
-                            entry = await watcher.updates(timeout=5.0)
-                        except nats.errors.TimeoutError:
-                            continue
-                        if entry is None:
-                            self.tally.ready = True
-                            continue
-                        if not entry.value:
-                            continue
-                        batch_id = entry.key.split(".", 1)[0]
-                        result = decode_or_none(entry.value, dict, f"result {entry.key}")
-                        if result is None:
-                            continue
-                        ok = bool(result.get("ok"))
-                        self.tally.by_batch[batch_id][entry.key] = ok
-                        self.kick.set()
-                finally:
-                    with contextlib.suppress(Exception):
-                        await watcher.stop()
-            except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
-                log.warning("batch results watcher: %s; watching again", exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=1.0)
+                while True:
+                    try:
+                        entry = await watcher.updates(timeout=5.0)
+                    except nats.errors.TimeoutError:
+                        continue
+                    on_entry(entry)
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+        except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+            log.warning("%s: %r; watching again", name, exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
 
 
 def _error(code: str, message: str, line: int | None = None) -> BatchError:

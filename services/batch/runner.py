@@ -89,7 +89,7 @@ def response_body(endpoint: str, handle: RequestHandle, chunks: list[TokenChunk]
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
     return {
-        "id": ("chatcmpl-" if chat else "cmpl-") + req.req_id,
+        "id": ("chatcmpl-" if chat else "cmpl-") + handle.client_req_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(req.arrival_unix_s),
         "model": req.model,

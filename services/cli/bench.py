@@ -15,16 +15,15 @@ import argparse
 import asyncio
 import contextlib
 import importlib
-import json
 import statistics
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 from services.cli import (
     bench_batch,
     bench_colocation,
     bench_cpu_attn,
+    bench_faults,
     bench_migration,
     bench_overload,
     bench_replay,
@@ -33,7 +32,7 @@ from services.cli import (
     natsd,
 )
 from services.cli.benchkit import pct as _pct
-from services.cli.benchkit import stack
+from services.cli.benchkit import save_json, stack
 
 
 @contextlib.contextmanager
@@ -111,8 +110,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             f"  {name:15s} p50 {stats['p50']:7.2f} ms   p99 {stats['p99']:7.2f} ms   "
             f"(n={stats['n']})"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    save_json(args.json, report)
     return 0
 
 
@@ -138,6 +136,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_overload.register(bench)
     bench_cpu_attn.register(bench)
     bench_sglang.register(bench)
+    bench_faults.register(bench)
     # The engine benchmark lives beside the engine; it adds `tidal bench engine` when present.
     try:
         engine_bench = importlib.import_module("tidal.engine.bench")

@@ -14,11 +14,10 @@ import io
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from services.cli import natsd
-from services.cli.benchkit import stack
+from services.cli.benchkit import save_json, stack
 
 MODEL = "tidal-sim"
 
@@ -73,9 +72,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  submit -> 1st line  {1e3 * med['first_line_s']:8.1f} ms")
     print(f"  submit -> completed {med['total_s']:8.2f} s")
     print(f"  throughput          {med['lines_per_s']:8.1f} lines/s")
-    if args.json:
-        report = {"args": vars(args) | {"func": None}, "runs": runs, "median": med}
-        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    save_json(args.json, {"args": args, "runs": runs, "median": med})
     return 0
 
 

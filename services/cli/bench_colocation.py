@@ -19,11 +19,10 @@ import json
 import random
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 from services.cli import natsd
-from services.cli.benchkit import pct, stack
+from services.cli.benchkit import pct, save_json, stack
 
 
 async def _phase(base: str, model: str, args: argparse.Namespace, offline: int) -> dict[str, Any]:
@@ -171,9 +170,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['ttft_p99_ms']:7.0f}ms  {r['tpot_p50_ms']:6.1f}ms  {r['tpot_p99_ms']:6.1f}ms  "
             f"{100 * r['slo_attainment']:6.1f}%  {r['offline_tokens_per_s']:13.1f}"
         )
-    if args.json:
-        report = {"args": vars(args) | {"func": None}, "alone": alone, "with_offline": mixed}
-        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    save_json(args.json, {"args": args, "alone": alone, "with_offline": mixed})
     return 0
 
 

@@ -16,8 +16,9 @@ import asyncio
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
+
+from services.cli.benchkit import save_json
 
 
 def _bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,8 +110,7 @@ def run(args: argparse.Namespace) -> int:
         )
     p = report["preemption"]
     print(f"Layer-boundary preemption of a {p['prefill_tokens']}-token prefill: " + json.dumps(p))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    save_json(args.json, report)
     return 0
 
 

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 from services.cli import natsd
-from services.cli.benchkit import pct, stack
+from services.cli.benchkit import pct, save_json, stack
 
 MODEL = "tidal-sim"
 # Words that are one SmolLM2 token each (with their leading space): a prompt of N of them is N
@@ -224,9 +222,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  admitted: SLO attainment {'-' if att is None else f'{100 * att:.1f}%'}, TTFT p50 "
           f"{_fmt(r['ttft_p50_ms'])} p99 {_fmt(r['ttft_p99_ms'])}, TPOT p50 "
           f"{_fmt(r['tpot_p50_ms'])} p99 {_fmt(r['tpot_p99_ms'])}")  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args) | {"func": None}, **r}, indent=2,
-                                              default=str))  # fmt: skip
+    save_json(args.json, {"args": args, **r})
     return 0
 
 

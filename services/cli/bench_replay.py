@@ -21,16 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from services.cli import natsd
-from services.cli.benchkit import stack
+from services.cli.benchkit import save_json, stack
 from tidal.sim.build import instance_setups, simulate, workload
 from tidal.sim.config import SimConfig, load_config
 from tidal.sim.metrics import summarize
@@ -194,8 +192,7 @@ def run(args: argparse.Namespace) -> int:
         f"simulator, {args.config}, first {args.duration_s:.0f} s ({len(reqs)} requests):"
     )
     print_table(report, "guidellm" if exe else "live")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    save_json(args.json, report)
     return 0
 
 

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from services.cli import natsd
-from services.cli.benchkit import stack
+from services.cli.benchkit import save_json, stack
 
 TEXT = "the quick brown fox jumps over the lazy dog while a small bird sings"
 
@@ -85,8 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
             f"{r['itl_ms_p50']:6.1f} ms (p90 {r['itl_ms_p90']:6.1f})   "
             f"{r['tokens_per_s']:5.1f} tok/s"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+    save_json(args.json, res)
     return 0
 
 

@@ -1,8 +1,11 @@
-"""What the `tidal bench` commands share: a `tidal up` stack on a free port, and percentiles."""
+"""What the `tidal bench` commands share: a `tidal up` stack on a free port, percentiles, and
+writing a report as JSON."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -11,11 +14,27 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def save_json(path: str, report: dict[str, Any]) -> None:
+    """Write `report` to `path` as JSON (nothing when `path` is empty). An argparse namespace in
+    it is written as its options, without the command's function."""
+    if not path:
+        return
+    clean = {
+        k: {a: v for a, v in vars(x).items() if not callable(v)}
+        if isinstance(x, argparse.Namespace)
+        else x
+        for k, x in report.items()
+    }
+    Path(path).write_text(json.dumps(clean, indent=2, default=str))
 
 
 @contextlib.contextmanager

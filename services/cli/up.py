@@ -26,6 +26,7 @@ from services.cli import natsd, state
 from services.common import live_config
 from services.common.live_config import load_live_config
 from services.gateway.auth import API_KEYS_ENV, keys_from
+from services.gateway.ratelimit import RateLimiter, add_rate_args
 from tidal import envs
 from tidal.engine import core_share
 
@@ -141,9 +142,10 @@ class Supervisor:
                 extra += sglang_args(a, i, num_instances)
             children.append(self._service(f"instance-{i}", "services.instance", *extra))
         children.append(self._service("batch-0", "services.batch"))
-        children.append(
-            self._service("gateway-0", "services.gateway", "--host", a.host, "--port", str(a.port))
-        )
+        gateway = ["--host", a.host, "--port", str(a.port)]
+        if a.rate_limit:
+            gateway += ["--rate-limit", str(a.rate_limit), "--rate-burst", str(a.rate_burst)]
+        children.append(self._service("gateway-0", "services.gateway", *gateway))
         return children
 
     async def run(self) -> int:
@@ -285,6 +287,8 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--cpu-attn must be >= 0")
         if args.cpu_attn_gib <= 0:
             raise ValueError("--cpu-attn-gib must be > 0")
+        if args.rate_limit:
+            RateLimiter(args.rate_limit, args.rate_burst)  # a bad rate fails here
     except ValueError as exc:
         say(str(exc))
         return 2
@@ -360,6 +364,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="the gateway accepts only this key (repeatable; also $TIDAL_API_KEYS); none: open",
     )
+    add_rate_args(p)
     p.add_argument(
         "--store-dir",
         default="",

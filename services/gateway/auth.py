@@ -8,7 +8,8 @@ never the key) is put on the request scope: files and batches are visible only t
 made them (another key's id answers 404, so their existence is not disclosed).
 
 Bodies over the limit answer 413 before they are read: by `Content-Length`, and for a chunked
-body by counting as it streams in.
+body by counting as it streams in. With `--rate-limit`, each key's `/v1/*` requests go through
+its token bucket (`services/gateway/ratelimit.py`); past it, 429 with `Retry-After`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import hashlib
 import hmac
 import json
 import os
+import time
 from collections.abc import Iterable
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.gateway.ratelimit import RateLimiter, retry_after_header
 
 API_KEYS_ENV = "TIDAL_API_KEYS"
 MAX_JSON_BODY_BYTES = 16 * 1024 * 1024  # a chat request with a long context fits easily
@@ -49,12 +53,19 @@ def _error(status: int, message: str, type_: str, code: str) -> tuple[int, bytes
 
 
 class Guard:
-    """ASGI middleware: API keys (401) and body size limits (413)."""
+    """ASGI middleware: API keys (401), per-key rate limits (429) and body size limits (413)."""
 
-    def __init__(self, app: ASGIApp, keys: list[str], metrics_need_key: bool = False) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: list[str],
+        metrics_need_key: bool = False,
+        rate_limiter: RateLimiter | None = None,
+    ) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
         self.metrics_need_key = metrics_need_key
+        self.rate_limiter = rate_limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -76,6 +87,13 @@ class Guard:
                 return
             owner = owner_of(match.decode())
         scope.setdefault("state", {})["owner"] = owner
+        if self.rate_limiter is not None and path.startswith("/v1/"):
+            client = scope.get("client") or ("", 0)
+            wait_s = self.rate_limiter.check(owner or f"addr:{client[0]}", time.monotonic())
+            if wait_s > 0:
+                await _answer(send, *_rate_limited(self.rate_limiter, wait_s),
+                              retry_after=retry_after_header(wait_s))  # fmt: skip
+                return
         limit = MAX_UPLOAD_BYTES if path.rstrip("/") == "/v1/files" else MAX_JSON_BODY_BYTES
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
@@ -118,6 +136,12 @@ def _too_large(limit: int) -> tuple[int, bytes]:
                   "request_too_large")  # fmt: skip
 
 
+def _rate_limited(limiter: RateLimiter, wait_s: float) -> tuple[int, bytes]:
+    message = (f"Rate limit reached for this API key: {limiter.rate:g} requests/s, bursts of "
+               f"{limiter.burst:g}. Please try again in {wait_s:.3f}s.")  # fmt: skip
+    return _error(429, message, "requests", "rate_limit_exceeded")
+
+
 class _BodyTooLarge(StarletteHTTPException):
     """Raised while a body streams in past its limit. An HTTPException, so the framework's body
     parsing lets it through (it turns other errors into 400) and it answers 413."""
@@ -142,9 +166,11 @@ def _counting(receive: Receive, limit: int) -> Receive:
     return wrapped
 
 
-async def _answer(send: Send, status: int, body: bytes) -> None:
+async def _answer(send: Send, status: int, body: bytes, retry_after: str = "") -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if retry_after:
+        headers.append((b"retry-after", retry_after.encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

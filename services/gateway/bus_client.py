@@ -14,10 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
-import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -26,10 +23,10 @@ from services.common.bus import subscribe
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError
 from services.gateway.resync import StreamResync
+from services.gateway.stream import RequestHandle, _Down
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     BatchStats,
-    CancelRequest,
     GenerateAck,
     GenerateRequest,
     Heartbeat,
@@ -44,7 +41,6 @@ from tidal.schemas.messages import (
 log = logging.getLogger("tidal.gateway")
 
 MAX_ROUTE_ATTEMPTS = 3
-MAX_RECOMPUTES = 3  # a request survives this many lost instances
 ROUTE_TIMEOUT_S = 2.0  # models and other quick questions
 # A route may be held by the policy until it has room (Route.hold); the scheduler answers late.
 HELD_ROUTE_TIMEOUT_S = {"online": 30.0, "offline": 600.0}
@@ -62,132 +58,6 @@ _ROUTE_ERRORS = {  # scheduler error code -> HTTP status
 # Room left under NATS's max_payload for what a re-placed request adds (resume token ids).
 WIRE_HEADROOM_BYTES = 64 * 1024
 _ACK_ERRORS = {"context_length_exceeded": 400, "invalid_request": 400}
-
-
-@dataclass(frozen=True)
-class _Down:
-    """Queued to a request's stream when its instance dies (or its stream was cut)."""
-
-    instance_id: str
-    reason: str
-    at_s: float  # monotonic time the notice came in
-    exclude: bool = True  # keep the request off that instance (False: the instance is fine)
-
-
-@dataclass
-class RequestHandle:
-    """A submitted request. Iterate it for its `TokenChunk`s, in order, ending with a finish."""
-
-    bus: GatewayBus
-    request: GenerateRequest
-    instance_id: str = ""
-    ack: GenerateAck = field(default_factory=lambda: GenerateAck(ok=False))
-    queue: asyncio.Queue[TokenChunk | _Down] = field(default_factory=asyncio.Queue)
-    num_chunks: int = 0  # chunks delivered = the next seq expected
-    is_finished: bool = False
-    early: dict[int, TokenChunk] = field(default_factory=dict)  # seq -> chunk that came early
-    token_ids: list[int] = field(default_factory=list)  # streamed so far (for a recompute)
-    num_recomputes: int = 0
-    num_migrations: int = 0
-    placed_at_s: float = 0.0  # monotonic time an instance last accepted it
-
-    async def batches(self) -> AsyncIterator[list[TokenChunk]]:
-        """The request's chunks in order, in batches of whatever has arrived: a burst of tokens
-        becomes one write to the client instead of one per token."""
-        while not self.is_finished:
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            batch: list[TokenChunk] = []
-            for item in items:
-                batch += await self._accept(item)
-                if self.is_finished:
-                    break
-            if batch:
-                yield batch
-
-    async def __aiter__(self) -> AsyncIterator[TokenChunk]:
-        async for batch in self.batches():
-            for chunk in batch:
-                yield chunk
-
-    async def _accept(self, item: TokenChunk | _Down) -> list[TokenChunk]:
-        if isinstance(item, _Down):
-            if item.instance_id != self.instance_id or item.at_s < self.placed_at_s:
-                # a stale notice: about an instance this request already left, or about the
-                # process that had this id before the one that took the request since
-                return []
-            return await self._lost(item)
-        if item.req_id != self.request.req_id:
-            return []
-        if item.moved_to:
-            if item.seq >= self.num_chunks:  # not a notice older than what we already have
-                self.instance_id = item.moved_to
-                self.num_migrations += 1
-            return []
-        if item.seq < self.num_chunks:
-            return []  # already delivered (a duplicate after a migration race)
-        self.early[item.seq] = item
-        out: list[TokenChunk] = []
-        while self.num_chunks in self.early:
-            chunk = self.early.pop(self.num_chunks)
-            self.num_chunks += 1
-            self.instance_id = chunk.instance_id
-            self.token_ids += chunk.token_ids
-            out.append(chunk)
-            if chunk.finish_reason is not None:
-                self.is_finished = True
-                self.bus.release(self)
-                break
-        return out
-
-    async def _lost(self, down: _Down) -> list[TokenChunk]:
-        """The instance running the request died: run it elsewhere, resuming after what the
-        client already has (recompute), or end it with an error if that keeps failing."""
-        if self.num_recomputes < MAX_RECOMPUTES:
-            self.num_recomputes += 1
-            log.warning(
-                "request %s lost on %s after %d token(s); recomputing elsewhere",
-                self.request.req_id,
-                down.instance_id,
-                len(self.token_ids),
-            )
-            self.request = msgspec.structs.replace(
-                self.request, resume_token_ids=list(self.token_ids), first_seq=self.num_chunks
-            )
-            self.early.clear()
-            try:
-                await self.bus.place(self, exclude=[down.instance_id] if down.exclude else [])
-                return []
-            except ApiError as exc:
-                reason = f"{down.reason}; no instance took it again: {exc.message}"
-            except Exception as exc:
-                reason = f"{down.reason}; re-routing failed: {exc}"
-        else:
-            reason = f"{down.reason} ({self.num_recomputes} recomputes already)"
-        self.is_finished = True
-        self.bus.release(self)
-        return [
-            TokenChunk(
-                req_id=self.request.req_id,
-                seq=self.num_chunks,
-                text="",
-                num_tokens=0,
-                num_prompt_tokens=self.ack.num_prompt_tokens,
-                num_output_tokens=0,
-                instance_id=down.instance_id,
-                finish_reason="error",
-                error=f"instance {down.instance_id} failed mid-request: {reason}",
-            )
-        ]
-
-    async def cancel(self, reason: str = "client disconnected") -> None:
-        if self.is_finished:
-            return
-        self.is_finished = True
-        self.bus.release(self)
-        msg = CancelRequest(req_id=self.request.req_id, reason=reason)
-        await self.bus.nc.publish(subjects.CANCEL, codec.encode(msg))
 
 
 class GatewayBus:
@@ -287,14 +157,23 @@ class GatewayBus:
                 code="request_too_large",
             )
 
-    async def place(self, handle: RequestHandle, exclude: list[str]) -> None:
-        """Find an instance that accepts the request, trying others if one does not answer."""
+    async def place(
+        self, handle: RequestHandle, exclude: list[str], excluded_at_unix_s: float = 0.0
+    ) -> None:
+        """Find an instance that accepts the request, trying others if one does not answer.
+        `exclude`: instances whose processes started at or before `excluded_at_unix_s` (the ones
+        that failed it); a process started since under the same id may take it."""
         req = handle.request
         tried = list(exclude)
-        failed_at = time.time() if tried else 0.0
+        failed_at = (excluded_at_unix_s or time.time()) if tried else 0.0
         for _ in range(MAX_ROUTE_ATTEMPTS):
             route = await self._route(req, tried, failed_at)
             handle.instance_id = route.instance_id
+            # NOTE: the process the scheduler routed to is the one that fails it (its start time,
+            # else the time it was sent), not the time the failure shows: the instance's process
+            # restarted meanwhile (`tidal up` restarts it in seconds; the submit times out in 5)
+            # did not fail it, and excluding it kept the request held until the gateway gave up.
+            incarnation = route.instance_started_unix_s or time.time()
             try:
                 reply = await self.nc.request(
                     subjects.instance_submit(route.instance_id),
@@ -306,17 +185,20 @@ class GatewayBus:
                     "instance %s did not take %s; trying another", route.instance_id, req.req_id
                 )
                 tried.append(route.instance_id)
-                failed_at = time.time()
+                failed_at = max(failed_at, incarnation)
                 continue
             ack = codec.decode(reply.data, GenerateAck)
             if ack.ok:
                 if not handle.ack.ok:  # keep the first ack: a recompute's prompt holds outputs
                     handle.ack = ack
                 handle.placed_at_s = time.monotonic()
+                handle.placed_at_unix_s = incarnation
+                handle.progress_unix_s = time.time()
+                handle.reconnects_at_place = self.nc.stats.get("reconnects", 0)
                 return
             if ack.error_code == "draining":
                 tried.append(route.instance_id)
-                failed_at = time.time()
+                failed_at = max(failed_at, incarnation)
                 continue
             raise ApiError(
                 _ACK_ERRORS.get(ack.error_code, 400), ack.message, code=ack.error_code or None

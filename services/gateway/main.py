@@ -30,6 +30,7 @@ from services.gateway.bus_client import GatewayBus
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import install as install_openapi
 from services.gateway.protocol import ApiError
+from services.gateway.ratelimit import RateLimiter, add_rate_args
 from services.gateway.routers import batches, files, openai, ops
 from tidal import envs
 from tidal.schemas import subjects
@@ -75,6 +76,7 @@ def create_app(
     max_inflight: int = 1024,
     api_keys: list[str] | None = None,
     metrics_need_key: bool = False,
+    rate_limiter: RateLimiter | None = None,
 ) -> FastAPI:
     """The gateway app over an open NATS connection (drained when the app shuts down)."""
     subjects.check_token(gateway_id, "gateway id")
@@ -110,7 +112,9 @@ def create_app(
     app = FastAPI(title="Tidal gateway", version="0.1.0", lifespan=lifespan)
     app.state.metrics = GatewayMetrics()
     app.state.gateway_id = gateway_id
-    app.add_middleware(Guard, keys=api_keys or [], metrics_need_key=metrics_need_key)
+    app.add_middleware(
+        Guard, keys=api_keys or [], metrics_need_key=metrics_need_key, rate_limiter=rate_limiter
+    )
     app.add_middleware(ArrivalTime)  # outermost: the arrival is stamped before anything else
     app.include_router(openai.router)
     app.include_router(files.router)
@@ -157,15 +161,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="accept this key (repeatable; also TIDAL_API_KEYS, comma-separated); none: open",
     )
     p.add_argument("--metrics-need-key", action="store_true", help="/metrics asks for a key too")
+    add_rate_args(p)
     return p.parse_args(argv)
+
+
+def _limiter(args: argparse.Namespace) -> RateLimiter | None:
+    return RateLimiter(args.rate_limit, args.rate_burst) if args.rate_limit else None
 
 
 async def serve(args: argparse.Namespace) -> None:
     subjects.check_token(args.id, "gateway id")
+    limiter = _limiter(args)
     # Connect before uvicorn starts: an unreachable bus is a one-line error, not a traceback.
     nc = await connect(args.nats_url, f"gateway-{args.id}", args.connect_timeout_s)
     keys = keys_from(args.api_key)
-    app = create_app(nc, args.id, args.max_inflight, keys, args.metrics_need_key)
+    app = create_app(nc, args.id, args.max_inflight, keys, args.metrics_need_key, limiter)
     if keys:
         log.info("gateway %s: %d API key(s) accepted", args.id, len(keys))
     config = uvicorn.Config(

@@ -74,6 +74,13 @@ class GatewayMetrics:
             ["kind", "outcome", "mode"],
             registry=self.registry,
         )
+        self.recomputes = Counter(
+            "tidal_recomputes",
+            "Requests run again from their prompt plus the tokens already streamed, after their "
+            "instance died or their chunks were lost in a bus outage",
+            ["req_class"],
+            registry=self.registry,
+        )
         self.migration_seconds = Histogram(
             "tidal_migration_seconds",
             "Whole migration handshake, KV transfer included, successful ones",

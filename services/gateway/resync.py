@@ -26,11 +26,13 @@ log = logging.getLogger("tidal.gateway")
 POLL_S = 0.5  # how often the connection's reconnect count is looked at
 CHECK_WINDOW_S = 15.0  # how long after a reconnect the instances' reports are awaited
 REPORT_AFTER_S = 0.2  # a report sent this long after the reconnect shows the state after it
+STALL_S = 10.0  # a stream this long without a chunk is checked against its instance's reports
 
 
 class Stream(Protocol):
     instance_id: str
     is_finished: bool
+    progress_unix_s: float  # when it was last placed or last delivered a chunk
 
 
 class StreamResync:
@@ -57,6 +59,7 @@ class StreamResync:
         seen = self.nc.stats.get("reconnects", 0)
         while True:
             await asyncio.sleep(POLL_S)
+            self.sweep(time.time())
             n = self.nc.stats.get("reconnects", 0)
             if n != seen:
                 seen = n
@@ -85,6 +88,22 @@ class StreamResync:
                     n += 1
                     log.warning("request %s: its stream was cut by a bus outage; recomputing", rid)
                     self.lost(s, "its stream was cut by a bus outage")
+        return n
+
+    def sweep(self, now_unix_s: float) -> int:
+        """Hand to `lost` every stream silent for `STALL_S` that its instance's reports, made
+        `STALL_S` after its last progress, no longer show (say, lost with its instance in the
+        middle of a migration); how many were."""
+        n = 0
+        for rid, s in list(self.streams.items()):
+            if s.is_finished or now_unix_s - s.progress_unix_s < STALL_S:
+                continue
+            sent, ids = self.reports.get(s.instance_id, (0.0, frozenset()))
+            if sent > s.progress_unix_s + STALL_S and rid not in ids:
+                s.progress_unix_s = now_unix_s  # once per stall
+                n += 1
+                log.warning("request %s: %s no longer has it; recomputing", rid, s.instance_id)
+                self.lost(s, f"{s.instance_id} no longer has it")
         return n
 
     async def stop(self) -> None:

@@ -70,6 +70,7 @@ class LiveCluster:
     reports: dict[int, InstanceReport] = field(default_factory=dict)  # slot -> latest
     step_models: dict[str, StepModel] = field(default_factory=dict)  # spec -> model
     held: dict[str, Held] = field(default_factory=dict)  # req_id -> held request (FIFO)
+    max_held_tokens: int = 0  # held prompt + output tokens past which: 429 (0: no bound)
     routed: dict[str, tuple[int, ReqState, float]] = field(default_factory=dict)
     # req_id -> when a report last showed it, for requests place_decode already saw
     placed: dict[str, float] = field(default_factory=dict)
@@ -170,6 +171,18 @@ class LiveCluster:
                 del self.prompt_chars[rid]
 
     # ---- decisions ----
+
+    def room_to_hold(self, req: ReqState) -> str:
+        """ "" if `req` may join the held queue, else why not (both bounds: requests, tokens)."""
+        if len(self.held) >= self.max_held:
+            return f"the scheduler's queue is full ({self.max_held} requests)"
+        if self.max_held_tokens:
+            held = sum(
+                h.req.num_prompt_tokens + h.req.max_output_tokens for h in self.held.values()
+            )
+            if held + req.num_prompt_tokens + req.max_output_tokens > self.max_held_tokens:
+                return f"the scheduler's queue is full ({held} of {self.max_held_tokens} tokens)"
+        return ""
 
     def new_request(self, r: RouteRequest, now: float) -> ReqState:
         cls = RequestClass(r.req_class)

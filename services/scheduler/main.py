@@ -63,6 +63,7 @@ class Scheduler:
             default_slo=self.live.cfg.slo,
             max_held=args.max_held,
             max_hold_s=args.max_hold_s,
+            max_held_tokens=args.max_held_tokens,
             slots=self.live.slots,
         )
         self.commands = Commands(nc, self.cluster)
@@ -157,8 +158,8 @@ class Scheduler:
         if action is RouteAction.QUEUE:
             await self.reply_queue(msg, idx)
         elif action is RouteAction.HOLD:
-            if len(self.cluster.held) >= self.cluster.max_held:
-                await self.reply_reject(msg, "the scheduler's queue is full", "queue_full")
+            if full := self.cluster.room_to_hold(state):
+                await self.reply_reject(msg, full, "queue_full")
                 return
             self.cluster.held[req.req_id] = Held(state, msg, req, now, reason == SLOT_DOWN)
             self.kick.set()
@@ -173,7 +174,8 @@ class Scheduler:
             await self.reply_reject(msg, "no instance is taking work", "no_capacity")
             return
         self.num_routed += 1
-        await respond(msg, RouteReply(instance_id=iid))
+        started = self.cluster.reports[idx].started_unix_s
+        await respond(msg, RouteReply(instance_id=iid, instance_started_unix_s=started))
 
     async def reply_reject(self, msg: Msg, reason: str, code: str = "rejected") -> None:
         self.num_rejected += 1
@@ -235,6 +237,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-held", type=int, default=1024, help="bound of the held queue")
     p.add_argument("--max-hold-s", type=float, default=600.0, help="longest a request is held")
+    p.add_argument(
+        "--max-held-tokens",
+        type=int,
+        default=0,
+        help="bound of the held queue in prompt + max_tokens tokens (0: none)",
+    )
     p.add_argument("--connect-timeout-s", type=float, default=10.0, help="give up after this")
     return p.parse_args(argv)
 

@@ -3,7 +3,7 @@
 Generated bodies name the served model (`TIDAL_FUZZ_MODEL`, default `tidal-sim`) so requests get
 past the 404 and reach the bus; file and batch ids are, half the time, ones that exist (a file
 uploaded here, a batch created from it), so the fuzzer reaches the Batch API beyond its 404s.
-The command is in tests/fault/test_fuzz.py's docstring. Not imported by the test suite.
+The command is in tests/fault/test_http_abuse.py's docstring. Not imported by the test suite.
 """
 
 from __future__ import annotations

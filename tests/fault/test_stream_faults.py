@@ -15,53 +15,33 @@ import time
 import openai
 import pytest
 
-from tests.fault.conftest import MODEL, Up
+from services.cli.faultkit import StreamResult, stream
+from tests.fault.conftest import Up
 
 pytestmark = [pytest.mark.fault, pytest.mark.nats]
 STREAMS = 16
 MAX_TOKENS = 120
 
 
-async def _streams(up: Up, kill: str) -> list[dict]:
+async def _streams(up: Up, kill: str) -> list[StreamResult]:
     c = openai.AsyncOpenAI(base_url=up.client.base_url, api_key="unused", max_retries=0,
                            timeout=60)  # fmt: skip
-    started = asyncio.Event()
-    firsts: list[float] = []
-
-    async def one(i: int) -> dict:
-        stream = await c.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": f"stream {i}"}],
-            max_tokens=MAX_TOKENS,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        pieces, gaps, last, finish, usage = [], [], time.monotonic(), None, None
-        async for chunk in stream:
-            now = time.monotonic()
-            if chunk.choices and chunk.choices[0].delta.content:
-                if not pieces:
-                    firsts.append(now)
-                    if len(firsts) == STREAMS:
-                        started.set()
-                pieces.append(chunk.choices[0].delta.content)
-                gaps.append(now - last)
-                last = now
-            if chunk.choices and chunk.choices[0].finish_reason:
-                finish = chunk.choices[0].finish_reason
-            if chunk.usage is not None:
-                usage = chunk.usage
-        return {"text": "".join(pieces), "finish": finish, "usage": usage, "max_gap": max(gaps)}
-
-    tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
-    await asyncio.wait_for(started.wait(), timeout=30)
+    results = [StreamResult() for _ in range(STREAMS)]
+    tasks = [asyncio.create_task(stream(c, i, MAX_TOKENS, r)) for i, r in enumerate(results)]
+    deadline = time.monotonic() + 30
+    while not all(r.token_times or r.error for r in results):
+        assert time.monotonic() < deadline, "streams did not start"
+        await asyncio.sleep(0.05)
     await asyncio.sleep(0.3)  # a few tokens in
     pid = await asyncio.to_thread(up.pid_of, kill)
     os.kill(pid, signal.SIGKILL)
-    out = await asyncio.gather(*tasks)
+    await asyncio.gather(*tasks)
     await c.close()
-    return out
+    return results
+
+
+def _max_gap(r: StreamResult) -> float:
+    return max((b - a for a, b in zip(r.token_times, r.token_times[1:], strict=False)), default=0)
 
 
 @pytest.mark.parametrize("kill", ["instance-0", "instance-1"])
@@ -69,11 +49,12 @@ def test_streams_on_a_killed_instance_finish_elsewhere_without_repeats(up: Up, k
     t0 = time.monotonic()
     results = asyncio.run(_streams(up, kill))
     for r in results:
-        assert r["finish"] == "length", r
-        assert r["usage"] is not None and r["usage"].completion_tokens == MAX_TOKENS, r
+        assert r.error == "", r.error
+        assert r.finish == "length", r
+        assert r.completion_tokens == MAX_TOKENS, r
         # the sim engine writes one word per token: a repeat would show as extra words
-        assert len(r["text"].split()) == MAX_TOKENS, r["text"]
-    stalled = [r["max_gap"] for r in results if r["max_gap"] > 0.5]
+        assert len(r.text.split()) == MAX_TOKENS, r.text
+    stalled = [g for g in map(_max_gap, results) if g > 0.5]
     longest = max(stalled, default=0.0)
     took = time.monotonic() - t0
     print(f"killed {kill}: {len(stalled)} of {STREAMS} streams paused (longest {longest:.2f} s);"

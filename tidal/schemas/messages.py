@@ -68,6 +68,9 @@ class RouteReply(msgspec.Struct, frozen=True):
     # | "rejected" (the policy's admission control) | "queue_full" (the held queue is full)
     message: str = ""
     retry_after_s: float = 0.0  # set with every error but "unknown_model"
+    # The routed instance's process, as its latest report names it (`started_unix_s`): if it
+    # does not take the request, the gateway excludes that process and no later one.
+    instance_started_unix_s: float = 0.0
 
 
 class ChatMessage(msgspec.Struct, frozen=True):

@@ -55,7 +55,7 @@ class _Call:
     @property
     def id(self) -> str:
         prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
-        return prefix + self.handle.request.req_id
+        return prefix + self.handle.client_req_id
 
     @property
     def emulated(self) -> str:
@@ -92,7 +92,7 @@ class _Call:
         return {
             "X-Tidal-Emulated": self.emulated,
             "X-Tidal-Instance": self.handle.instance_id,
-            "X-Tidal-Request-Id": self.handle.request.req_id,
+            "X-Tidal-Request-Id": self.handle.client_req_id,
         }
 
     def observe(self, chunk: TokenChunk) -> None:

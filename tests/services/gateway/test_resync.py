@@ -16,6 +16,7 @@ from tidal.schemas.messages import ReqReport
 class S:
     instance_id: str
     is_finished: bool = False
+    progress_unix_s: float = 0.0
 
 
 def _shown(rid: str) -> ReqReport:
@@ -40,3 +41,20 @@ async def test_a_stream_its_instance_no_longer_has_after_an_outage_is_run_again(
     r.on_report(fresh)
     assert await asyncio.wait_for(check, 5) == 1
     assert cut == [(streams["gone"], "its stream was cut by a bus outage")]
+
+
+def test_a_stream_silent_for_long_that_its_instance_no_longer_shows_is_run_again() -> None:
+    now = 1000.0
+    streams = {
+        "gone": S("i0", progress_unix_s=now - 20),  # lost (say, mid-migration with its source)
+        "quiet": S("i0", progress_unix_s=now - 20),  # waiting on the instance: still shown
+        "recent": S("i0", progress_unix_s=now - 1),  # not silent long enough
+        "unseen": S("i1", progress_unix_s=now - 20),  # no report from i1 since: proves nothing
+    }
+    cut: list[object] = []
+    r = StreamResync(None, streams, lambda s, why: cut.append(s))  # type: ignore[arg-type]
+    rep = make_report("i0", 0, "relaxed", seq=3, requests=[_shown("quiet")])
+    r.on_report(rep.__class__(**{**{f: getattr(rep, f) for f in rep.__struct_fields__},
+                                 "sent_unix_s": now - 0.5}))  # fmt: skip
+    assert r.sweep(now) == 1 and cut == [streams["gone"]]
+    assert r.sweep(now + 1) == 0  # once per stall

@@ -78,3 +78,28 @@ def test_the_prompt_length_estimate_learns_characters_per_token_from_reports() -
     ask = RouteRequest(req_id="new", model="m", req_class="online", max_tokens=4,
                        num_prompt_chars=2000)  # fmt: skip
     assert abs(c.new_request(ask, now).num_prompt_tokens - 1000) < 60
+
+
+def test_the_held_queue_is_bounded_in_requests_and_in_tokens() -> None:
+    from services.scheduler.live import Held
+
+    c = _cluster()
+    c.max_held, c.max_held_tokens = 3, 1000
+    now = time.time()
+
+    def ask(rid: str, chars: int, max_tokens: int) -> RouteRequest:
+        return RouteRequest(req_id=rid, model="m", req_class="online", max_tokens=max_tokens,
+                            num_prompt_chars=chars)  # fmt: skip
+
+    big = c.new_request(ask("big", 4 * 600, 100), now)  # 600 prompt tokens (4 chars each)
+    assert c.room_to_hold(big) == ""
+    c.held["big"] = Held(big, None, ask("big", 4 * 600, 100), now)  # type: ignore[arg-type]
+    assert "700 of 1000 tokens" in c.room_to_hold(c.new_request(ask("b", 4 * 250, 100), now))
+    small = c.new_request(ask("s", 4 * 50, 10), now)
+    assert c.room_to_hold(small) == ""
+    for rid in ("s1", "s2"):
+        c.held[rid] = Held(small, None, ask(rid, 200, 10), now)  # type: ignore[arg-type]
+    assert "3 requests" in c.room_to_hold(small)
+    c.max_held_tokens = 0  # no token bound: only the count
+    c.max_held = 8
+    assert c.room_to_hold(c.new_request(ask("huge", 4 * 10**6, 100), now)) == ""

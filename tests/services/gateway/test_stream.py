@@ -1,0 +1,128 @@
+"""A request's stream in the gateway (`services/gateway/stream.py`) on a hand-driven bus: chunks
+lost in a bus outage while the instance still runs the request make it run again, and the old
+copy is cut."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from services.gateway.stream import RequestHandle
+from tidal.schemas import codec, subjects
+from tidal.schemas.messages import CancelRequest, GenerateRequest, SamplingSpec, TokenChunk
+
+
+class FakeNats:
+    def __init__(self) -> None:
+        self.stats = {"reconnects": 0}
+        self.published: list[tuple[str, bytes]] = []
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        self.published.append((subject, data))
+
+
+class FakeBus:
+    """What a RequestHandle asks of its GatewayBus; `place` puts it on instance i1."""
+
+    def __init__(self) -> None:
+        self.nc = FakeNats()
+        self.metrics = None
+        self.handles: dict[str, RequestHandle] = {}
+        self.placed: list[tuple[GenerateRequest, list[str]]] = []
+
+    def release(self, handle: RequestHandle) -> None:
+        self.handles.pop(handle.request.req_id, None)
+
+    async def place(self, handle: RequestHandle, exclude: list[str], at: float = 0.0) -> None:
+        self.placed.append((handle.request, exclude))
+        handle.instance_id = "i1"
+        handle.reconnects_at_place = self.nc.stats["reconnects"]
+
+
+def chunk(req_id: str, seq: int, inst: str, finish: str | None = None) -> TokenChunk:
+    return TokenChunk(req_id, seq, f" w{seq}", 1, 3, seq + 1, inst, finish_reason=finish,
+                      token_ids=[100 + seq])  # fmt: skip
+
+
+def handle() -> tuple[FakeBus, RequestHandle]:
+    bus = FakeBus()
+    req = GenerateRequest("r1", "m", SamplingSpec(max_tokens=8), "tidal.gw.g.tokens")
+    h = RequestHandle(bus=bus, request=req, instance_id="i0")  # type: ignore[arg-type]
+    bus.handles["r1"] = h
+    return bus, h
+
+
+async def _take(h: RequestHandle, *chunks: Any) -> list[str]:
+    out: list[str] = []
+    for c in chunks:
+        out += [x.text for x in await h._accept(c)]
+    return out
+
+
+def test_a_gap_after_a_bus_reconnect_reruns_the_request_and_drops_the_old_copy() -> None:
+    async def go() -> None:
+        bus, h = handle()
+        assert await _take(h, chunk("r1", 0, "i0"), chunk("r1", 1, "i0")) == [" w0", " w1"]
+        bus.nc.stats["reconnects"] = 1  # nats-server restarted: chunks 2 and 3 were lost
+        assert await _take(h, chunk("r1", 4, "i0")) == []
+        ((subject, data),) = bus.nc.published
+        assert subject == subjects.CANCEL and codec.decode(data, CancelRequest).req_id == "r1"
+        ((again, exclude),) = bus.placed
+        assert again.req_id == "r1.r1" and exclude == ["i0"]
+        assert again.resume_token_ids == [100, 101] and again.first_seq == 2
+        assert set(bus.handles) == {"r1.r1"} and h.client_req_id == "r1"
+        # the old copy's chunks (old id) are dropped; the new copy's continue the stream
+        late = await _take(h, chunk("r1", 5, "i0"), chunk("r1.r1", 2, "i1"),
+                           chunk("r1.r1", 3, "i1", finish="length"))  # fmt: skip
+        assert late == [" w2", " w3"] and h.is_finished and h.num_recomputes == 1
+
+    asyncio.run(go())
+
+
+def test_without_a_reconnect_an_early_chunk_waits_for_the_one_before_it() -> None:
+    async def go() -> None:
+        bus, h = handle()
+        assert await _take(h, chunk("r1", 1, "i0")) == []  # a migration race, not a loss
+        assert await _take(h, chunk("r1", 0, "i0")) == [" w0", " w1"]
+        assert bus.placed == [] and bus.nc.published == []
+
+    asyncio.run(go())
+
+
+def test_an_instance_that_did_not_answer_is_excluded_as_the_process_routed_to() -> None:
+    """The process the scheduler routed to failed it, not one started since (a restart)."""
+    import nats.errors
+
+    from services.gateway.bus_client import GatewayBus
+    from tidal.schemas.messages import GenerateAck, RouteReply
+
+    class Reply:
+        data = codec.encode(GenerateAck(ok=True))
+
+    class Nc(FakeNats):
+        calls = 0
+
+        async def request(self, subject: str, data: bytes, timeout: float) -> Reply:
+            self.calls += 1
+            if self.calls == 1:
+                await asyncio.sleep(0.3)  # the submit times out
+                raise nats.errors.TimeoutError
+            return Reply()
+
+    async def go() -> None:
+        bus = GatewayBus(Nc(), "g", 8)  # type: ignore[arg-type]
+        asked: list[tuple[list[str], float]] = []
+
+        async def route(req: GenerateRequest, exclude: list[str], at: float) -> RouteReply:
+            asked.append((list(exclude), at))
+            return RouteReply(instance_id="i0", instance_started_unix_s=123.0)
+
+        bus._route = route  # type: ignore[method-assign]
+        _, h = handle()
+        await bus.place(h, [])
+        (first, _), (again, excluded_at) = asked
+        assert first == [] and again == ["i0"]
+        assert excluded_at == 123.0  # that process, not the time the failure showed
+        assert h.placed_at_unix_s == 123.0
+
+    asyncio.run(go())
