@@ -66,6 +66,7 @@ class Keeper:
     tally: Tally = field(default_factory=Tally)
     kick: asyncio.Event = field(default_factory=asyncio.Event)
     by_status: dict[str, int] = field(default_factory=dict)
+    max_backlog: int = 0  # lines queued over all batches past which a new batch fails (0: none)
 
     async def run(self, stop: asyncio.Event) -> None:
         watchers = [
@@ -103,9 +104,14 @@ class Keeper:
         self.by_status = {}
         for b in batches:
             self.by_status[b.status] = self.by_status.get(b.status, 0) + 1
+        backlog = sum(
+            b.request_counts.total - b.request_counts.completed - b.request_counts.failed
+            for b in batches
+            if b.status in ("in_progress", "finalizing") and b.request_counts is not None
+        )
         for b in batches:
             if b.status == "validating":
-                await self.validate(b, now_s)
+                backlog += await self.validate(b, now_s, backlog)
             elif b.status == "cancelling":
                 await self.dispatcher.cancel_batch(b.id)
                 await self.finalize(b, "cancelled", now_s)
@@ -114,21 +120,34 @@ class Keeper:
 
     # -- validation ---------------------------------------------------------------------------
 
-    async def validate(self, batch: Batch, now_s: float) -> None:
+    async def validate(self, batch: Batch, now_s: float, backlog: int = 0) -> int:
+        """Validate and queue a batch's lines; returns how many were queued. `backlog`: lines
+        of other batches still to run, for the `max_backlog` bound."""
         try:
             models = set(await self.bus.models())
         except ApiError as exc:
             log.info("batch %s waits to be validated: %s", batch.id, exc.message)
-            return
+            return 0
         checked = await self._check(batch, models)
         if checked is None:
             errors = Errors(data=[_error("file_not_found", "the input file was deleted")])
             await self.store.update_batch(batch.id, _fail(errors, now_s))
-            return
+            return 0
         if checked.errors:
             log.info("batch %s failed validation (%d errors)", batch.id, checked.num_errors)
             await self.store.update_batch(batch.id, _fail(Errors(data=checked.errors), now_s))
-            return
+            return 0
+        if self.max_backlog and backlog + len(checked.jobs) > self.max_backlog:
+            # OpenAI fails a batch past its enqueued limit the same way (token_limit_exceeded)
+            why = (
+                f"{backlog} lines of other batches are still queued; this batch's "
+                f"{len(checked.jobs)} would pass the offline backlog bound of {self.max_backlog} "
+                "lines: submit it again later"
+            )
+            log.info("batch %s refused: %s", batch.id, why)
+            errors = Errors(data=[_error("backlog_limit_exceeded", why)])
+            await self.store.update_batch(batch.id, _fail(errors, now_s))
+            return 0
         jobs = [
             JobPayload(batch.id, j.custom_id, j.index, batch.endpoint, j.body) for j in checked.jobs
         ]
@@ -149,6 +168,7 @@ class Keeper:
 
         await self.store.update_batch(batch.id, start)
         log.info("batch %s: %d requests queued", batch.id, len(jobs))
+        return len(jobs)
 
     async def _check(self, batch: Batch, models: set[str] | None) -> Checked | None:
         """The input file validated, read in the store's chunks; None if the file is gone."""

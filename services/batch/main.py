@@ -124,7 +124,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         store = await _open_store(nc, stop)
         if store is not None:
             dispatcher = Dispatcher(store, bus, args.max_inflight)
-            keeper = Keeper(store, bus, dispatcher)
+            keeper = Keeper(store, bus, dispatcher, max_backlog=args.max_backlog)
             log.info(
                 "batch service %s ready (%d lines in flight at most)", args.id, args.max_inflight
             )
@@ -147,8 +147,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nats-url", default=envs.NATS_URL.get(), help="NATS server to join")
     p.add_argument("--id", default="batch-0", help="service id (letters, digits, _ -)")
     p.add_argument("--max-inflight", type=int, default=32, help="batch lines running at once")
+    p.add_argument(
+        "--max-backlog",
+        type=int,
+        default=0,
+        help="lines queued over all batches past which a new batch fails (0: no bound)",
+    )
     p.add_argument("--connect-timeout-s", type=float, default=10.0, help="give up after this")
     args = p.parse_args(argv)
+    if args.max_backlog < 0:
+        p.error("--max-backlog must be >= 0")
     if args.max_inflight < 1:
         p.error("--max-inflight must be at least 1")
     return args

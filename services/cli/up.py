@@ -141,7 +141,8 @@ class Supervisor:
             if a.engine == "sglang":
                 extra += sglang_args(a, i, num_instances)
             children.append(self._service(f"instance-{i}", "services.instance", *extra))
-        children.append(self._service("batch-0", "services.batch"))
+        backlog = ["--max-backlog", str(a.max_offline_backlog)] if a.max_offline_backlog else []
+        children.append(self._service("batch-0", "services.batch", *backlog))
         gateway = ["--host", a.host, "--port", str(a.port)]
         if a.rate_limit:
             gateway += ["--rate-limit", str(a.rate_limit), "--rate-burst", str(a.rate_burst)]
@@ -287,6 +288,8 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--cpu-attn must be >= 0")
         if args.cpu_attn_gib <= 0:
             raise ValueError("--cpu-attn-gib must be > 0")
+        if args.max_offline_backlog < 0:
+            raise ValueError("--max-offline-backlog must be >= 0")
         if args.rate_limit:
             RateLimiter(args.rate_limit, args.rate_burst)  # a bad rate fails here
     except ValueError as exc:
@@ -352,6 +355,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated instance roles, one instance each (default: the config's)",
     )
     p.add_argument("--cpu-attn", type=int, default=1, help="number of CPU-attention workers")
+    p.add_argument(
+        "--max-offline-backlog",
+        type=int,
+        default=0,
+        help="Batch API lines queued over all batches past which a new batch fails (0: none)",
+    )
     p.add_argument(
         "--cpu-attn-gib",
         type=float,

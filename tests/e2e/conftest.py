@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -60,6 +61,13 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:  # type: ignore[
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
+    with start_stack() as st:
+        yield st
+
+
+@contextlib.contextmanager
+def start_stack(*extra: str) -> Iterator[Stack]:
+    """`tidal up --engine sim` (3 ms steps) on a free port, with `extra` arguments."""
     port = natsd.free_port()
     tmp = Path(tempfile.mkdtemp(prefix="tidal-e2e-"))
     env = {**os.environ, "TIDAL_STATE_FILE": str(tmp / "up.json"), "TIDAL_HEARTBEAT_S": "0.2"}
@@ -80,6 +88,7 @@ def stack() -> Iterator[Stack]:
         "WARNING",
         "--store-dir",
         str(tmp / "jetstream"),
+        *extra,
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -13,7 +13,7 @@ import openai
 import pytest
 from openai.types import Batch
 
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import Stack, start_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nats]
 MODEL = "tidal-sim"
@@ -259,3 +259,18 @@ def test_online_requests_keep_their_slo_while_a_batch_runs(stack: Stack) -> None
     c.batches.cancel(batch.id)
     assert running.status == "in_progress", "the batch must still run while online is measured"
     assert busy >= alone - 0.01, (alone, busy)
+
+
+def test_a_batch_past_the_offline_backlog_bound_fails_and_a_later_one_runs() -> None:
+    # 10 ms steps: the first batch's 300-token lines keep 4 lines queued for about 3 s
+    with start_stack("--max-offline-backlog", "4", "--sim-step-model", "linear:0.01,0,0,0") as st:
+        c = client(st)
+        a = submit(c, [chat_line(f"a{i}", max_tokens=300) for i in range(4)])
+        assert wait(c, a.id, until=("in_progress", *DONE)).status == "in_progress"
+        b = wait(c, submit(c, [chat_line("b0")]).id)
+        assert b.status == "failed" and b.errors is not None and b.errors.data
+        err = b.errors.data[0]
+        assert err.code == "backlog_limit_exceeded" and "bound of 4 lines" in (err.message or "")
+        assert wait(c, a.id).status == "completed"
+        later = wait(c, submit(c, [chat_line("c0"), chat_line("c1")]).id)
+        assert later.status == "completed"
