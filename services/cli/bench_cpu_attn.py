@@ -24,11 +24,10 @@ import random
 import statistics
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 from services.cli import natsd
-from services.cli.benchkit import pct, stack
+from services.cli.benchkit import pct, save_json, stack
 
 WORDS = ["tide", "wave", "shore", "moon", "current", "reef", "harbor", "sail", "drift", "foam"]
 
@@ -212,8 +211,7 @@ def run(args: argparse.Namespace) -> int:
             f"~{r['worker_mean_context_tokens']} tokens; streaming its KV once at half the copy "
             f"bandwidth would take {1e6 * est_s:.1f} us"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args) | {"func": None}} | results))
+    save_json(args.json, {"args": args} | results)
     return 0
 
 

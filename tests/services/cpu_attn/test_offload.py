@@ -24,6 +24,17 @@ def req(rid: str, max_tokens: int = 24, prompt: list[int] | None = None) -> Engi
     return EngineRequest(rid, list(prompt or PROMPT), sp)
 
 
+def with_workers(
+    make_engine: Any, pool: CpuAttnPool, reqs: list[EngineRequest], *engine_args: Any
+) -> tuple[TorchEngine, dict[str, list[int]]]:
+    """A fresh engine using `pool`'s workers, with `reqs` added; and its outputs so far."""
+    engine = make_engine(*engine_args)
+    engine.attach_cpu_attn(pool)
+    for r in reqs:
+        engine.add(r)
+    return engine, {}
+
+
 def run_alone(engine: TorchEngine, reqs: list[EngineRequest]) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {r.req_id: [] for r in reqs}
     for r in reqs:
@@ -76,10 +87,7 @@ def test_offload_mid_decode_and_recall_later_keep_greedy_output(
     want = run_alone(make_engine(), [req("a")])
     w = make_worker()
     pool.connect("w0", "127.0.0.1", w.port)
-    engine = make_engine()
-    engine.attach_cpu_attn(pool)
-    out: dict[str, list[int]] = {}
-    engine.add(req("a"))
+    engine, out = with_workers(make_engine, pool, [req("a")])
     decode_until(engine, out, "a", 5)
     used = engine.num_kv_blocks - engine.num_free_blocks()
     engine.offload("a")
@@ -104,11 +112,7 @@ def test_mixed_steps_with_gpu_and_offloaded_decodes_keep_every_output(
     want = run_alone(make_engine(), [req(rid, 20, p) for rid, p in prompts.items()])
     for i in range(2):
         pool.connect(f"w{i}", "127.0.0.1", make_worker().port)
-    engine = make_engine()
-    engine.attach_cpu_attn(pool)
-    out: dict[str, list[int]] = {}
-    for r in reqs:
-        engine.add(r)
+    engine, out = with_workers(make_engine, pool, reqs)
     decode_until(engine, out, "r5", 3)
     for rid in ("r1", "r3", "r4"):  # three offloaded, three stay: every step mixes both
         engine.offload(rid)
@@ -124,11 +128,7 @@ def test_a_worker_killed_mid_decode_loses_nothing(
     want = run_alone(make_engine(), [req("a", 30), req("b", 30)])
     w = make_worker()
     pool.connect("w0", "127.0.0.1", w.port)
-    engine = make_engine()
-    engine.attach_cpu_attn(pool)
-    out: dict[str, list[int]] = {}
-    engine.add(req("a", 30))
-    engine.add(req("b", 30))
+    engine, out = with_workers(make_engine, pool, [req("a", 30), req("b", 30)])
     decode_until(engine, out, "a", 4)
     engine.offload("a")
     decode_until(engine, out, "a", 10)
@@ -145,10 +145,7 @@ def test_a_full_worker_refuses_with_a_reason_and_the_request_stays(
     want = run_alone(make_engine(), [req("a")])
     w = make_worker(capacity_bytes=4096)  # far less than one request's KV
     pool.connect("w0", "127.0.0.1", w.port)
-    engine = make_engine()
-    engine.attach_cpu_attn(pool)
-    out: dict[str, list[int]] = {}
-    engine.add(req("a"))
+    engine, out = with_workers(make_engine, pool, [req("a")])
     decode_until(engine, out, "a", 3)
     with pytest.raises(OffloadRefused, match=r"worker full: needs .* MiB"):
         engine.offload("a")
@@ -163,11 +160,7 @@ def test_recall_in_the_middle_of_a_token_runs_that_token_again_on_the_instance(
     want = run_alone(make_engine(), [req("a"), req("b", 24, PROMPT[3:])])
     w = make_worker()
     pool.connect("w0", "127.0.0.1", w.port)
-    engine = make_engine()
-    engine.attach_cpu_attn(pool)
-    out: dict[str, list[int]] = {}
-    engine.add(req("a"))
-    engine.add(req("b", 24, PROMPT[3:]))
+    engine, out = with_workers(make_engine, pool, [req("a"), req("b", 24, PROMPT[3:])])
     decode_until(engine, out, "a", 4)
     decode_until(engine, out, "b", 4)
     engine.offload("a")
