@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -23,10 +24,31 @@ def find_nats_server() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port free now, chosen below the kernel's ephemeral range where it can: a port the OS
+    handed out for a bind to port 0 could be handed out again to the next such bind (a worker's
+    or an instance's data plane) before its own user binds it (seen: a gateway that never came up
+    because a CPU-attention worker had taken its port)."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(10_000, low) if low > 10_100 else 0
+        if port and not port_is_free(host, port):
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            chosen: int = s.getsockname()[1]
+            return chosen
+    raise OSError(f"no free port found on {host}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def port_is_free(host: str, port: int) -> bool:
