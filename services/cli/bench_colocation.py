@@ -18,11 +18,10 @@ import io
 import json
 import random
 import time
-import urllib.request
 from typing import Any
 
 from services.cli import natsd
-from services.cli.benchkit import pct, save_json, stack
+from services.cli.benchkit import gateway_metrics, pct, save_json, stack
 
 
 async def _phase(base: str, model: str, args: argparse.Namespace, offline: int) -> dict[str, Any]:
@@ -138,12 +137,8 @@ async def _submit_batch(client: Any, model: str, args: argparse.Namespace, promp
 async def _batch_tokens(base: str) -> float:
     """`tidal_batch_output_tokens_total` now (the batch service publishes it every second)."""
     await asyncio.sleep(1.1)
-    url = base.removesuffix("/v1") + "/metrics"
-    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
-    for line in text.splitlines():
-        if line.startswith("tidal_batch_output_tokens_total "):
-            return float(line.split()[1])
-    return 0.0
+    metrics = await asyncio.to_thread(gateway_metrics, base)
+    return metrics.get("tidal_batch_output_tokens_total", 0.0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,29 +23,12 @@ import json
 import random
 import statistics
 import time
-import urllib.request
 from typing import Any
 
 from services.cli import natsd
-from services.cli.benchkit import pct, save_json, stack
+from services.cli.benchkit import gateway_metrics, pct, save_json, stack
 
 WORDS = ["tide", "wave", "shore", "moon", "current", "reef", "harbor", "sail", "drift", "foam"]
-
-
-def _metrics(base: str) -> dict[str, float]:
-    """Sums of the gateway's /metrics samples by name (labels dropped)."""
-    url = base.removesuffix("/v1") + "/metrics"
-    out: dict[str, float] = {}
-    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, _, value = line.rpartition(" ")
-        name = name.split("{")[0]
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return out
 
 
 async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -101,7 +84,7 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.wait_for(stop.wait(), rng.expovariate(args.online_rate))
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    m0 = await asyncio.to_thread(_metrics, base)
+    m0 = await asyncio.to_thread(gateway_metrics, base)
     in_flight: list[int] = []
     offloaded: list[float] = []
     stop = asyncio.Event()
@@ -113,14 +96,14 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(0.25)
         in_flight.append(state["started"] - state["done"])
         if len(in_flight) % 8 == 0:
-            m = await asyncio.to_thread(_metrics, base)
+            m = await asyncio.to_thread(gateway_metrics, base)
             offloaded.append(m.get("tidal_cpu_attn_offloaded_requests", 0.0))
     t1 = time.perf_counter()
     stop.set()
     for task in offl:  # the window is over: what is not done is cancelled (client disconnect)
         task.cancel()
     await asyncio.gather(*offl, onl, return_exceptions=True)
-    m = await asyncio.to_thread(_metrics, base)
+    m = await asyncio.to_thread(gateway_metrics, base)
 
     def delta(name: str) -> float:
         return m.get(name, 0.0) - m0.get(name, 0.0)

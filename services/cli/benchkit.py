@@ -23,6 +23,24 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
+def gateway_metrics(base: str) -> dict[str, float]:
+    """The gateway's /metrics samples summed by name (labels dropped); `base` is the API URL."""
+    import urllib.request
+
+    url = base.removesuffix("/v1") + "/metrics"
+    out: dict[str, float] = {}
+    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{")[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
 def save_json(path: str, report: dict[str, Any]) -> None:
     """Write `report` to `path` as JSON (nothing when `path` is empty). An argparse namespace in
     it is written as its options, without the command's function."""

@@ -107,7 +107,11 @@ class AttnServer:
 
             out, errors = await asyncio.to_thread(run)
             self.num_rows += B - len(errors)
-            self.num_ctx_tokens += sum(p + 1 for p in msg.positions) if not errors else 0
+            self.num_ctx_tokens += sum(
+                p + 1
+                for rid, p in zip(msg.req_ids, msg.positions, strict=True)
+                if rid not in errors
+            )
             for rid, why in errors.items():
                 log.warning("attention of %s at layer %d not computed: %s", rid, msg.layer, why)
             head = wire.AttnOut(msg.layer, msg.req_ids, msg.dtype, H * D, errors)

@@ -135,9 +135,6 @@ class CpuAttnPool:
         self._results: dict[tuple[str, int], torch.Tensor] = {}
         self._lost: set[str] = set()
         self._cond = threading.Condition()
-        self.num_offloads = 0
-        self.num_recalls = 0
-        self.num_refused = 0
 
     # ---- membership ----
 
@@ -189,11 +186,9 @@ class CpuAttnPool:
                 with self._cond:
                     self.where[req_id] = w.id
                     w.num_reqs += 1
-                self.num_offloads += 1
                 return w.id
             assert isinstance(reply.msg, wire.Refused)
             reasons.append(f"{w.id}: {reply.msg.reason}")
-        self.num_refused += 1
         raise OffloadRefused("; ".join(reasons) or "no CPU-attention worker is connected")
 
     def recall(self, req_id: str) -> torch.Tensor:
@@ -204,7 +199,6 @@ class CpuAttnPool:
             raise KeyError(f"{req_id}: {getattr(msg, 'reason', 'no answer')}")
         if wire.crc32(reply.payload) != msg.crc32:
             raise ValueError(f"{req_id}: recalled KV fails its checksum")
-        self.num_recalls += 1
         return wire.from_bytes(reply.payload, msg.dtype, msg.shape)
 
     def drop(self, req_id: str) -> None:

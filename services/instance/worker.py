@@ -28,6 +28,7 @@ from tidal.engine.api import (
     SamplingParams,
     StepResult,
     TokenEvent,
+    check_fits,
 )
 from tidal.engine.executor import execute
 from tidal.policy.base import Slo, StepPlan
@@ -157,11 +158,7 @@ class Instance:
         max_tokens = s.max_tokens
         if s.max_tokens_is_default:
             max_tokens = max(1, min(max_tokens, self.engine.max_model_len - len(ids)))
-        if len(ids) + max_tokens > self.engine.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                f"context length of {self.engine.max_model_len} tokens"
-            )
+        check_fits(len(ids), max_tokens, self.engine.max_model_len)
         # A recompute after a lost instance: what the client already has is input now.
         resumed = list(req.resume_token_ids)
         if len(resumed) >= max_tokens:

@@ -70,6 +70,16 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
 
 
+def check_fits(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
+    """ValueError (naming the context, which the gateway maps to `context_length_exceeded`)
+    when prompt + max_tokens does not fit the model's context."""
+    if num_prompt + max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"context length of {max_model_len} tokens"
+        )
+
+
 @dataclass
 class EngineRequest:
     """A tokenised request as it enters an engine."""

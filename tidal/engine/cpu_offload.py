@@ -28,8 +28,6 @@ class CpuOffloadMixin:
     kv: torch.Tensor
     max_model_len: int
     cpu_link: CpuAttnLink | None = None
-    num_offloads = 0
-    num_recalls = 0
     num_cpu_attn_lost = 0  # requests re-queued by recompute after their worker was lost
     # (offloaded rows, seconds of residual-store and queue work) of recent piggybacked steps
     piggy_steps: deque[tuple[int, float]]
@@ -52,11 +50,10 @@ class CpuOffloadMixin:
         kv = kvt.gather_kv(self.kv, kvt.token_slots(seq.block_ids, 0, n, self.block_size))
         left = seq.req.sampling.max_tokens - seq.num_output + 1
         reserve = max(1, min(left, self.max_model_len - n))
-        worker = self.cpu_link.offload(req_id, kv, reserve)
+        self.cpu_link.offload(req_id, kv, reserve)
         self._release_blocks(seq)
         seq.status = SeqStatus.OFFLOADED
-        seq.cpu = CpuProgress(worker)
-        self.num_offloads += 1
+        seq.cpu = CpuProgress()
 
     def recall(self, req_id: str) -> None:
         """Bring an offloaded request's KV back. OmniServe §3.2.4 recalls at a token boundary;
@@ -73,10 +70,6 @@ class CpuOffloadMixin:
         self._place_kv(seq, kv)  # MemoryError leaves it offloaded, the worker's copy intact
         self.cpu_link.drop(req_id)  # with any output still on its way for the token in flight
         seq.cpu = None
-        self.num_recalls += 1
-
-    def num_offloaded(self) -> int:
-        return sum(s.status == SeqStatus.OFFLOADED for s in self.seqs.values())
 
     def _piggyback(
         self, req_ids: tuple[str, ...], alone: bool, should_stop: Callable[[], bool]

@@ -75,9 +75,9 @@ class CpuAttnLink(Protocol):
 
 @dataclass
 class CpuProgress:
-    """Where an offloaded request's current token is (OmniServe's residual store entry)."""
+    """Where an offloaded request's current token is (OmniServe's residual store entry); its
+    worker is the link's to know."""
 
-    worker: str
     stage: str = "idle"  # "idle": at a token boundary | "pre": enters QKV at `layer`
     # | "wait": attention at `layer` is on the worker
     layer: int = 0
@@ -115,8 +115,6 @@ class Piggyback:
             if s.cpu is not None and not s.cpu.at_boundary:
                 book = self._pre if s.cpu.stage == "pre" else self._wait
                 book.setdefault(s.cpu.layer, []).append(s)
-        self.num_rows_sent = 0
-        self.num_rows_back = 0
         self.overhead_s = 0.0  # residual store and queue work on the engine thread
 
     def enter(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -151,7 +149,6 @@ class Piggyback:
             assert s.cpu is not None
             s.cpu.stage = "wait"  # its residual stays in s.cpu.x until the output is back
         self._wait.setdefault(layer, []).extend(rows)
-        self.num_rows_sent += len(rows)
         self._entering = []
 
     def arrived(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -181,7 +178,6 @@ class Piggyback:
             return None
         x = torch.cat([_x(s) for s in rows])
         o = torch.stack([got[s.req_id] for s in rows]).to(device=self.device, dtype=x.dtype)
-        self.num_rows_back += len(rows)
         self.overhead_s += time.perf_counter() - t0 - waited
         return x, o
 
@@ -194,9 +190,19 @@ class Piggyback:
         self._pre.setdefault(layer + 1, []).extend(self._post)
         self._post = []
 
-    def finished(self) -> list[Sequence]:
-        """Rows that ran every layer this step: their hidden states are ready for logits."""
-        return self._pre.get(self.num_layers, [])
+    def finish(self) -> tuple[list[Sequence], torch.Tensor] | None:
+        """Rows that ran every layer this step, with their final hidden states (m, hidden) for
+        logits; their token's KV is on the worker at every layer now, so they are back at a
+        token boundary."""
+        rows = self._pre.pop(self.num_layers, [])
+        if not rows:
+            return None
+        hidden = torch.cat([_x(s) for s in rows])
+        for s in rows:
+            assert s.cpu is not None
+            s.num_computed += 1
+            s.cpu.stage, s.cpu.layer, s.cpu.x = "idle", 0, None
+        return rows, hidden
 
 
 def _x(s: Sequence) -> torch.Tensor:

@@ -103,14 +103,9 @@ class StepRunner:
             assert batch is not None
             idx = torch.tensor([r for _, r in sampled], device=self.device)
             self._sample([s for s, _ in sampled], batch.hidden.index_select(0, idx), out)
-        if piggy is not None and (fin := piggy.finished()):
-            hidden = torch.cat([_cpu_x(s) for s in fin])
-            for s in fin:  # this token's KV is on the worker at every layer now
-                assert s.cpu is not None
-                s.num_computed += 1
-                s.cpu.stage, s.cpu.layer, s.cpu.x = "idle", 0, None
-            out.num_cpu_decode_tokens = len(fin)
-            self._sample(fin, hidden, out)
+        if piggy is not None and (fin := piggy.finish()) is not None:
+            out.num_cpu_decode_tokens = len(fin[0])
+            self._sample(*fin, out)
         return out
 
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor, out: RunOutput) -> None:
@@ -255,11 +250,6 @@ class StepRunner:
                 )
             )
         return meta
-
-
-def _cpu_x(seq: Sequence) -> torch.Tensor:
-    assert seq.cpu is not None and seq.cpu.x is not None
-    return seq.cpu.x
 
 
 def _span(seq: Sequence, bs: int) -> tuple[int, int] | None:

@@ -35,6 +35,7 @@ from tidal.engine.api import (
     StepTelemetry,
     TokenEvent,
     Tokenizer,
+    check_fits,
 )
 from tidal.engine.preemption import LayerPreemption
 from tidal.engine.scheduler import SeqView
@@ -145,11 +146,7 @@ class SimEngine:
         n = len(request.prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n + request.sampling.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds this "
-                f"model's context of {self.max_model_len} tokens"
-            )
+        check_fits(n, request.sampling.max_tokens, self.max_model_len)
         if request.req_id in self.seqs:
             raise ValueError(f"request id {request.req_id!r} is already in this engine")
         prompt = list(request.prompt_token_ids)

@@ -39,6 +39,7 @@ from tidal.engine.api import (
     StepTelemetry,
     TokenEvent,
     Tokenizer,
+    check_fits,
 )
 from tidal.engine.sampling import Detokenizer
 from tidal.engine.sglang_api import RecomputePayload, generate_body, new_rid, parse_chunk
@@ -102,11 +103,7 @@ class SglangEngine:
         n = len(request.prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n + request.sampling.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({request.sampling.max_tokens}) exceeds the "
-                f"model's context length of {self.max_model_len} tokens"
-            )
+        check_fits(n, request.sampling.max_tokens, self.max_model_len)
         if request.req_id in self.reqs:
             raise ValueError(f"duplicate request {request.req_id}")
         self.reqs[request.req_id] = _Req(
