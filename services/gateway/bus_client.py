@@ -86,6 +86,8 @@ class GatewayBus:
             await subscribe(self.nc, subjects.BATCH_STATS, BatchStats, self._on_batch_stats)
             workers = f"{subjects.PREFIX}.hb.cpu_attn.*"
             await subscribe(self.nc, workers, Heartbeat, self._on_worker_beat)
+            instances = f"{subjects.PREFIX}.hb.instance.*"  # as the cpu_attn beats above
+            await subscribe(self.nc, instances, Heartbeat, self._on_instance_beat)
 
     async def _on_mig(self, ev: MigrationEvent, _: Msg) -> None:
         assert self.metrics is not None
@@ -99,6 +101,10 @@ class GatewayBus:
     async def _on_worker_beat(self, hb: Heartbeat, _: Msg) -> None:
         assert self.metrics is not None
         self.metrics.cpu_attn.on_heartbeat(hb)
+
+    async def _on_instance_beat(self, hb: Heartbeat, _: Msg) -> None:
+        assert self.metrics is not None
+        self.metrics.on_instance_beat(hb)
 
     async def _on_batch_stats(self, st: BatchStats, _: Msg) -> None:
         assert self.metrics is not None

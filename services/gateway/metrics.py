@@ -6,7 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.cpu_attn_metrics import CpuAttnMetrics
-from tidal.schemas.messages import InstanceReport, MigrationEvent
+from tidal.engine.sglang_api import PD_MIGRATION_MODE
+from tidal.schemas.messages import Heartbeat, InstanceReport, MigrationEvent
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -70,7 +71,9 @@ class GatewayMetrics:
         self.migrations = Counter(
             "tidal_migrations",
             "Migrations by kind (push: online after prefill; pull: offline decode), outcome and "
-            "mode (kv: KV moved; recompute: the target recomputes prompt + output, sglang engine)",
+            "mode (kv: KV moved; recompute: the target recomputes prompt + output, sglang engine; "
+            "pd_transfer: SGLang pushed a request's KV from its prefill to its decode server, "
+            "sglang engine over a PD pair)",
             ["kind", "outcome", "mode"],
             registry=self.registry,
         )
@@ -106,6 +109,8 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self._preempt_seen: dict[str, int] = {}  # instance -> count in its last report
+        # instance -> (its start, {outcome: PD handoffs counted}) from its last heartbeat
+        self._pd_seen: dict[str, tuple[float, dict[str, int]]] = {}
         self.batch = BatchMetrics(self.registry)
         self.cpu_attn = CpuAttnMetrics(self.registry)
 
@@ -114,6 +119,27 @@ class GatewayMetrics:
         if ev.outcome == "ok":
             self.migration_seconds.labels(ev.kind).observe(ev.total_s)
             self.kv_transfer_bytes.inc(ev.num_bytes)
+
+    def on_instance_beat(self, hb: Heartbeat) -> None:
+        """An `--engine sglang` instance over a PD pair counts SGLang's prefill -> decode
+        handoffs in its heartbeat's `info` (`PdPairClient`); each is a push migration carried
+        by SGLang, counted here by what the count grew since the instance's previous beat."""
+        totals = {
+            "ok": hb.info.get("pd_transfers_total"),
+            "failed": hb.info.get("pd_transfer_failures_total"),
+        }
+        if totals["ok"] is None:
+            return
+        started, seen = self._pd_seen.get(hb.service_id, (hb.started_unix_s, {}))
+        if started != hb.started_unix_s:  # restarted: its counts start again at 0
+            seen = {}
+        now = {k: int(v or 0) for k, v in totals.items()}
+        for outcome, n in now.items():
+            if n > seen.get(outcome, 0):
+                self.migrations.labels("push", outcome, PD_MIGRATION_MODE).inc(
+                    n - seen.get(outcome, 0)
+                )
+        self._pd_seen[hb.service_id] = (hb.started_unix_s, now)
 
     def on_report(self, rep: InstanceReport) -> None:
         iid = rep.instance_id

@@ -31,6 +31,7 @@ from services.instance.policy_adapter import PolicyAdapter
 from services.instance.worker import Instance
 from tidal import envs
 from tidal.engine.api import ControllableEngine
+from tidal.engine.sglang_api import DEFAULT_BOOTSTRAP_PORT, DEFAULT_HANDOFF_TIMEOUT_S
 from tidal.policy.base import InstanceRole, Slo
 from tidal.policy.registry import make_policy
 from tidal.schemas import codec, subjects
@@ -274,6 +275,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sglang-url",
         default="",
         help="sglang: attach to this running SGLang server (else start one as a child)",
+    )
+    p.add_argument(
+        "--sglang-decode-url",
+        default="",
+        help="sglang: with --sglang-url, SGLang PD disaggregation: --sglang-url is a server run "
+        "with --disaggregation-mode prefill, this one with --disaggregation-mode decode; every "
+        "request goes to both (same bootstrap room) and SGLang pushes its KV prefill -> decode",
+    )
+    p.add_argument(
+        "--sglang-bootstrap-port",
+        type=int,
+        default=DEFAULT_BOOTSTRAP_PORT,
+        help="sglang PD: the prefill server's --disaggregation-bootstrap-port, used when its "
+        "/server_info does not report it",
+    )
+    p.add_argument(
+        "--sglang-handoff-timeout-s",
+        type=float,
+        default=DEFAULT_HANDOFF_TIMEOUT_S,
+        help="sglang PD: a prefill server that has not answered, or a decode server that has "
+        "brought no token after the prefill answered, within this long fails the handoff "
+        "(the request is requeued; SGLang's own wait is 300 s)",
     )
     p.add_argument(
         "--sglang-args",

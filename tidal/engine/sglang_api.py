@@ -17,6 +17,13 @@ Pinned to SGLang 0.5.23 (PyPI wheel `sglang-0.5.23-cp311`), read from its source
 - `GET /v1/loads` (`sglang/srt/entrypoints/v1_loads.py`, fields of `LoadSnapshot` in
   `managers/load_snapshot.py`): `{"loads": [{"num_running_reqs", "num_waiting_reqs",
   "num_used_tokens", "max_total_num_tokens", "token_usage", "gen_throughput", ...}]}` per DP rank.
+- PD disaggregation (`sglang/srt/arg_groups/fields/disagg.py`, `disaggregation/`): a server
+  runs with `--disaggregation-mode prefill|decode` and `--disaggregation-transfer-backend`
+  (mooncake by default; nixl, mori, ascend, mooncake_tcp; `fake` on decode only); the prefill
+  server's bootstrap server listens on `--disaggregation-bootstrap-port` (8998). `/server_info`
+  reports every resolved server argument flat (`build_server_info` in `utils/common.py` over
+  `ServerArgs.resolved_dict`), so `disaggregation_mode` and `disaggregation_bootstrap_port` can be
+  read there. See `pd_*` below for the request side.
 - Priority scheduling (`sglang/srt/arg_groups/fields/schedule.py`): with
   `--enable-priority-scheduling` a larger `priority` runs first and a waiting request whose
   priority exceeds a running one's by `--priority-scheduling-preemption-threshold` (10) retracts
@@ -28,15 +35,21 @@ Nothing here does I/O; `services/instance/sglang/` does.
 from __future__ import annotations
 
 import json
+import random
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from tidal.engine.api import EngineRequest, FinishReason, SamplingParams
 from tidal.schemas.enums import RequestClass
 
 SGLANG_VERSION = "0.5.23"  # the release this mapping was read from
+PD_MIGRATION_MODE = "pd_transfer"  # `tidal_migrations_total{mode=...}` of a P->D KV handoff
+DEFAULT_BOOTSTRAP_PORT = 8998  # `--disaggregation-bootstrap-port` default (fields/disagg.py)
+# a PD handoff's bound: SGLang's own SGLANG_DISAGGREGATION_WAITING_TIMEOUT (environ.py)
+DEFAULT_HANDOFF_TIMEOUT_S = 300.0
 # request class -> SGLang priority; the gap is far above the default preemption threshold (10)
 PRIORITY = {RequestClass.ONLINE: 100, RequestClass.OFFLINE: 0}
 RID_PREFIX = "tidal-"
@@ -272,3 +285,68 @@ class RecomputePayload:
             if "not an SGLang" in str(exc):
                 raise
             raise ValueError(f"corrupt SGLang migration payload: {exc}") from None
+
+
+# ---- PD disaggregation: one request sent to a prefill server and a decode server ----
+#
+# How SGLang's own routers pair a request (read, not run): `sglang/srt/disaggregation/mini_lb.py`
+# (python, older releases) and `sgl-router/src/routers/pd_router.rs` (rust) both pick a prefill
+# and a decode server, add `bootstrap_host` (the prefill URL's host), `bootstrap_port` (the
+# prefill's bootstrap port) and `bootstrap_room` (`random.randint(0, 2**63 - 1)`; the router's
+# `generate_room_id` masks a random u64 to i64::MAX, since the engine keeps rooms as int64) to
+# the body, POST the same body to both at once, and stream the client only the decode server's
+# answer; the prefill's answer is drained (read only to merge `input_token_logprobs`), and a
+# prefill error is logged as non-critical. In the engine (0.5.23): the prefill server computes
+# the prompt with `max_new_tokens` forced to 1 (`disaggregation/prefill.py` `_process_req`),
+# pushes the KV to the decode server over the transfer backend, and answers only once the
+# transfer is done, with `finish_reason` `{"type": "length", "length": 0}`, or an abort
+# ("Prefill transfer failed ...", HTTP 500) when it failed; the decode server holds the request
+# in its prealloc/transfer queues until the KV of its room lands and then streams every output
+# token, the prefill's first one included (`disaggregation/decode.py`). A decode waiting for a
+# room times out only after `SGLANG_DISAGGREGATION_WAITING_TIMEOUT` / `..._BOOTSTRAP_TIMEOUT`
+# (300 s each, `environ.py`); a request without a room is aborted at once ("Disaggregated request
+# received without bootstrap room id", HTTP 400, `managers/scheduler.py`).
+
+
+MAX_ROOM = 2**63 - 1  # rooms are int64 in the engine
+
+
+def new_bootstrap_room() -> int:
+    """A room for one PD submission, as SGLang's routers draw it: uniform in [0, 2**63 - 1]."""
+    return random.randint(0, MAX_ROOM)
+
+
+def bootstrap_host_of(prefill_url: str) -> str:
+    """The host the decode server reaches the prefill's bootstrap server at: the prefill URL's
+    host, as `mini_lb.py` takes it (IPv6 in brackets)."""
+    host = urlsplit(prefill_url).hostname
+    if not host:
+        raise ValueError(f"no host in the prefill server URL {prefill_url!r}")
+    return f"[{host}]" if ":" in host else host
+
+
+def pd_prefill_body(decode_body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill server's copy of a PD submission. SGLang's routers send it the very body the
+    decode server gets; here it is not streamed (`stream: false`), because the worker reads only
+    how it ended: one JSON answer once the KV has been sent, or an HTTP error."""
+    if "bootstrap_room" not in decode_body:
+        raise ValueError("a PD submission needs bootstrap_host/port/room")
+    return {**decode_body, "stream": False}
+
+
+def prefill_outcome(status: int, obj: Any) -> str:
+    """ "" when the prefill server's answer says the prompt was computed and its KV sent;
+    else why not (an HTTP error, or SGLang's abort)."""
+    if status != 200:
+        err = obj.get("error", obj) if isinstance(obj, dict) else obj
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        return f"prefill server: HTTP {status}: {str(msg)[:300]}"
+    meta = obj.get("meta_info") if isinstance(obj, dict) else None
+    if isinstance(obj, list) and obj:  # a batch answer: the first one
+        meta = obj[0].get("meta_info") if isinstance(obj[0], dict) else None
+    fr = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if isinstance(fr, dict) and fr.get("type") == "abort":
+        return f"prefill server aborted it: {fr.get('message', '')}".strip()
+    if not isinstance(meta, dict):
+        return "prefill server: an answer without meta_info"
+    return ""

@@ -13,7 +13,7 @@ import json
 import logging
 import queue
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +65,9 @@ class SglangClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=httpx.Timeout(self.timeout_s), limits=limits
         )
-        self._tasks["__loads__"] = asyncio.create_task(self._poll_loads())
+        self._tasks["__loads__"] = asyncio.create_task(
+            self._poll_loads(self._http, self._on_load, "SGLang")
+        )
 
     # ---- called from any thread ----
 
@@ -79,6 +81,10 @@ class SglangClient:
     def abort(self, rid: str) -> None:
         """Stop `rid` in SGLang (`/abort_request`) and stop reading its stream."""
         self.loop.call_soon_threadsafe(self._abort_soon, rid)
+
+    def info(self) -> dict[str, str]:
+        """What this client adds to the instance heartbeat's `info` (nothing for one server)."""
+        return {}
 
     def close(self) -> None:
         if self.loop.is_closed():
@@ -107,14 +113,15 @@ class SglangClient:
         self._aborts.add(t := asyncio.create_task(self._post_abort(rid)))
         t.add_done_callback(self._aborts.discard)
 
-    async def _post_abort(self, rid: str) -> None:
-        assert self._http is not None
+    async def _post_abort(self, rid: str, http: httpx.AsyncClient | None = None) -> None:
+        http = http or self._http
+        assert http is not None
         try:
-            r = await self._http.post("/abort_request", json={"rid": rid})
+            r = await http.post("/abort_request", json={"rid": rid})
             if r.status_code != 200:
                 log.warning("SGLang refused to abort %s: HTTP %d", rid, r.status_code)
         except httpx.HTTPError as exc:
-            log.warning("abort of %s not sent to SGLang: %s", rid, exc)
+            log.warning("abort of %s not sent to SGLang at %s: %s", rid, http.base_url, exc)
 
     def _put(self, msg: StreamMsg) -> None:
         self.inbox.put(msg)
@@ -151,15 +158,24 @@ class SglangClient:
             self._tasks.pop(rid, None)
             self._put(StreamMsg(req_id, rid, None))
 
-    async def _poll_loads(self) -> None:
+    def _on_load(self, load: SglangLoad) -> None:
+        self.load = load
+
+    async def _poll_loads(
+        self, http: httpx.AsyncClient, on_load: Callable[[SglangLoad], None], what: str
+    ) -> None:
+        error = ""
         while True:
             try:
-                self.load = parse_loads(await self._get_json("/v1/loads"))
-                self.load_error = ""
+                r = await http.get("/v1/loads")
+                r.raise_for_status()
+                on_load(parse_loads(r.json()))
+                error = ""
             except (httpx.HTTPError, ValueError, TypeError) as exc:
-                if not self.load_error:
-                    log.warning("SGLang /v1/loads unreadable: %s", exc)
-                self.load_error = str(exc)
+                if not error:
+                    log.warning("%s /v1/loads unreadable: %s", what, exc)
+                error = str(exc)
+            self.load_error = error
             await asyncio.sleep(LOADS_INTERVAL_S)
 
     async def _close(self) -> None:

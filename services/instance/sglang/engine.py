@@ -12,7 +12,9 @@ policy's `StepPlan` controls here (README, "SGLang backend"):
   re-admission sends prompt + generated ids as input and asks only for the rest;
 - **migration** (push and pull) is recompute too (as NVIDIA Dynamo's request migration):
   `export_request` aborts at the source and carries token ids and text position, not KV;
-  `import_request` waits for admission at the target like a preempted request.
+  `import_request` waits for admission at the target like a preempted request. Over a
+  prefill/decode pair (`pd.PdPairClient`) every submission is also pushed from the prefill
+  server to the decode server by SGLang's own KV transfer.
 
 A step hands out whatever tokens the streams brought since the last one, waiting up to
 `poll_s` for the first. Text is detokenised here with Tidal's tokenizer and stop strings are
@@ -135,7 +137,8 @@ class SglangEngine:
         )
 
     def info(self) -> dict[str, str]:
-        """SGLang's own load, for the heartbeat."""
+        """SGLang's own load, for the heartbeat. `migration_mode` is that of Tidal's migrate
+        and pull commands; a PD pair adds its prefill -> decode handoffs (`PdPairClient`)."""
         sl = self.client.load
         return {
             "sglang_url": self.client.base_url,
@@ -144,6 +147,7 @@ class SglangEngine:
             "sglang_running": str(sl.num_running),
             "sglang_waiting": str(sl.num_waiting),
             "migration_mode": self.migration_mode,
+            **self.client.info(),
         }
 
     # ---- stepping ----

@@ -1,6 +1,7 @@
 """Start (or attach to) the SGLang server an `--engine sglang` instance drives.
 
-Either `--sglang-url URL` (a server someone else runs, e.g. the compose profile's), or the
+Either `--sglang-url URL` (a server someone else runs, e.g. the compose profile's; with
+`--sglang-decode-url URL2` the two are a prefill/decode pair, `pd.PdPairClient`), or the
 worker starts `python -m sglang.launch_server` as its child with `--sglang-args` appended
 (`tidal.engine.sglang_api.server_args`) and stops it when it stops. The child's Python is
 `--sglang-python` (default: this one), so SGLang can live in a venv of its own with its own
@@ -25,7 +26,8 @@ import httpx
 
 from services.instance.sglang.client import SglangClient
 from services.instance.sglang.engine import SglangEngine
-from tidal.engine.sglang_api import parse_loads, server_args
+from services.instance.sglang.pd import PdPairClient
+from tidal.engine.sglang_api import DEFAULT_HANDOFF_TIMEOUT_S, parse_loads, server_args
 from tidal.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger("tidal.instance.sglang")
@@ -135,6 +137,11 @@ def build_sglang_engine(args: argparse.Namespace) -> SglangEngine:
     if not args.model:
         raise ValueError("--engine sglang needs --model PATH (a Hugging Face model directory)")
     timeout_s = float(args.sglang_start_timeout_s)
+    if getattr(args, "sglang_decode_url", "") and not args.sglang_url:
+        raise ValueError(
+            "--sglang-decode-url pairs with --sglang-url (the prefill server); the worker does "
+            "not start a PD pair itself"
+        )
     proc: SglangProcess | None = None
     if args.sglang_url:
         url = args.sglang_url.rstrip("/")
@@ -147,7 +154,8 @@ def build_sglang_engine(args: argparse.Namespace) -> SglangEngine:
         )
         proc.wait_ready(timeout_s)
         url = proc.url
-    client = SglangClient(url)
+    decode_url = (getattr(args, "sglang_decode_url", "") or "").rstrip("/")
+    client = pd_client(args, url, decode_url, timeout_s) if decode_url else SglangClient(url)
     try:
         info = client.get_json("/server_info")
         load = parse_loads(client.get_json("/v1/loads"))
@@ -167,7 +175,32 @@ def build_sglang_engine(args: argparse.Namespace) -> SglangEngine:
         raise
     if engine.num_kv_blocks <= 0:
         engine.close()
-        raise RuntimeError(f"SGLang at {url} reports no KV capacity (max_total_num_tokens)")
+        raise RuntimeError(
+            f"SGLang at {client.base_url} reports no KV capacity (max_total_num_tokens)"
+        )
     engine.process = proc
-    log.info("SGLang at %s: model %s, %d KV tokens", url, name, engine.num_kv_blocks)
+    log.info("SGLang at %s: model %s, %d KV tokens", client.base_url, name, engine.num_kv_blocks)
     return engine
+
+
+def pd_client(
+    args: argparse.Namespace, prefill_url: str, decode_url: str, timeout_s: float
+) -> PdPairClient:
+    """`--sglang-decode-url`: `prefill_url` and `decode_url` as one PD pair. Each must run in
+    its mode (`disaggregation_mode` in `/server_info`); the bootstrap port is the prefill's
+    `disaggregation_bootstrap_port` there, else `--sglang-bootstrap-port`."""
+    wait_healthy(decode_url, timeout_s)
+    infos = {}
+    for want, u in (("prefill", prefill_url), ("decode", decode_url)):
+        infos[want] = info = httpx.get(u + "/server_info", timeout=10.0).raise_for_status().json()
+        mode = info.get("disaggregation_mode")
+        if mode is not None and mode != want:
+            raise ValueError(
+                f"{u} runs with --disaggregation-mode {mode}; a PD pair needs it {want} "
+                "(--sglang-url is the prefill server, --sglang-decode-url the decode server)"
+            )
+    port = infos["prefill"].get("disaggregation_bootstrap_port")
+    if not isinstance(port, int) or isinstance(port, bool) or port <= 0:
+        port = int(args.sglang_bootstrap_port)
+    handoff_s = float(getattr(args, "sglang_handoff_timeout_s", 0) or DEFAULT_HANDOFF_TIMEOUT_S)
+    return PdPairClient(prefill_url, decode_url, port, handoff_timeout_s=handoff_s)

@@ -14,6 +14,17 @@ It speaks the subset the adapter uses, as SGLang 0.5.23 defines it (PyPI wheel
 - `GET /v1/loads` — `entrypoints/v1_loads.py` over `managers/load_snapshot.py` `LoadSnapshot`;
 - `GET /server_info`, `GET /health`.
 
+PD disaggregation (`FakeSglang(mode="prefill" | "decode", transfer=...)`), modelled on
+`sglang/srt/disaggregation/{prefill,decode}.py` and `managers/scheduler.py`: in either mode a
+request without `bootstrap_room` is aborted with SGLang's message and HTTP 400; a prefill server
+computes the first token (it forces `max_new_tokens` to 1), puts the "KV" (the prompt and that
+token) into the shared `FakeTransfer` under the room, and answers `finish_reason`
+`{"type": "length", "length": 0}`; a decode server keeps a request waiting (counted in
+`num_waiting_reqs`, as its prealloc/transfer queues are) until the KV of its room lands, then
+streams from the prefill's first token on; one waiting longer than `waiting_timeout_s` (SGLang:
+`SGLANG_DISAGGREGATION_WAITING_TIMEOUT`, 300 s) is aborted. `/server_info` reports
+`disaggregation_mode` and `disaggregation_bootstrap_port`. The transfer itself is instant.
+
 Scheduling is a crude stand-in for SGLang's: at most `max_running` requests decode, one token
 each per `token_s`; the waiting ones go in by priority (larger first), then arrival. The next
 token is a fixed function of the whole context, like greedy decoding, so a recompute from
@@ -51,6 +62,26 @@ def next_token(context: list[int]) -> int:
     return 3 + (sum(context[-4:]) * 31 + len(context) * 7) % (VOCAB - 3)
 
 
+NO_ROOM = "Invalid request: Disaggregated request received without bootstrap room id."
+
+
+class FakeTransfer:
+    """The KV a fake prefill server pushed, by room; shared by the two fake servers of a pair
+    (each runs its own loop in its own thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kv: dict[int, tuple[list[int], int]] = {}  # room -> (prompt, first token)
+
+    def put(self, room: int, prompt: list[int], first: int) -> None:
+        with self._lock:
+            self._kv[room] = (list(prompt), first)
+
+    def take(self, room: int) -> tuple[list[int], int] | None:
+        with self._lock:
+            return self._kv.pop(room, None)
+
+
 @dataclass
 class FakeReq:
     rid: str
@@ -62,13 +93,27 @@ class FakeReq:
     out: list[int] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+    room: int | None = None  # PD: the bootstrap room
 
 
 class FakeSglang:
-    def __init__(self, max_running: int = 8, token_s: float = 0.002, total_tokens: int = 20000):
+    def __init__(
+        self,
+        max_running: int = 8,
+        token_s: float = 0.002,
+        total_tokens: int = 20000,
+        mode: str = "null",
+        transfer: FakeTransfer | None = None,
+        waiting_timeout_s: float = 300.0,
+    ):
+        assert mode in ("null", "prefill", "decode") and (mode == "null") == (transfer is None)
         self.max_running = max_running
         self.token_s = token_s
         self.total_tokens = total_tokens
+        self.mode = mode
+        self.transfer = transfer
+        self.waiting_timeout_s = waiting_timeout_s
+        self.bootstrap_port = 8998
         self.bodies: list[dict[str, Any]] = []  # every /generate body, in arrival order
         self.aborts: list[str] = []  # every /abort_request rid
         self.refuse = ""  # when set, /generate answers 400 with this message
@@ -82,30 +127,71 @@ class FakeSglang:
 
     def _admit(self) -> None:
         self.waiting.sort(key=lambda r: (-r.priority, r.arrival))
-        while self.waiting and len(self.running) < self.max_running:
-            self.running.append(self.waiting.pop(0))
+        for r in list(self.waiting):
+            if len(self.running) >= self.max_running:
+                return
+            if self.mode == "decode":
+                assert self.transfer is not None and r.room is not None
+                kv = self.transfer.take(r.room)
+                if kv is None:
+                    if time.monotonic() - r.arrival > self.waiting_timeout_s:
+                        self.waiting.remove(r)
+                        self._end(
+                            r,
+                            {
+                                "type": "abort",
+                                "message": "Timed out waiting for prefill completion",
+                            },
+                        )  # disaggregation/common/conn.py
+                    continue  # its KV has not landed
+                self.waiting.remove(r)
+                self.running.append(r)
+                self._emit(r, kv[1])  # the prefill's first token is the decode's first output
+                continue
+            self.waiting.remove(r)
+            self.running.append(r)
 
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.token_s)
             self._admit()
             for r in list(self.running):
-                tok = next_token([*r.input_ids, *r.out])
-                r.out.append(tok)
-                if tok in r.stop_ids:
-                    r.finish = {"type": "stop", "matched": tok}
-                elif len(r.out) >= r.max_new:
-                    r.finish = {"type": "length", "length": r.max_new}
-                meta = {
-                    "id": r.rid,
-                    "finish_reason": r.finish,
-                    "prompt_tokens": len(r.input_ids),
-                    "completion_tokens": len(r.out),
-                }
-                r.chunks.put_nowait({"text": None, "output_ids": list(r.out), "meta_info": meta})
                 if r.finish is not None:
+                    continue
+                tok = next_token([*r.input_ids, *r.out])
+                if self.mode == "prefill":  # the KV goes to the decode server, then it answers
+                    assert self.transfer is not None and r.room is not None
+                    self.transfer.put(r.room, r.input_ids, tok)
+                    r.out.append(tok)
                     self.running.remove(r)
-                    r.chunks.put_nowait(None)
+                    self._end(r, {"type": "length", "length": 0})
+                    continue
+                self._emit(r, tok)
+
+    def _emit(self, r: FakeReq, tok: int) -> None:
+        r.out.append(tok)
+        if tok in r.stop_ids:
+            r.finish = {"type": "stop", "matched": tok}
+        elif len(r.out) >= r.max_new:
+            r.finish = {"type": "length", "length": r.max_new}
+        r.chunks.put_nowait(self._chunk(r))
+        if r.finish is not None:
+            self.running.remove(r)
+            r.chunks.put_nowait(None)
+
+    def _chunk(self, r: FakeReq) -> dict[str, Any]:
+        meta = {
+            "id": r.rid,
+            "finish_reason": r.finish,
+            "prompt_tokens": len(r.input_ids),
+            "completion_tokens": len(r.out),
+        }
+        return {"text": None, "output_ids": list(r.out), "meta_info": meta}
+
+    def _end(self, r: FakeReq, finish: dict[str, Any]) -> None:
+        r.finish = finish
+        r.chunks.put_nowait(self._chunk(r))
+        r.chunks.put_nowait(None)
 
     def _abort(self, rid: str) -> None:
         for q in (self.running, self.waiting):
@@ -133,12 +219,19 @@ class FakeSglang:
             r = FakeReq(
                 body.get("rid") or uuid.uuid4().hex,  # SGLang makes one when omitted
                 list(body["input_ids"]),
-                int(sp.get("max_new_tokens", 128)),
+                1 if self.mode == "prefill" else int(sp.get("max_new_tokens", 128)),
                 int(body.get("priority") or 0),
                 set(sp.get("stop_token_ids") or ()),
                 time.monotonic(),
+                room=body.get("bootstrap_room"),
             )
-            self.waiting.append(r)
+            if self.mode != "null" and r.room is None:  # managers/scheduler.py
+                msg = f"{NO_ROOM} req.rid={r.rid!r}"
+                self._end(r, {"type": "abort", "message": msg, "status_code": 400})
+            else:
+                self.waiting.append(r)
+            if body.get("stream") is False:
+                return await answer(r)
 
             async def stream() -> AsyncIterator[bytes]:
                 while (chunk := await r.chunks.get()) is not None:
@@ -146,6 +239,18 @@ class FakeSglang:
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(stream(), media_type="text/event-stream")
+
+        async def answer(r: FakeReq) -> Response:
+            """Not streamed: the last chunk; an abort with a status code is that HTTP error
+            (`tokenizer_manager.py` `_handle_abort_finish_reason`)."""
+            last = None
+            while (chunk := await r.chunks.get()) is not None:
+                last = chunk
+            last = last or self._chunk(r)  # aborted without a chunk: its finish as it stands
+            fr = last["meta_info"]["finish_reason"] or {}
+            if fr.get("type") == "abort" and fr.get("status_code"):
+                return JSONResponse({"error": {"message": fr["message"]}}, fr["status_code"])
+            return JSONResponse(last)
 
         @app.post("/abort_request")
         async def abort(request: Request) -> Response:
@@ -170,7 +275,13 @@ class FakeSglang:
 
         @app.get("/server_info")
         async def server_info() -> dict[str, Any]:
-            return {"served_model_name": "fake-model", "context_length": 4096, "version": "0.5.23"}
+            return {
+                "served_model_name": "fake-model",
+                "context_length": 4096,
+                "version": "0.5.23",
+                "disaggregation_mode": self.mode,
+                "disaggregation_bootstrap_port": self.bootstrap_port,
+            }
 
         @app.get("/health")
         async def health() -> Response:
