@@ -331,6 +331,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="sglang: comma-separated SGLang server per instance, in slot order (default: each "
         "instance starts its own)",
     )
+    p.add_argument(
+        "--sglang-decode-urls",
+        default="",
+        help="sglang PD: comma-separated decode server per instance, in slot order (empty: that "
+        "instance is not a pair); --sglang-urls then names the prefill servers",
+    )
     p.add_argument("--sglang-args", default="", help="sglang: extra launch_server arguments")
     p.add_argument("--sglang-python", default="", help="sglang: the Python that has sglang")
     p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
@@ -403,11 +409,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def sglang_args(a: argparse.Namespace, index: int, num_instances: int) -> list[str]:
-    """One instance's `--sglang-*` options: its server from `--sglang-urls`, or its own child."""
+    """One instance's `--sglang-*` options: its server from `--sglang-urls` (with its decode
+    server from `--sglang-decode-urls`, a PD pair), or its own child."""
     urls = [u for u in a.sglang_urls.split(",") if u] if a.sglang_urls else []
     if urls and len(urls) != num_instances:
         raise ValueError(f"--sglang-urls names {len(urls)} server(s) for {num_instances} instances")
     out = ["--sglang-url", urls[index]] if urls else []
+    if decode_urls := getattr(a, "sglang_decode_urls", ""):
+        decodes = decode_urls.split(",")
+        if not urls or len(decodes) != num_instances:
+            raise ValueError(
+                f"--sglang-decode-urls names {len(decodes)} server(s) for {num_instances} "
+                "instances, each paired with its prefill server in --sglang-urls"
+            )
+        out += ["--sglang-decode-url", decodes[index]] if decodes[index] else []
     if a.sglang_args:
         out += ["--sglang-args", a.sglang_args]
     if a.sglang_python:
