@@ -3,7 +3,8 @@
 Needs a CUDA GPU and SGLang installed (never run in CI; `pytest -m gpu tests/e2e/
 test_sglang_gpu.py`): `TIDAL_SGLANG_MODEL` is a Hugging Face model directory and
 `TIDAL_SGLANG_PYTHON` the Python that has `sglang` (default: this one). Two SGLang servers share
-the GPU, one per instance (relaxed + strict, policy `tidal`).
+the GPU, one per instance (relaxed + strict, policy `tidal`); the PD case runs a prefill/decode
+pair under one instance (`TIDAL_SGLANG_PD_TRANSFER`, default mooncake_tcp).
 """
 
 from __future__ import annotations
@@ -187,3 +188,83 @@ def test_online_work_overtakes_offline_work_by_sglang_priority(stack: SglangStac
     assert still_running >= 16, "the online request waited behind the offline work"
     assert all(n == 1024 for _, _, n in results)
     assert all(done > online_done for _, done, _ in results[-16:])
+
+
+# ---- a prefill/decode pair under one instance (SGLang PD disaggregation) ----
+
+PD_TRANSFER = os.environ.get("TIDAL_SGLANG_PD_TRANSFER", "mooncake_tcp")  # no RDMA needed
+
+
+@pytest.fixture(scope="module")
+def pd_stack() -> Iterator[SglangStack]:
+    """One `aggregated` instance over a prefill and a decode server sharing the GPU (KV moved
+    by `TIDAL_SGLANG_PD_TRANSFER`, default mooncake_tcp)."""
+    model, python = _model_and_python()
+    common = ["--mem-fraction-static", "0.3", "--disaggregation-transfer-backend", PD_TRANSFER]
+    boot = free_port()
+    prefill = SglangProcess(
+        python,
+        model,
+        "127.0.0.1",
+        free_port(),
+        [*common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)],
+    )
+    decode = SglangProcess(
+        python, model, "127.0.0.1", free_port(), [*common, "--disaggregation-mode", "decode"]
+    )
+    tmp = Path(tempfile.mkdtemp(prefix="tidal-e2e-sglang-pd-"))
+    proc = None
+    try:
+        prefill.wait_ready(900)
+        decode.wait_ready(900)
+        port = natsd.free_port()
+        env = {**os.environ, "TIDAL_STATE_FILE": str(tmp / "up.json")}
+        env.pop("TIDAL_NATS_URL", None)
+        tidal = str(Path(sys.executable).parent / "tidal")
+        argv = [tidal, "up", "--engine", "sglang", "--model", model, "--port", str(port)]
+        argv += ["--policy", "aggregated", "--instances", "aggregated", "--cpu-attn", "0"]
+        argv += ["--sglang-urls", prefill.url, "--sglang-decode-urls", decode.url]
+        argv += ["--store-dir", str(tmp / "js"), "--log-level", "INFO"]
+        with open(tmp / "up.log", "w") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        st = SglangStack(
+            f"http://127.0.0.1:{port}", [prefill.url, decode.url], model, tmp / "up.log"
+        )
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if [m.id for m in st.client().models.list()]:
+                    break
+            except openai.APIError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the PD stack did not list a model:\n" + st.log.read_text())
+        yield st
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+        decode.stop()
+        prefill.stop()
+
+
+def test_a_pd_pair_serves_the_openai_client_and_counts_its_kv_pushes(
+    pd_stack: SglangStack,
+) -> None:
+    before = metric(pd_stack.base, "tidal_migrations_total", mode="pd_transfer", outcome="ok")
+    got = pd_stack.client().completions.create(
+        model=pd_stack.model,
+        prompt="The capital of France is",
+        max_tokens=48,
+        temperature=0,
+        extra_body={"request_class": "online", "ignore_eos": True},
+    )
+    assert got.usage is not None and got.usage.completion_tokens == 48
+    assert "Paris" in got.choices[0].text
+    deadline = time.monotonic() + 30  # heartbeats carry the count to the gateway
+    while (
+        metric(pd_stack.base, "tidal_migrations_total", mode="pd_transfer", outcome="ok") <= before
+    ):
+        assert time.monotonic() < deadline, "no prefill -> decode push was counted"
+        time.sleep(0.2)
