@@ -21,7 +21,7 @@ from tests.services.instance.migration_kit import (
     start_request,
     wait_report,
 )
-from tests.services.instance.sglang.fake_sglang import FakeSglang
+from tests.services.instance.sglang.fake_sglang import FakeSglang, FakeTransfer
 from tidal.engine.tokenizer import embedded_model_path
 
 pytestmark = pytest.mark.nats
@@ -29,8 +29,11 @@ KIND = EngineKind("sglang", (), 40)  # `running` below passes the engine's optio
 
 
 @contextlib.asynccontextmanager
-async def running(nats_url: str, iid: str, index: int, sglang_url: str) -> AsyncIterator[None]:
+async def running(
+    nats_url: str, iid: str, index: int, sglang_url: str, decode_url: str = ""
+) -> AsyncIterator[None]:
     argv = [
+        *(("--sglang-decode-url", decode_url) if decode_url else ()),
         *("--nats-url", nats_url, "--id", iid, "--index", str(index)),
         *("--policy", "aggregated", "--roles", "aggregated,aggregated"),
         *("--engine", "sglang", "--sglang-url", sglang_url),
@@ -81,4 +84,44 @@ async def test_a_migration_on_sglang_is_a_recompute_with_the_same_output(nats_ur
             assert n_before >= 5
             assert resumed["input_ids"][: len(a.bodies[0]["input_ids"])] == a.bodies[0]["input_ids"]
             assert resumed["sampling_params"]["max_new_tokens"] == 40 - n_before
+            await nc.drain()
+
+
+async def test_a_migration_out_of_a_pd_pair_is_a_recompute_at_the_target(nats_url: str) -> None:
+    """The source instance drives a fake prefill/decode pair (`--sglang-decode-url`); Tidal's
+    migrate command still aborts at both and the target recomputes, keeping the output."""
+    ref = FakeSglang(token_s=0.08)
+    transfer = FakeTransfer()
+    pre = FakeSglang(token_s=0.08, mode="prefill", transfer=transfer)
+    dec = FakeSglang(token_s=0.08, mode="decode", transfer=transfer)
+    b = FakeSglang(token_s=0.08)
+    with ref.serve(), pre.serve(), dec.serve(), b.serve():
+        async with running(nats_url, "ref", 0, ref.url):
+            nc = await connect(nats_url, "ref-client")
+            await wait_report(nc, "ref")
+            want = Gateway()
+            await start_request(nc, "ref", want, KIND, req_id="ref-r")
+            await asyncio.wait_for(want.done.wait(), 60)
+            await nc.drain()
+        async with (
+            running(nats_url, "src", 0, pre.url, dec.url),
+            running(nats_url, "dst", 1, b.url),
+        ):
+            nc = await connect(nats_url, "client")
+            await wait_report(nc, "src")
+            await wait_report(nc, "dst")
+            gw = Gateway()
+            await start_request(nc, "src", gw, KIND)
+            res = await migrate(nc, "src", "dst")
+            assert res.outcome == "ok" and res.mode == "recompute", res
+            await asyncio.wait_for(gw.done.wait(), 60)
+            gw.assert_complete_once(KIND.num_tokens)
+            assert "".join(c.text for c in gw.tokens) == "".join(c.text for c in want.tokens)
+            rid = dec.bodies[0]["rid"]
+            assert pre.bodies[0]["rid"] == rid and dec.bodies[0]["bootstrap_room"] is not None
+            for _ in range(600):
+                if dec.aborts and pre.aborts:
+                    break
+                await asyncio.sleep(0.05)
+            assert dec.aborts == [rid] and pre.aborts == [rid]
             await nc.drain()
