@@ -192,7 +192,9 @@ def test_recompute_migration_moves_tokens_and_text_position(fake: FakeSglang) ->
             assert not src.has_work()
             wait_for(lambda: fake.aborts == [fake.bodies[0]["rid"]], "the abort at the source")
             dst.import_request(data)
-            events += run(dst)
+            # pushed in running: into SGLang though the plan names nothing (a strict instance's
+            # OOCO plan admits no online prefill)
+            events += run(dst, StepPlan())
             assert tokens_of(events, "m") == greedy(PROMPT, 30)
             assert "".join(e.text for e in events) == WordTokenizer().decode(greedy(PROMPT, 30))
             assert other.bodies[0]["priority"] == PRIORITY[RequestClass.ONLINE]
