@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install up test lint typecheck clean
+.PHONY: install up test test-sglang lint typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,17 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy tidal services
 
 test: $(STAMP) lint typecheck
-	$(VENV)/bin/pytest -m "not gpu" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m "not gpu and not sglang" $(PYTEST_ARGS)
+
+# Opt-in, not part of `make test`: the sglang backend's end-to-end tests against a real SGLang
+# (0.5.23 from PyPI, on this CPU through its torch-native paths) in a scratch venv.
+SGLANG_VENV ?= .sglang-venv
+SGLANG_CPU_ARGS ?= --device cpu --attention-backend torch_native --dtype float32 --mem-fraction-static 0.1 --max-total-tokens 16384
+test-sglang: $(STAMP)
+	scripts/sglang_cpu_env.sh $(SGLANG_VENV)
+	SGLANG_USE_CPU_ENGINE=1 TIDAL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
+	TIDAL_SGLANG_ARGS="$(SGLANG_CPU_ARGS)" \
+	$(VENV)/bin/pytest -m "sglang and not gpu" tests/e2e $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache

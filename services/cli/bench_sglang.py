@@ -5,8 +5,9 @@
 Side by side on the same server, one request at a time, greedy with `ignore_eos` so both paths
 produce the same tokens: (a) SGLang alone, a streamed native `/generate` with Tidal's token ids;
 (b) the openai client -> gateway -> `--engine sglang` instance (policy `aggregated`, one
-instance) -> the same server. Per request: the TTFT difference; per token: the difference of the
-mean inter-token times. Medians over `--requests`, after one warm-up request each.
+instance) -> the same server, the two paths alternating request by request. Per request: the
+TTFT difference; per token: the difference of the mean inter-token times. Medians over
+`--requests`, after one warm-up request each.
 """
 
 from __future__ import annotations
@@ -86,13 +87,18 @@ def _figures(t0: float, times: list[float]) -> tuple[float, float]:
 
 def run(args: argparse.Namespace) -> int:
     ids = load_tokenizer(args.model).encode(PROMPT)
-    alone = [_alone(args.sglang_url, ids, args.max_tokens) for _ in range(args.requests + 1)][1:]
     up = ["--engine", "sglang", "--model", args.model, "--sglang-urls", args.sglang_url]
     up += ["--instances", "aggregated", "--policy", "aggregated", "--cpu-attn", "0"]
+    alone: list[tuple[float, float]] = []
+    tidal: list[tuple[float, float]] = []
     with stack(natsd.free_port(), *up, start_timeout_s=600) as base:
         with urllib.request.urlopen(base + "/models") as r:
             model = json.loads(r.read())["data"][0]["id"]
-        tidal = [_through_tidal(base, model, args.max_tokens) for _ in range(args.requests + 1)][1:]
+        # alternating, so both paths see the same machine (a shared, noisy one included)
+        for _ in range(args.requests + 1):
+            alone.append(_alone(args.sglang_url, ids, args.max_tokens))
+            tidal.append(_through_tidal(base, model, args.max_tokens))
+    alone, tidal = alone[1:], tidal[1:]  # the warm-up pair
     med = statistics.median
     report = {
         "what": "latency Tidal's sglang backend adds beside SGLang alone (same server)",
