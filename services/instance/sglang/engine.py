@@ -350,12 +350,17 @@ class SglangEngine:
         self._admit_next.add(p.req.req_id)
 
     def snapshot(self) -> list[SeqSnapshot]:
-        """Waiting here: no KV. In SGLang: running, its whole context counted as computed
-        (SGLang owns its prefill; the policy sees it decoding)."""
+        """Waiting here: no KV. In SGLang: running, and SGLang owns its prefill. Once a token
+        came, its whole context counts as computed (the policy sees it decoding); before, all
+        but one token (the policy sees a prefill one token from done, which it can plan but
+        not stall on: a prefill with nothing left would be a request the policy can neither
+        prefill nor decode, and OOCO's relaxed step preempts such a "stuck" one, which
+        here resubmitted and aborted it every step)."""
         out = []
         for rid, r in self.reqs.items():
             n = len(r.req.prompt_token_ids) + len(r.output_ids)
             running = bool(r.rid)
+            computed = (n if r.output_ids else n - 1) if running else 0
             out.append(
                 SeqSnapshot(
                     req_id=rid,
@@ -363,7 +368,7 @@ class SglangEngine:
                     arrival_s=r.req.arrival_s,
                     num_prompt_tokens=len(r.req.prompt_token_ids),
                     max_output_tokens=r.req.sampling.max_tokens,
-                    num_computed_tokens=n if running else 0,
+                    num_computed_tokens=computed,
                     num_output_tokens=len(r.output_ids),
                     num_blocks=n if running else 0,
                     status="running" if running else "waiting",

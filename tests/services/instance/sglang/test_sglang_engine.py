@@ -13,6 +13,7 @@ from services.instance.engines import build_engine
 from services.instance.sglang.client import SglangClient
 from services.instance.sglang.engine import SglangEngine
 from tests.services.instance.sglang.fake_sglang import FakeSglang, next_token
+from tidal.cluster.view import sync_instance
 from tidal.engine.api import (
     ControllableEngine,
     EngineRequest,
@@ -24,6 +25,9 @@ from tidal.engine.api import (
 )
 from tidal.engine.executor import execute
 from tidal.engine.sglang_api import PRIORITY
+from tidal.perf.linear import LinearStepModel
+from tidal.policy.base import InstanceRole, InstanceState, PolicyContext, ReqState, Slo
+from tidal.policy.registry import make_policy
 
 PROMPT = [11, 12, 13, 14, 15]
 
@@ -288,3 +292,34 @@ def test_a_stop_token_ends_the_request_as_output_but_not_as_text(engine: SglangE
     assert events[-1].finish_reason is FinishReason.STOP
     assert tokens_of(events, "t") == want[:4]  # SGLang stopped on it
     assert "".join(e.text for e in events) == WordTokenizer().decode(want[:3])
+
+
+@pytest.mark.parametrize("role", [InstanceRole.RELAXED, InstanceRole.STRICT])
+def test_the_policy_never_preempts_a_request_sglang_has_not_answered_yet(
+    role: InstanceRole,
+) -> None:
+    """A request in SGLang with no token back yet is, to the policy, a prefill one token from
+    done (`snapshot`): the `tidal` policy neither preempts it as stuck nor plans around it. It
+    saw a prefill with nothing left, which OOCO's relaxed step preempts as stuck: live, every
+    offline request was resubmitted and aborted each step (12k times in 5 minutes)."""
+    slow = FakeSglang(token_s=30.0)  # no token comes during the test
+    with slow.serve():
+        eng = make_engine(slow.url)
+        try:
+            eng.add(req("off", 8))
+            eng.step(StepPlan(prefill={"off": len(PROMPT)}))
+            assert slow.bodies, "submitted"
+            slo = Slo(1.0, 0.25)
+            policy = make_policy("tidal", PolicyContext(2, (role, role), slo, {}, seed=0))
+            inst = InstanceState(0, role, 256, 8, 1, 20000, 20000, LinearStepModel(), 1, 1e9)
+            reqs: dict[str, ReqState] = {}
+            for _ in range(5):
+                sync_instance(inst, eng.snapshot(), reqs, eng.num_free_blocks())
+                (r,) = reqs.values()
+                assert r.num_prefill_left == 1 and not r.is_decoding
+                plan = policy.schedule(inst, 0.0)
+                assert "off" not in plan.preempt and "off" not in plan.swap_out
+                execute(eng, plan, {})
+            assert len(slow.bodies) == 1 and not slow.aborts
+        finally:
+            eng.close()
