@@ -1,5 +1,6 @@
 """The `sglang` engine adapter against a fake SGLang server (`fake_sglang`, written from SGLang
-0.5.23's source). These test the adapter alone; a real SGLang is in tests/e2e (gpu)."""
+0.5.23's source). These test the adapter alone; a real SGLang runs in
+tests/e2e/test_sglang_real.py (`make test-sglang`)."""
 
 from __future__ import annotations
 
