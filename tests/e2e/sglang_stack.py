@@ -44,7 +44,10 @@ class SglangStack:
     log: Path
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0)
+        # SGLang's torch-native CPU path decodes a few tokens/s a request under load
+        return openai.OpenAI(
+            base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=1800
+        )
 
 
 def extra_server_args() -> list[str]:

@@ -28,7 +28,7 @@ from tidal.engine.tokenizer import load_tokenizer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.nats, pytest.mark.slow]
 
-MAX_RUNNING = 8  # SGLang's running slots per server: offline work fills them below
+MAX_RUNNING = 4  # SGLang's running slots per server: offline work fills them below
 SERVER_ARGS = ["--max-running-requests", str(MAX_RUNNING)]
 
 
@@ -101,7 +101,7 @@ def test_online_work_overtakes_offline_work_by_sglang_priority(stack: SglangStac
         return cls, time.monotonic(), r.usage.completion_tokens
 
     with cf.ThreadPoolExecutor(n_offline + 8) as pool:
-        offline = [pool.submit(ask, "offline", 256) for _ in range(n_offline)]
+        offline = [pool.submit(ask, "offline", 128) for _ in range(n_offline)]
         time.sleep(3)
         online = pool.submit(ask, "online", 16)
         _, online_done, online_n = online.result(timeout=600)
@@ -109,6 +109,6 @@ def test_online_work_overtakes_offline_work_by_sglang_priority(stack: SglangStac
         results = [f.result(timeout=1800) for f in offline]
     assert online_n == 16
     assert still_running >= n_offline // 2, "the online request waited behind the offline work"
-    assert all(n == 256 for _, _, n in results)
+    assert all(n == 128 for _, _, n in results)
     # the later half, queued in Tidal or SGLang when the online request came, ends after it
     assert all(done > online_done for _, done, _ in results[n_offline // 2 :])
