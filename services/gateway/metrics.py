@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.cpu_attn_metrics import CpuAttnMetrics
 from tidal.engine.sglang_api import PD_MIGRATION_MODE
 from tidal.schemas.messages import Heartbeat, InstanceReport, MigrationEvent
+
+log = logging.getLogger("tidal.gateway")
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -77,6 +81,13 @@ class GatewayMetrics:
             ["kind", "outcome", "mode"],
             registry=self.registry,
         )
+        self.sglang_retractions = Counter(
+            "tidal_sglang_retractions",
+            "Running requests SGLang's own scheduler sent back to waiting (priority preemption "
+            "of offline work by online work; they keep their tokens), sglang engine",
+            ["instance"],
+            registry=self.registry,
+        )
         self.recomputes = Counter(
             "tidal_recomputes",
             "Requests run again from their prompt plus the tokens already streamed, after their "
@@ -109,8 +120,8 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self._preempt_seen: dict[str, int] = {}  # instance -> count in its last report
-        # instance -> (its start, {outcome: PD handoffs counted}) from its last heartbeat
-        self._pd_seen: dict[str, tuple[float, dict[str, int]]] = {}
+        # instance -> (its start, {info key: count}) from its last heartbeat (sglang engine)
+        self._sglang_seen: dict[str, tuple[float, dict[str, int]]] = {}
         self.batch = BatchMetrics(self.registry)
         self.cpu_attn = CpuAttnMetrics(self.registry)
 
@@ -121,25 +132,33 @@ class GatewayMetrics:
             self.kv_transfer_bytes.inc(ev.num_bytes)
 
     def on_instance_beat(self, hb: Heartbeat) -> None:
-        """An `--engine sglang` instance over a PD pair counts SGLang's prefill -> decode
-        handoffs in its heartbeat's `info` (`PdPairClient`); each is a push migration carried
-        by SGLang, counted here by what the count grew since the instance's previous beat."""
-        totals = {
-            "ok": hb.info.get("pd_transfers_total"),
-            "failed": hb.info.get("pd_transfer_failures_total"),
-        }
-        if totals["ok"] is None:
+        """An `--engine sglang` instance counts in its heartbeat's `info` what happens inside
+        SGLang: over a PD pair its prefill -> decode handoffs (`PdPairClient`), each a push
+        migration carried by SGLang, and SGLang's own priority retractions. Counted here by
+        what each count grew since the instance's previous beat."""
+        keys = ("pd_transfers_total", "pd_transfer_failures_total", "sglang_retractions_total")
+        totals = {k: hb.info[k] for k in keys if k in hb.info}
+        if not totals:
             return
-        started, seen = self._pd_seen.get(hb.service_id, (hb.started_unix_s, {}))
+        started, seen = self._sglang_seen.get(hb.service_id, (hb.started_unix_s, {}))
         if started != hb.started_unix_s:  # restarted: its counts start again at 0
             seen = {}
-        now = {k: int(v or 0) for k, v in totals.items()}
-        for outcome, n in now.items():
-            if n > seen.get(outcome, 0):
-                self.migrations.labels("push", outcome, PD_MIGRATION_MODE).inc(
-                    n - seen.get(outcome, 0)
-                )
-        self._pd_seen[hb.service_id] = (hb.started_unix_s, now)
+        now: dict[str, int] = {}
+        for key, raw in totals.items():
+            try:
+                now[key] = int(raw or 0)
+            except ValueError:
+                log.warning("%s: unreadable %s %r in its heartbeat", hb.service_id, key, raw)
+                continue
+            grew = now[key] - seen.get(key, 0)
+            if grew <= 0:
+                continue
+            if key == "sglang_retractions_total":
+                self.sglang_retractions.labels(hb.service_id).inc(grew)
+            else:
+                outcome = "ok" if key == "pd_transfers_total" else "failed"
+                self.migrations.labels("push", outcome, PD_MIGRATION_MODE).inc(grew)
+        self._sglang_seen[hb.service_id] = (hb.started_unix_s, now)
 
     def on_report(self, rep: InstanceReport) -> None:
         iid = rep.instance_id

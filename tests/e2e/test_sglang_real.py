@@ -88,6 +88,7 @@ def test_online_work_overtakes_offline_work_by_sglang_priority(stack: SglangStac
     recompute, nothing is lost)."""
     client = stack.client()
     n_offline = 4 * MAX_RUNNING
+    before = metric(stack.base, "tidal_sglang_retractions_total")
 
     def ask(cls: str, n: int) -> tuple[str, float, int]:
         r = client.completions.create(
@@ -112,3 +113,9 @@ def test_online_work_overtakes_offline_work_by_sglang_priority(stack: SglangStac
     assert all(n == 128 for _, _, n in results)
     # the later half, queued in Tidal or SGLang when the online request came, ends after it
     assert all(done > online_done for _, done, _ in results[n_offline // 2 :])
+    # SGLang's own scheduler made the room: it retracted a running offline request (heartbeats
+    # carry the count to the gateway)
+    deadline = time.monotonic() + 30
+    while metric(stack.base, "tidal_sglang_retractions_total") <= before:
+        assert time.monotonic() < deadline, "SGLang retracted no offline request"
+        time.sleep(0.5)

@@ -140,6 +140,7 @@ class ChunkUpdate:
     error: str = ""  # SGLang's message when it failed or aborted the request
     completion_tokens: int = 0  # cumulative, for this submission
     stop_token: int | None = None  # the EOS / stop token id that ended it (its text is not shown)
+    num_retractions: int = 0  # cumulative, for this submission: SGLang sent it back to waiting
 
 
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -183,7 +184,9 @@ def parse_chunk(obj: Mapping[str, Any], seen: int) -> ChunkUpdate:
             stop_token = matched
     elif isinstance(fr, str):
         finish = FINISH.get(fr, FinishReason.ERROR)
-    return ChunkUpdate(new, lps, finish, error, seen + n_new, stop_token)
+    retractions = meta.get("num_retractions")  # managers/tokenizer_manager.py, every output
+    n_retract = retractions if isinstance(retractions, int) and retractions > 0 else 0
+    return ChunkUpdate(new, lps, finish, error, seen + n_new, stop_token, n_retract)
 
 
 @dataclass(frozen=True)

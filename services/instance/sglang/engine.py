@@ -60,6 +60,7 @@ class _Req:
     logprobs: list[float] = field(default_factory=list)
     rid: str = ""  # the submission in SGLang now; "" while waiting here
     seen: int = 0  # tokens of the current submission already taken
+    retractions: int = 0  # SGLang's priority retractions of the current submission seen
     num_sglang_aborts: int = 0
 
     @property
@@ -98,6 +99,7 @@ class SglangEngine:
         self.reqs: dict[str, _Req] = {}  # arrival order
         self.by_rid: dict[str, str] = {}  # live rid -> req_id
         self.num_recomputes = 0  # preemptions and migrations by abort + resubmit
+        self.num_sglang_retractions = 0  # SGLang's own preemptions (meta_info.num_retractions)
         # admitted without a plan naming them: migrated in, or swapped back in. The torch engine
         # holds their KV and the policy sees them running; here they are resubmitted at once
         self._admit_next: set[str] = set()
@@ -142,7 +144,8 @@ class SglangEngine:
 
     def info(self) -> dict[str, str]:
         """SGLang's own load, for the heartbeat. `migration_mode` is that of Tidal's migrate
-        and pull commands; a PD pair adds its prefill -> decode handoffs (`PdPairClient`)."""
+        and pull commands; `sglang_retractions_total` counts SGLang's own priority
+        preemptions; a PD pair adds its prefill -> decode handoffs (`PdPairClient`)."""
         sl = self.client.load
         return {
             "sglang_url": self.client.base_url,
@@ -151,6 +154,7 @@ class SglangEngine:
             "sglang_running": str(sl.num_running),
             "sglang_waiting": str(sl.num_waiting),
             "migration_mode": self.migration_mode,
+            "sglang_retractions_total": str(self.num_sglang_retractions),
             **self.client.info(),
         }
 
@@ -207,7 +211,7 @@ class SglangEngine:
     def _submit(self, r: _Req) -> int:
         """Send `r` to SGLang with what it generated so far as input (a recompute)."""
         ids = [*r.req.prompt_token_ids, *r.output_ids]
-        r.rid, r.seen = new_rid(), 0
+        r.rid, r.seen, r.retractions = new_rid(), 0, 0
         self.by_rid[r.rid] = r.req.req_id
         body = generate_body(r.rid, ids, r.req.sampling, r.remaining, r.req.req_class)
         self.client.submit(r.req.req_id, r.rid, body)
@@ -243,6 +247,9 @@ class SglangEngine:
             log.warning("dropped a chunk for %s: %s", r.req.req_id, exc)
             return None
         r.seen = up.completion_tokens
+        if up.num_retractions > r.retractions:  # SGLang's scheduler preempted it (priority)
+            self.num_sglang_retractions += up.num_retractions - r.retractions
+            r.retractions = up.num_retractions
         new = list(up.token_ids[: max(0, r.remaining)])
         r.output_ids.extend(new)
         r.logprobs.extend(up.logprobs[: len(new)])

@@ -26,7 +26,11 @@ streams from the prefill's first token on; one waiting longer than `waiting_time
 `disaggregation_mode` and `disaggregation_bootstrap_port`. The transfer itself is instant.
 
 Scheduling is a crude stand-in for SGLang's: at most `max_running` requests decode, one token
-each per `token_s`; the waiting ones go in by priority (larger first), then arrival. The next
+each per `token_s`; the waiting ones go in by priority (larger first), then arrival. With every
+slot taken, a waiting request more than `PREEMPTION_THRESHOLD` (10) above the lowest running one
+retracts it (the lowest priority, the latest queued first), which keeps its tokens, waits again
+and counts in its `meta_info.num_retractions`, as `managers/schedule_policy.py`
+`preempt_to_schedule` and `managers/tokenizer_manager.py` do. The next
 token is a fixed function of the whole context, like greedy decoding, so a recompute from
 prompt + generated ids continues exactly as the uninterrupted request would. This is a test of
 the adapter alone, never evidence that Tidal runs on SGLang.
@@ -50,6 +54,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.cli import natsd
 
+PREEMPTION_THRESHOLD = 10  # --priority-scheduling-preemption-threshold's default
 BODY_KEYS = {"rid", "input_ids", "text", "sampling_params", "stream", "priority", "return_logprob"}
 BODY_KEYS |= {"bootstrap_host", "bootstrap_port", "bootstrap_room"}
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos"}
@@ -94,6 +99,7 @@ class FakeReq:
     finish: dict[str, Any] | None = None
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     room: int | None = None  # PD: the bootstrap room
+    retractions: int = 0  # times priority preemption sent it back to waiting
 
 
 class FakeSglang:
@@ -128,7 +134,7 @@ class FakeSglang:
     def _admit(self) -> None:
         self.waiting.sort(key=lambda r: (-r.priority, r.arrival))
         for r in list(self.waiting):
-            if len(self.running) >= self.max_running:
+            if len(self.running) >= self.max_running and not self._retract_for(r):
                 return
             if self.mode == "decode":
                 assert self.transfer is not None and r.room is not None
@@ -150,6 +156,18 @@ class FakeSglang:
                 continue
             self.waiting.remove(r)
             self.running.append(r)
+
+    def _retract_for(self, r: FakeReq) -> bool:
+        """Priority preemption: send the lowest running request back to waiting for `r`."""
+        if self.mode != "null" or not self.running:
+            return False
+        victim = min(self.running, key=lambda x: (x.priority, -x.arrival))
+        if r.priority - victim.priority <= PREEMPTION_THRESHOLD:
+            return False
+        self.running.remove(victim)
+        victim.retractions += 1
+        self.waiting.append(victim)
+        return True
 
     async def _loop(self) -> None:
         while True:
@@ -185,6 +203,7 @@ class FakeSglang:
             "finish_reason": r.finish,
             "prompt_tokens": len(r.input_ids),
             "completion_tokens": len(r.out),
+            "num_retractions": r.retractions,
         }
         return {"text": None, "output_ids": list(r.out), "meta_info": meta}
 

@@ -324,3 +324,26 @@ def test_the_policy_never_preempts_a_request_sglang_has_not_answered_yet(
             assert len(slow.bodies) == 1 and not slow.aborts
         finally:
             eng.close()
+
+
+def test_sglang_priority_retractions_are_counted() -> None:
+    """Two offline requests fill SGLang's two slots; an online one (priority 100 > 0 + 10)
+    retracts one of them inside SGLang. The engine counts it from `meta_info.num_retractions`
+    and every request still gets all its tokens."""
+    small = FakeSglang(max_running=2, token_s=0.01)
+    with small.serve():
+        eng = make_engine(small.url)
+        try:
+            eng.add(req("off-a", 40))
+            eng.add(req("off-b", 40))
+            events: list[TokenEvent] = []
+            while len(tokens_of(events, "off-b")) < 3:
+                events += eng.step(None).events
+            eng.add(req("on", 5, RequestClass.ONLINE))
+            events += run(eng)
+            assert eng.num_sglang_retractions == 1
+            assert eng.info()["sglang_retractions_total"] == "1"
+            for rid, n in (("off-a", 40), ("off-b", 40), ("on", 5)):
+                assert tokens_of(events, rid) == greedy(PROMPT, n)
+        finally:
+            eng.close()

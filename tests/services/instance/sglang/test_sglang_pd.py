@@ -221,3 +221,23 @@ def test_the_gateway_counts_pd_handoffs_as_push_migrations() -> None:
     assert count("ok") == "7.0"
     m.on_instance_beat(Heartbeat("inst-1", "instance", 1, 1.0, 2.0))  # not a PD pair
     assert count("ok") == "7.0"
+
+
+def test_the_gateway_counts_sglang_retractions_per_instance() -> None:
+    m = GatewayMetrics()
+
+    def beat(n: str, started: float = 1.0) -> Heartbeat:
+        info = {"sglang_retractions_total": n, "migration_mode": "recompute"}
+        return Heartbeat("inst-0", "instance", 1, started, 2.0, info=info)
+
+    def count() -> str:
+        text = generate_latest(m.registry).decode()
+        want = 'tidal_sglang_retractions_total{instance="inst-0"}'
+        return next((ln.split()[-1] for ln in text.splitlines() if ln.startswith(want)), "0")
+
+    m.on_instance_beat(beat("2"))
+    m.on_instance_beat(beat("3"))
+    assert count() == "3.0"
+    m.on_instance_beat(beat("garbage"))  # logged and dropped
+    m.on_instance_beat(beat("1", started=9.0))  # restarted
+    assert count() == "4.0"
