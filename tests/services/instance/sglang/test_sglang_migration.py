@@ -49,9 +49,10 @@ async def running(
         await task
 
 
-async def test_a_migration_on_sglang_is_a_recompute_with_the_same_output(nats_url: str) -> None:
-    a, b, ref = (FakeSglang(token_s=0.08) for _ in range(3))
-    with a.serve(), b.serve(), ref.serve():
+async def unmoved_text(nats_url: str) -> str:
+    """The text of the request on one instance over its own fake SGLang, never moved."""
+    ref = FakeSglang(token_s=0.08)
+    with ref.serve():
         async with running(nats_url, "ref", 0, ref.url):
             nc = await connect(nats_url, "ref-client")
             await wait_report(nc, "ref")
@@ -59,6 +60,13 @@ async def test_a_migration_on_sglang_is_a_recompute_with_the_same_output(nats_ur
             await start_request(nc, "ref", want, KIND, req_id="ref-r")
             await asyncio.wait_for(want.done.wait(), 60)
             await nc.drain()
+    return "".join(c.text for c in want.tokens)
+
+
+async def test_a_migration_on_sglang_is_a_recompute_with_the_same_output(nats_url: str) -> None:
+    a, b = (FakeSglang(token_s=0.08) for _ in range(2))
+    want = await unmoved_text(nats_url)
+    with a.serve(), b.serve():
         async with running(nats_url, "src", 0, a.url), running(nats_url, "dst", 1, b.url):
             nc = await connect(nats_url, "client")
             await wait_report(nc, "src")
@@ -72,7 +80,7 @@ async def test_a_migration_on_sglang_is_a_recompute_with_the_same_output(nats_ur
             gw.assert_complete_once(KIND.num_tokens)
             moved = [c for c in gw.chunks if c.moved_to]
             assert [c.moved_to for c in moved] == ["dst"]
-            assert "".join(c.text for c in gw.tokens) == "".join(c.text for c in want.tokens)
+            assert "".join(c.text for c in gw.tokens) == want
             # the source's SGLang was told to stop it; the target's got prompt + generated ids
             for _ in range(600):  # the abort is posted on the source client's own loop
                 if a.aborts:
@@ -90,19 +98,12 @@ async def test_a_migration_on_sglang_is_a_recompute_with_the_same_output(nats_ur
 async def test_a_migration_out_of_a_pd_pair_is_a_recompute_at_the_target(nats_url: str) -> None:
     """The source instance drives a fake prefill/decode pair (`--sglang-decode-url`); Tidal's
     migrate command still aborts at both and the target recomputes, keeping the output."""
-    ref = FakeSglang(token_s=0.08)
+    want = await unmoved_text(nats_url)
     transfer = FakeTransfer()
     pre = FakeSglang(token_s=0.08, mode="prefill", transfer=transfer)
     dec = FakeSglang(token_s=0.08, mode="decode", transfer=transfer)
     b = FakeSglang(token_s=0.08)
-    with ref.serve(), pre.serve(), dec.serve(), b.serve():
-        async with running(nats_url, "ref", 0, ref.url):
-            nc = await connect(nats_url, "ref-client")
-            await wait_report(nc, "ref")
-            want = Gateway()
-            await start_request(nc, "ref", want, KIND, req_id="ref-r")
-            await asyncio.wait_for(want.done.wait(), 60)
-            await nc.drain()
+    with pre.serve(), dec.serve(), b.serve():
         async with (
             running(nats_url, "src", 0, pre.url, dec.url),
             running(nats_url, "dst", 1, b.url),
@@ -116,7 +117,7 @@ async def test_a_migration_out_of_a_pd_pair_is_a_recompute_at_the_target(nats_ur
             assert res.outcome == "ok" and res.mode == "recompute", res
             await asyncio.wait_for(gw.done.wait(), 60)
             gw.assert_complete_once(KIND.num_tokens)
-            assert "".join(c.text for c in gw.tokens) == "".join(c.text for c in want.tokens)
+            assert "".join(c.text for c in gw.tokens) == want
             rid = dec.bodies[0]["rid"]
             assert pre.bodies[0]["rid"] == rid and dec.bodies[0]["bootstrap_room"] is not None
             for _ in range(600):
