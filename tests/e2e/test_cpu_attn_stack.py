@@ -66,7 +66,9 @@ class Stack:
     def metrics(self) -> str:
         return urllib.request.urlopen(self.base + "/metrics", timeout=10).read().decode()
 
-    async def offline_load(self, on_offloaded: object = None) -> list[str]:
+    async def offline_load(
+        self, on_offloaded: object = None, num_tokens: int = NUM_TOKENS
+    ) -> list[str]:
         """8 offline prompts of ~200 tokens at once (about four fit the 1024-token pool),
         streamed; returns each one's text. `on_offloaded` runs once offloads have happened."""
         client = openai.AsyncOpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0)
@@ -82,7 +84,7 @@ class Stack:
             stream = await client.completions.create(
                 model=models[0],
                 prompt=f"{i}: {WORDS}",
-                max_tokens=NUM_TOKENS,
+                max_tokens=num_tokens,
                 temperature=0,
                 stream=True,
                 timeout=600,
@@ -95,7 +97,7 @@ class Stack:
                     text += c.choices[0].text
                 if c.usage is not None:
                     n = c.usage.completion_tokens
-            assert n == NUM_TOKENS, (i, n, text)
+            assert n == num_tokens, (i, n, text)
             return text
 
         tasks = [asyncio.create_task(one(i)) for i in range(8)]
@@ -127,16 +129,27 @@ def test_offline_decodes_past_the_kv_pool_run_on_a_cpu_attention_worker() -> Non
 
 @pytest.mark.fault
 def test_a_cpu_attention_worker_killed_mid_decode_loses_no_request() -> None:
+    """Longer outputs than the other test's, and the worker's pid known before the load: an
+    offloaded request must still be on the worker when the kill lands (with 24 tokens, one
+    could finish or be recalled while `ctl status` looked the pid up, and then nothing was
+    lost)."""
     with Stack().up() as st:
         killed: list[int] = []
+        pid: list[int] = []
 
         def kill() -> None:
-            worker = st.worker()
-            assert worker is not None
-            os.kill(worker["pid"], signal.SIGKILL)
-            killed.append(worker["pid"])
+            os.kill(pid[0], signal.SIGKILL)
+            killed.append(pid[0])
 
-        texts = asyncio.run(st.offline_load(on_offloaded=kill))
-        # every stream got its 24 tokens once (checked in offline_load), after a recompute
+        async def load() -> list[str]:
+            deadline = time.monotonic() + 240
+            while (worker := st.worker()) is None:
+                assert time.monotonic() < deadline, st.log()
+                await asyncio.sleep(0.5)
+            pid.append(worker["pid"])
+            return await st.offline_load(on_offloaded=kill, num_tokens=4 * NUM_TOKENS)
+
+        texts = asyncio.run(load())
+        # every stream got all its tokens once (checked in offline_load), after a recompute
         assert killed and all(texts)
         assert "lost its CPU-attention worker; recomputing" in (st.tmp / "up.log").read_text()
