@@ -12,7 +12,7 @@ policy's `StepPlan` controls here (README, "SGLang backend"):
   re-admission sends prompt + generated ids as input and asks only for the rest;
 - **migration** (push and pull) is recompute too (as NVIDIA Dynamo's request migration):
   `export_request` aborts at the source and carries token ids and text position, not KV;
-  `import_request` resubmits at the target's next step, plan or not (the torch engine's
+  `import_request` resubmits at the target at once, plan or not (the torch engine's
   imported request arrives running, and the policy treats it so); `swap_in` likewise. Over a
   prefill/decode pair (`pd.PdPairClient`) every submission is also pushed from the prefill
   server to the decode server by SGLang's own KV transfer.
@@ -100,9 +100,6 @@ class SglangEngine:
         self.by_rid: dict[str, str] = {}  # live rid -> req_id
         self.num_recomputes = 0  # preemptions and migrations by abort + resubmit
         self.num_sglang_retractions = 0  # SGLang's own preemptions (meta_info.num_retractions)
-        # admitted without a plan naming them: migrated in, or swapped back in. The torch engine
-        # holds their KV and the policy sees them running; here they are resubmitted at once
-        self._admit_next: set[str] = set()
         self._wake = threading.Event()
 
     # ---- Engine ----
@@ -165,11 +162,8 @@ class SglangEngine:
         admit = (
             [rid for rid, r in self.reqs.items() if not r.rid]
             if plan is None
-            else [
-                rid for rid in (*self._admit_next, *plan.prefill, *plan.decode) if rid in self.reqs
-            ]
+            else [rid for rid in (*plan.prefill, *plan.decode) if rid in self.reqs]
         )
-        self._admit_next.clear()
         num_prefill = 0
         for req_id in admit:
             r = self.reqs[req_id]
@@ -326,10 +320,11 @@ class SglangEngine:
         self.preempt(req_id)
 
     def swap_in(self, req_id: str) -> None:
-        """Back into SGLang at the next step (a recompute of prompt + generated ids): the plan
-        that swaps a request in counts it as running from then on, as the torch engine's does."""
-        self._get(req_id)
-        self._admit_next.add(req_id)
+        """Back into SGLang now (a recompute of prompt + generated ids): the plan that swaps a
+        request in counts it as running from then on, as the torch engine's does."""
+        r = self._get(req_id)
+        if not r.rid:
+            self._submit(r)
 
     def export_request(self, req_id: str, remove: bool = True) -> bytes:
         r = self._get(req_id)
@@ -351,10 +346,10 @@ class SglangEngine:
         r = _Req(p.req, Detokenizer(self.tokenizer, p.req.sampling.stop), p.output_ids, p.logprobs)
         r.detok.emitted = p.emitted  # the text the client already has
         self.reqs[p.req.req_id] = r
-        # the scheduler placed it here running: into SGLang at the next step whatever the plan
-        # says (a strict instance's OOCO plan admits no online prefill, so waiting for one
-        # would leave a pushed request waiting for ever)
-        self._admit_next.add(p.req.req_id)
+        # the scheduler placed it here running: into SGLang now, not when a plan names it (a
+        # strict instance's OOCO plan admits no online prefill, so waiting for one would leave
+        # a pushed request waiting for ever)
+        self._submit(r)
 
     def snapshot(self) -> list[SeqSnapshot]:
         """Waiting here: no KV. In SGLang: running, and SGLang owns its prefill. Once a token
