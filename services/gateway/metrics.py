@@ -136,28 +136,29 @@ class GatewayMetrics:
         SGLang: over a PD pair its prefill -> decode handoffs (`PdPairClient`), each a push
         migration carried by SGLang, and SGLang's own priority retractions. Counted here by
         what each count grew since the instance's previous beat."""
-        keys = ("pd_transfers_total", "pd_transfer_failures_total", "sglang_retractions_total")
-        totals = {k: hb.info[k] for k in keys if k in hb.info}
-        if not totals:
+        counters = {  # info key -> the counter (and labels) its growth goes to
+            "pd_transfers_total": (self.migrations, ("push", "ok", PD_MIGRATION_MODE)),
+            "pd_transfer_failures_total": (self.migrations, ("push", "failed", PD_MIGRATION_MODE)),
+            "sglang_retractions_total": (self.sglang_retractions, (hb.service_id,)),
+        }
+        if not counters.keys() & hb.info.keys():
             return
         started, seen = self._sglang_seen.get(hb.service_id, (hb.started_unix_s, {}))
         if started != hb.started_unix_s:  # restarted: its counts start again at 0
             seen = {}
         now: dict[str, int] = {}
-        for key, raw in totals.items():
+        for key, (counter, labels) in counters.items():
+            if key not in hb.info:
+                continue
+            raw = hb.info[key]
             try:
                 now[key] = int(raw or 0)
             except ValueError:
                 log.warning("%s: unreadable %s %r in its heartbeat", hb.service_id, key, raw)
+                now[key] = seen.get(key, 0)  # the next readable beat counts from here
                 continue
-            grew = now[key] - seen.get(key, 0)
-            if grew <= 0:
-                continue
-            if key == "sglang_retractions_total":
-                self.sglang_retractions.labels(hb.service_id).inc(grew)
-            else:
-                outcome = "ok" if key == "pd_transfers_total" else "failed"
-                self.migrations.labels("push", outcome, PD_MIGRATION_MODE).inc(grew)
+            if (grew := now[key] - seen.get(key, 0)) > 0:
+                counter.labels(*labels).inc(grew)
         self._sglang_seen[hb.service_id] = (hb.started_unix_s, now)
 
     def on_report(self, rep: InstanceReport) -> None:

@@ -239,5 +239,7 @@ def test_the_gateway_counts_sglang_retractions_per_instance() -> None:
     m.on_instance_beat(beat("3"))
     assert count() == "3.0"
     m.on_instance_beat(beat("garbage"))  # logged and dropped
+    m.on_instance_beat(beat("5"))  # grew by 2 since the last readable beat
+    assert count() == "5.0"
     m.on_instance_beat(beat("1", started=9.0))  # restarted
-    assert count() == "4.0"
+    assert count() == "6.0"
