@@ -132,7 +132,14 @@ async def migrate(nc: NATS, src: str, dst: str, req_id: str = "r1") -> MigrateRe
 
 async def reference_text(nats_url: str, kind: EngineKind) -> str:
     """The same request served by one instance that never migrates it."""
-    async with running(nats_url, "ref", 0, kind):
+    return await served_text(nats_url, running(nats_url, "ref", 0, kind), kind)
+
+
+async def served_text(
+    nats_url: str, instance: contextlib.AbstractAsyncContextManager[None], kind: EngineKind
+) -> str:
+    """The request served start to end by `instance`, an instance with id "ref" while open."""
+    async with instance:
         nc = await connect(nats_url, "ref-client")
         await wait_report(nc, "ref")
         gw = Gateway()

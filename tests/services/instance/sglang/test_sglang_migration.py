@@ -18,6 +18,7 @@ from tests.services.instance.migration_kit import (
     EngineKind,
     Gateway,
     migrate,
+    served_text,
     start_request,
     wait_report,
 )
@@ -53,14 +54,7 @@ async def unmoved_text(nats_url: str) -> str:
     """The text of the request on one instance over its own fake SGLang, never moved."""
     ref = FakeSglang(token_s=0.08)
     with ref.serve():
-        async with running(nats_url, "ref", 0, ref.url):
-            nc = await connect(nats_url, "ref-client")
-            await wait_report(nc, "ref")
-            want = Gateway()
-            await start_request(nc, "ref", want, KIND, req_id="ref-r")
-            await asyncio.wait_for(want.done.wait(), 60)
-            await nc.drain()
-    return "".join(c.text for c in want.tokens)
+        return await served_text(nats_url, running(nats_url, "ref", 0, ref.url), KIND)
 
 
 async def test_a_migration_on_sglang_is_a_recompute_with_the_same_output(nats_url: str) -> None:
