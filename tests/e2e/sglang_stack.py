@@ -132,12 +132,3 @@ def sglang_alone(url: str, input_ids: list[int], max_new: int) -> list[int]:
     )
     with urllib.request.urlopen(req, timeout=300) as r:
         return [int(t) for t in json.loads(r.read())["output_ids"]]
-
-
-def metric(base: str, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())
-    )

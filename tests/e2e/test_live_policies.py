@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from services.cli import natsd
+from tests.e2e.metrics_kit import metric
 from tidal.policy.registry import available_policies
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nats]
@@ -61,17 +62,6 @@ def up(policy: str, step_model: str) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-
-
-def metric(base: str, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def ask(base: str, prompt: str, max_tokens: int, cls: str) -> openai.types.Completion:

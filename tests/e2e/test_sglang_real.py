@@ -16,10 +16,10 @@ from collections.abc import Iterator
 import pytest
 
 from services.instance.sglang.launcher import SglangProcess, free_port
+from tests.e2e.metrics_kit import metric
 from tests.e2e.sglang_stack import (
     SglangStack,
     extra_server_args,
-    metric,
     model_and_python,
     sglang_alone,
     tidal_over,
