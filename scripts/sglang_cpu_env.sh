@@ -35,11 +35,11 @@ PIP=("$VENV/bin/python" -m pip install -q)
 timeout 120 "${PIP[@]}" --no-deps torchvision==0.28.0 \
     --index-url https://download.pytorch.org/whl/cpu 2>/dev/null \
     || "${PIP[@]}" --no-deps torchvision==0.28.0
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 # harmless on a CPU build (its ops load); needed on the CUDA-built one
-"$VENV/bin/python" - "$VENV" <<'PY'
-import pathlib, sys, sysconfig
-site = pathlib.Path(sysconfig.get_paths(vars={"base": sys.argv[1], "platbase": sys.argv[1]})["purelib"])
-init = site / "torchvision" / "__init__.py"
+"$VENV/bin/python" - "$SITE/torchvision/__init__.py" <<'PY'
+import pathlib, sys
+init = pathlib.Path(sys.argv[1])
 src = init.read_text()
 old = "from torchvision import (\n    _autograd_registrations,\n    _meta_registrations,\n"
 new = ("if extension._has_ops():  # Tidal's scripts/sglang_cpu_env.sh: CUDA-built ops absent\n"
@@ -48,7 +48,6 @@ new = ("if extension._has_ops():  # Tidal's scripts/sglang_cpu_env.sh: CUDA-buil
 if old in src:
     init.write_text(src.replace(old, new))
 PY
-SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "$HERE/sgl_kernel_stub" > "$SITE/tidal_sgl_kernel_stub.pth"
 SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c "import sglang.srt.entrypoints.http_server" \
     || { echo "SGLang does not import in $VENV"; exit 1; }
