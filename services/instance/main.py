@@ -52,7 +52,6 @@ from tidal.schemas.messages import (
 
 log = logging.getLogger("tidal.instance")
 ROLES = tuple(r.value for r in InstanceRole)
-MAX_PAYLOAD_BYTES = 8 << 30  # a migration payload this instance accepts (KV of one request)
 
 
 def heartbeat(inst: Instance, status: str = "") -> Heartbeat:
@@ -192,7 +191,7 @@ async def _serve(
     inst = Instance(nc, args.id, engine, adapter, live.cfg.slo)
     migrator = Migrator(inst)
     control = Control(inst, live)
-    plane = DataPlaneServer(migrator.on_payload, MAX_PAYLOAD_BYTES)
+    plane = DataPlaneServer(migrator)
     inst.data_url = await plane.start(args.data_host, args.data_port)
     hb_s = envs.heartbeat_s()
     async with contextlib.AsyncExitStack() as stack:

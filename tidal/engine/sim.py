@@ -39,8 +39,9 @@ from tidal.engine.api import (
 )
 from tidal.engine.preemption import LayerPreemption
 from tidal.engine.scheduler import SeqView
+from tidal.engine.sim_migrate import SimMigrateMixin
 from tidal.engine.sim_plan import Item, batch_shape, layer_times, online_first_plan, tokens_of
-from tidal.engine.sim_seq import RUNNING, SWAPPED, WAITING, SimSeq, decode_seq, encode_seq
+from tidal.engine.sim_seq import RUNNING, SWAPPED, WAITING, SimSeq
 from tidal.engine.sim_tokens import (
     SimTokenizer,
     cut_at_stop,
@@ -106,7 +107,7 @@ class SimEngineConfig:
             raise ValueError("the KV pool cannot hold even one max_model_len request")
 
 
-class SimEngine:
+class SimEngine(SimMigrateMixin):
     """Implements `tidal.engine.api.ControllableEngine` with emulated step times."""
 
     name = "sim"
@@ -140,6 +141,7 @@ class SimEngine:
         # time, actual work), as on an accelerator the host's work overlaps. None: now.
         self.step_origin: float | None = None
         self.last_step_end_s = 0.0  # perf_counter() when the last realtime step ended
+        self._init_migration()
 
     # ---- Engine protocol -------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
@@ -217,23 +219,8 @@ class SimEngine:
         self._place(seq, seq.num_host_tokens)
         seq.num_host_tokens = 0
 
-    def export_request(self, req_id: str, remove: bool = True) -> bytes:
-        """Tokens, sampling, progress, any cut chunk and the emulated KV, as MessagePack."""
-        data = encode_seq(self.seqs[req_id], self.model_name, self.kv_payload_bytes_per_token)
-        if remove:
-            self.abort(req_id)
-        return data
-
-    def import_request(self, data: bytes) -> None:
-        cfg = self.config
-        seq = decode_seq(data, self.model_name, self.kv_payload_bytes_per_token, cfg.num_layers)
-        if seq.req_id in self.seqs:
-            raise ValueError(f"request id {seq.req_id!r} is already in this engine")
-        if len(seq.req.prompt_token_ids) + seq.req.sampling.max_tokens > self.max_model_len:
-            raise ValueError(f"{seq.req_id!r} exceeds this model's context")
-        if seq.num_kv_tokens:
-            self._place(seq, seq.num_kv_tokens)
-        self.seqs[seq.req_id] = seq
+    def _num_layers(self) -> int:
+        return self.config.num_layers
 
     def snapshot(self) -> list[SeqSnapshot]:
         return [
@@ -273,7 +260,8 @@ class SimEngine:
         ]
 
     def check_integrity(self) -> None:
-        held = sum(s.num_blocks for s in self.seqs.values())
+        moving = [*self.exporting.values(), *(seq for seq, _ in self.importing.values())]
+        held = sum(s.num_blocks for s in [*self.seqs.values(), *moving])
         assert held + self._free_blocks == self.num_kv_blocks, "KV blocks leaked"
         for s in self.seqs.values():
             assert s.num_kv_tokens <= len(s.token_ids), f"{s.req_id}: KV past its tokens"

@@ -56,6 +56,7 @@ from tidal.engine.sampling import Detokenizer, make_generator
 from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView, StepPlanner
 from tidal.engine.sequence import SeqStatus, Sequence
 from tidal.engine.tokenizer import TidalTokenizer
+from tidal.engine.torch_migrate import TorchMigrateMixin
 from tidal.policy.plan import StepPlan
 
 __all__ = ["EngineConfig", "TorchEngine", "default_dtype", "load_torch_engine"]
@@ -63,7 +64,7 @@ __all__ = ["EngineConfig", "TorchEngine", "default_dtype", "load_torch_engine"]
 _DECODING = (SeqStatus.RUNNING, SeqStatus.OFFLOADED)  # counted as running in `load()`
 
 
-class TorchEngine(CpuOffloadMixin):
+class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
     name = "torch"
     is_emulated = False
 
@@ -118,6 +119,7 @@ class TorchEngine(CpuOffloadMixin):
         self.last_preempt_latency_s: float | None = None
         self.num_recompute_preemptions = 0  # requests that lost their KV to memory pressure
         self._last_step_s = 0.0
+        self._init_migration()
         self._log: TextIO | None = None
         if cfg.step_log:
             Path(cfg.step_log).parent.mkdir(parents=True, exist_ok=True)
@@ -290,7 +292,8 @@ class TorchEngine(CpuOffloadMixin):
         return self.allocator.num_free * self.block_size
 
     def check_integrity(self) -> None:
-        self.allocator.check_integrity([s.block_ids for s in self.seqs.values()])
+        moving = [*self.exporting.values(), *(seq for seq, _ in self.importing.values())]
+        self.allocator.check_integrity([s.block_ids for s in [*self.seqs.values(), *moving]])
         for s in self.seqs.values():
             if s.status != SeqStatus.RUNNING:
                 assert not s.block_ids, f"{s.req_id}: {s.status} but holds KV blocks"
@@ -301,9 +304,6 @@ class TorchEngine(CpuOffloadMixin):
                 assert s.swapped_kv is not None and s.swapped_kv.shape[2] == held
 
     # ---- KV movement -----------------------------------------------------------------------
-    def _kv_tokens(self, seq: Sequence) -> int:
-        return seq.num_computed + (seq.partial.num_tokens if seq.partial else 0)
-
     def swap_out(self, req_id: str) -> None:
         seq = self.seqs[req_id]
         if seq.status != SeqStatus.RUNNING:
@@ -323,35 +323,6 @@ class TorchEngine(CpuOffloadMixin):
         seq.swapped_kv = None
         if seq.partial is not None:
             seq.partial.hidden = seq.partial.hidden.to(self.model.device)
-
-    def export_request(self, req_id: str, remove: bool = True) -> bytes:
-        """The request as bytes (tokens, sampling and RNG state, KV of all layers, any
-        preempted partial chunk); with `remove` it also leaves this engine."""
-        seq = self.seqs[req_id]
-        if seq.status == SeqStatus.OFFLOADED:
-            raise ValueError(f"{req_id!r} is offloaded to a CPU-attention worker; recall it first")
-        n = self._kv_tokens(seq)
-        kv = seq.swapped_kv
-        if seq.status == SeqStatus.RUNNING and n:
-            kv = kvt.gather_kv(self.kv, kvt.token_slots(seq.block_ids, 0, n, self.block_size))
-        data = kvt.export_seq(seq, kv, self.model_name, self._kv_shape())
-        if remove:
-            self.abort(req_id)
-        return data
-
-    def import_request(self, data: bytes) -> None:
-        """Continue a request exported by an engine of the same model."""
-        seq, kv = kvt.import_seq(data, self.tokenizer, self._kv_shape(), self.model.device)
-        if seq.req_id in self.seqs:
-            raise ValueError(f"request id {seq.req_id!r} is already in this engine")
-        if seq.partial is not None:
-            seq.partial.hidden = seq.partial.hidden.to(self.model.dtype)
-        if kv is not None:
-            self._place_kv(seq, kv)
-        self.seqs[seq.req_id] = seq
-
-    def _kv_shape(self) -> list[int]:
-        return list(self.kv.shape[:2]) + list(self.kv.shape[3:])  # (L, 2, Hk, D)
 
     def _place_kv(self, seq: Sequence, kv: torch.Tensor) -> None:
         n = kv.shape[2]

@@ -268,8 +268,7 @@ class MigrateOffer(msgspec.Struct, frozen=True):
     src_instance_id: str
     kind: str  # "push" | "pull"
     num_kv_tokens: int
-    num_bytes: int
-    checksum: str  # blake2b hex of the payload
+    num_bytes: int  # KV bytes that follow on the data plane (each chunk carries its CRC32C)
     reply_subject: str  # where the request's tokens go (the gateway's subject)
     next_seq: int  # seq of the next chunk the request will stream
     req_class: str
