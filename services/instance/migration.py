@@ -358,6 +358,12 @@ class Migrator:
                 await asyncio.to_thread(self.mover.end_import, sink.req_id, True)
             except (ValueError, MemoryError) as exc:
                 return MigrateOfferReply(ok=False, reason=f"import failed: {exc}")
+            if res.aborted:
+                # NOTE: the source gave up on this commit while it was carried out and runs the
+                # request itself again: starting it here would run it twice.
+                inst.engine.abort(offer.req_id)
+                log.warning("migration of %s aborted during its commit", offer.req_id)
+                return MigrateOfferReply(ok=False, reason="aborted by the source")
         slo = Slo(offer.ttft_slo_s, offer.tpot_slo_s) if offer.ttft_slo_s > 0 else None
         meta = ReqMeta(slo, offer.arrival_unix_s or time.time())
         meta.num_migrations = 1
