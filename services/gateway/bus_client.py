@@ -88,6 +88,7 @@ class GatewayBus:
             await subscribe(self.nc, workers, Heartbeat, self._on_worker_beat)
             instances = f"{subjects.PREFIX}.hb.instance.*"  # as the cpu_attn beats above
             await subscribe(self.nc, instances, Heartbeat, self._on_instance_beat)
+            await subscribe(self.nc, subjects.HEARTBEAT_ALL, Heartbeat, self._on_any_beat)
 
     async def _on_mig(self, ev: MigrationEvent, _: Msg) -> None:
         assert self.metrics is not None
@@ -101,6 +102,10 @@ class GatewayBus:
     async def _on_worker_beat(self, hb: Heartbeat, _: Msg) -> None:
         assert self.metrics is not None
         self.metrics.cpu_attn.on_heartbeat(hb)
+
+    async def _on_any_beat(self, hb: Heartbeat, _: Msg) -> None:
+        assert self.metrics is not None
+        self.metrics.loop_lag.on_heartbeat(hb)
 
     async def _on_instance_beat(self, hb: Heartbeat, _: Msg) -> None:
         assert self.metrics is not None

@@ -171,5 +171,9 @@ class Control:
             pid=os.getpid(),
             started_unix_s=s.started_unix_s,
             sent_unix_s=time.time(),
-            info={"offline_paused": str(s.offline_paused).lower(), "policy": s.cluster.policy.name},
+            info={
+                "offline_paused": str(s.offline_paused).lower(),
+                "policy": s.cluster.policy.name,
+                "suspects_alive": str(s.num_suspects_alive),
+            },
         )
