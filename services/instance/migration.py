@@ -49,7 +49,7 @@ from services.instance.policy_adapter import ReqMeta
 from services.instance.worker import Instance, Stream
 from tidal.engine.api import SeqSnapshot
 from tidal.engine.migrate import KvSink, KvSource, MovableEngine, WholeRequestMover
-from tidal.policy.base import Slo
+from tidal.policy.base import Phase, Slo
 from tidal.schemas import codec, kv_wire, subjects
 from tidal.schemas.messages import (
     MigrateAbort,
@@ -58,6 +58,7 @@ from tidal.schemas.messages import (
     MigrateOffer,
     MigrateOfferReply,
     MigrateResult,
+    ReqReport,
     TokenChunk,
 )
 
@@ -162,12 +163,24 @@ class Migrator:
                     return MigrateResult(rid, "refused", "not running (or mid-chunk) here")
                 source = await asyncio.to_thread(self.mover.begin_export, rid)
             meta = inst.adapter.meta.get(rid) or ReqMeta(None, time.time())
+            inst.moving_out[rid] = ReqReport(
+                rid,
+                str(snap.req_class),
+                Phase.MIGRATING.value,
+                meta.arrival_unix_s,
+                snap.num_prompt_tokens,
+                snap.max_output_tokens,
+                snap.num_computed_tokens,
+                snap.num_output_tokens,
+                snap.num_blocks,
+            )
             moved = False
             try:
                 result = await self._hand_over(cmd, source, snap, stream, meta, t0)
                 moved = result.outcome == "ok"
             finally:  # also when cancelled: the request runs on exactly one instance
                 await self._end_export(rid, moved)
+                inst.moving_out.pop(rid, None)
             if moved:
                 await self._announce_moved(rid, stream, dst)
             return result

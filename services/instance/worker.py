@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -38,6 +39,7 @@ from tidal.schemas.messages import (
     GenerateAck,
     GenerateRequest,
     PreemptSignal,
+    ReqReport,
     TokenChunk,
 )
 
@@ -77,6 +79,9 @@ class Instance:
         self.pending_abort: list[str] = []
         self.wake = asyncio.Event()
         self.engine_lock = asyncio.Lock()  # held by a step, an export and an import
+        # requests whose KV is leaving now (`migration.py`): out of the engine's schedule, still
+        # here, so reports list them ("migrating") and nobody takes them for lost
+        self.moving_out: dict[str, ReqReport] = {}
         self.draining = False
         self.data_url = ""
         self.started_unix_s = time.time()
@@ -348,6 +353,14 @@ class Instance:
                 self.finished_ids.append(ev.req_id)
             await self.nc.publish(stream.reply_subject, codec.encode(chunk))
 
+    def _submitted(self, req: EngineRequest) -> ReqReport:
+        """A request handed over but not yet in the engine (it joins at the next step
+        boundary): here, in no queue the policy counts ("submitted")."""
+        meta = self.adapter.meta.get(req.req_id)
+        arrival = meta.arrival_unix_s if meta is not None else time.time()
+        n, max_out = len(req.prompt_token_ids), req.sampling.max_tokens
+        return ReqReport(req.req_id, str(req.req_class), "submitted", arrival, n, max_out, 0, 0, 0)
+
     async def report(self, force: bool = False) -> None:
         """Publish the instance's state, at most every REPORT_MIN_INTERVAL_S unless forced."""
         now = time.time()
@@ -369,6 +382,9 @@ class Instance:
             emulated=self.engine.is_emulated,
             finished_req_ids=self.finished_ids,
         )
+        extra = [*self.moving_out.values(), *(self._submitted(r) for r in self.pending_add)]
+        if extra:
+            rep = msgspec.structs.replace(rep, requests=[*rep.requests, *extra])
         self.finished_ids = []
         try:
             await self.nc.publish(subjects.instance_state(self.id), codec.encode(rep))

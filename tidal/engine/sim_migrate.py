@@ -3,10 +3,27 @@ of the emulated model's size, derived from the request's tokens and checked chun
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from tidal.engine.migrate import KvSink, KvSource, export_whole, import_whole
 from tidal.engine.sim_seq import RUNNING, SimSeq, decode_state, encode_state, kv_digest, kv_slice
+
+
+@dataclass
+class _Pattern:
+    """The emulated KV's bytes, built once per request up to the largest chunk asked for: a
+    chunk is a view into it (no per-chunk allocation holding the GIL)."""
+
+    digest: bytes
+    _buf: bytes = field(default=b"", repr=False)
+
+    def view(self, start: int, end: int) -> memoryview:
+        skip, n = start % len(self.digest), end - start
+        if len(self._buf) < skip + n:
+            self._buf = kv_slice(self.digest, 0, len(self.digest) + max(n, 2 * len(self._buf)))
+        return memoryview(self._buf)[skip : skip + n]
 
 
 @dataclass
@@ -17,10 +34,13 @@ class SimKvSource:
     bytes_per_token: int
     digest: bytes
 
-    def read(self, start: int, end: int) -> bytes:
+    def __post_init__(self) -> None:
+        self._pattern = _Pattern(self.digest)
+
+    def read(self, start: int, end: int) -> memoryview:
         if not 0 <= start <= end <= self.num_tokens:
             raise ValueError(f"{self.req_id!r}: tokens [{start}, {end}) outside its KV")
-        return kv_slice(self.digest, start * self.bytes_per_token, end * self.bytes_per_token)
+        return self._pattern.view(start * self.bytes_per_token, end * self.bytes_per_token)
 
 
 @dataclass
@@ -31,12 +51,16 @@ class SimKvSink:
     digest: bytes
     num_written: int = 0  # tokens whose KV arrived (chunks arrive in any order, each once)
 
+    def __post_init__(self) -> None:
+        self._pattern = _Pattern(self.digest)
+
     def write(self, start: int, data: bytes | bytearray | memoryview) -> None:
         bpt = self.bytes_per_token
         n = len(data) // bpt if bpt else 0
         if bpt == 0 or len(data) % bpt or not 0 <= start <= start + n <= self.num_tokens:
             raise ValueError(f"{self.req_id!r}: a KV chunk that does not fit its tokens")
-        if data != kv_slice(self.digest, start * bpt, (start + n) * bpt):
+        expected = self._pattern.view(start * bpt, (start + n) * bpt)
+        if not np.array_equal(np.frombuffer(data, np.uint8), np.frombuffer(expected, np.uint8)):
             raise ValueError(f"{self.req_id!r}: KV chunk does not match its tokens (corrupted)")
         self.num_written += n
 
