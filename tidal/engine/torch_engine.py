@@ -3,7 +3,7 @@
 Implements `tidal.engine.api.Engine` (add / abort / has_work / step / load). Beyond it, the
 instance service may call:
 
-- `request_preempt() -> bool` — thread-safe, from any thread while `step()` runs in another: the
+- `request_layer_cut() -> bool` — thread-safe, from any thread while `step()` runs in another: the
   step stops after the current transformer layer and returns with no events. Each interrupted
   chunk keeps its hidden states and the KV of the layers already run, and a later step resumes it
   from that layer without recompute (OOCO §3.4.1). `last_preempt_latency_s` is the measured
@@ -56,7 +56,7 @@ from tidal.engine.sampling import Detokenizer, make_generator
 from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView, StepPlanner
 from tidal.engine.sequence import SeqStatus, Sequence
 from tidal.engine.tokenizer import TidalTokenizer
-from tidal.policy.plan import StepPlan
+from tidal.plan import EngineCapabilities, MigrationMode, StepPlan
 
 __all__ = ["EngineConfig", "TorchEngine", "default_dtype", "load_torch_engine"]
 
@@ -231,7 +231,20 @@ class TorchEngine(CpuOffloadMixin):
             return StepResult(events=events, telemetry=tel)
 
     # ---- control beyond the protocol -------------------------------------------------------
-    def request_preempt(self) -> bool:
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            layer_cut=True,
+            num_layers=self.model.config.num_hidden_layers,
+            migration=MigrationMode.KV,
+            cpu_attention=self.cpu_link is not None,
+            priority=True,  # the own planner runs online requests first
+        )
+
+    def wake_step(self) -> None:
+        """Nothing to wake: a step here never waits for work."""
+
+    def request_layer_cut(self) -> bool:
         """Stop the running step after its current layer; False if no step is running."""
         return self.preemption.request()
 
@@ -274,7 +287,7 @@ class TorchEngine(CpuOffloadMixin):
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
 
-    def preempt(self, req_id: str) -> None:
+    def recompute(self, req_id: str) -> None:
         """Preemption by recompute: drop the request's KV; it prefills prompt + output again."""
         seq = self.seqs[req_id]
         if seq.status == SeqStatus.SWAPPED:
