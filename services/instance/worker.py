@@ -290,6 +290,9 @@ class Instance:
             else:
                 ex = await asyncio.to_thread(execute, self.engine, plan, self.adapter.forced)
                 result = ex.result
+                why = "out of KV memory: no offline work left to evict for it (never evicted)"
+                ended = [TokenEvent(r, (), "", FinishReason.ERROR, error=why) for r in ex.aborted]
+                await self._publish(ended)
         except PlanRefused as exc:
             self.refused(exc)
             return False

@@ -7,6 +7,7 @@ side and ignored by another (the contract: `tidal.plan.step`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
@@ -16,6 +17,8 @@ from tidal.plan.errors import PlanRefused, RefusalReason
 from tidal.plan.step import StepPlan
 
 __all__ = ["STAGES", "Outcome", "PlanKernel", "carry_out", "check_plan"]
+
+log = logging.getLogger("tidal.plan")
 
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
@@ -163,8 +166,11 @@ def _undo(kernel: PlanKernel[R], undo: list[tuple[Callable[[str], None], str]]) 
         try:
             inverse(rid)
         except Exception:
-            kernel.recompute(rid)
-            num += 1
+            try:
+                kernel.recompute(rid)
+                num += 1
+            except Exception:  # it stays where the failed stage left it (swapped, offloaded)
+                log.exception("%s could neither be restored nor recomputed", rid)
     return num
 
 
