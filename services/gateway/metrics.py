@@ -73,6 +73,13 @@ class GatewayMetrics:
             ["instance"],
             registry=self.registry,
         )
+        self.plan_refusals = Counter(
+            "tidal_plan_refusals",
+            "Step plans an instance refused, by reason (`tidal.plan.RefusalReason`; nothing of a "
+            "refused plan is carried out, docs/plan-contract.md)",
+            ["instance", "reason"],
+            registry=self.registry,
+        )
         self.migrations = Counter(
             "tidal_migrations",
             "Migrations by kind (push: online after prefill; pull: offline decode), outcome and "
@@ -121,6 +128,7 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self._preempt_seen: dict[str, int] = {}  # instance -> count in its last report
+        self._refusals_seen: dict[str, dict[str, int]] = {}  # instance -> reason -> count
         # instance -> (its start, {info key: count}) from its last heartbeat (sglang engine)
         self._sglang_seen: dict[str, tuple[float, dict[str, int]]] = {}
         self.batch = BatchMetrics(self.registry)
@@ -171,6 +179,13 @@ class GatewayMetrics:
         if rep.num_preemptions > seen:
             self.preemptions.labels(iid).inc(rep.num_preemptions - seen)
         self._preempt_seen[iid] = rep.num_preemptions
+        seen_r = self._refusals_seen.get(iid, {})
+        if any(n < seen_r.get(why, 0) for why, n in rep.plan_refusals.items()):
+            seen_r = {}  # the instance restarted
+        for why, n in rep.plan_refusals.items():
+            if n > seen_r.get(why, 0):
+                self.plan_refusals.labels(iid, why).inc(n - seen_r.get(why, 0))
+        self._refusals_seen[iid] = dict(rep.plan_refusals)
         waiting = {"online": 0, "offline": 0}
         for r in rep.requests:
             if r.phase == "waiting":

@@ -47,7 +47,6 @@ from tidal.schemas.messages import (
     MigrateCommand,
     MigrateCommit,
     MigrateOffer,
-    PreemptSignal,
 )
 
 log = logging.getLogger("tidal.instance")
@@ -200,7 +199,6 @@ async def _serve(
         sub = subscribe
         await sub(nc, subjects.instance_submit(args.id), GenerateRequest, inst.on_submit)
         await sub(nc, subjects.CANCEL, CancelRequest, inst.on_cancel)
-        await sub(nc, subjects.instance_preempt(args.id), PreemptSignal, inst.on_preempt)
         await sub(nc, subjects.instance_migrate(args.id), MigrateCommand, migrator.on_command)
         await sub(nc, subjects.migrate_offer(args.id), MigrateOffer, migrator.on_offer)
         await sub(nc, subjects.migrate_commit(args.id), MigrateCommit, migrator.on_commit)

@@ -49,6 +49,7 @@ from services.instance.policy_adapter import ReqMeta
 from services.instance.worker import Instance, Stream
 from tidal.engine.api import SeqSnapshot
 from tidal.engine.migrate import KvSink, KvSource, MovableEngine, WholeRequestMover
+from tidal.plan import MigrationMode
 from tidal.policy.base import Phase, Slo
 from tidal.schemas import codec, kv_wire, subjects
 from tidal.schemas.messages import (
@@ -83,8 +84,9 @@ class Reservation:
 
 
 def mover_of(engine: Any) -> MovableEngine:
-    """The engine itself when it moves KV; token ids otherwise (the target recomputes)."""
-    if callable(getattr(engine, "begin_export", None)):
+    """The engine itself when it moves KV (its capabilities say so); token ids otherwise, in
+    one buffer (the target recomputes)."""
+    if engine.capabilities.migration is MigrationMode.KV:
         return engine  # type: ignore[no-any-return]
     return WholeRequestMover(engine)
 
@@ -133,8 +135,8 @@ class Migrator:
     async def _command(self, cmd: MigrateCommand, msg: Msg) -> None:
         result = await self.migrate_out(cmd)
         # an engine that cannot move KV (sglang) migrates by recompute; metrics say which
-        mode = getattr(self.inst.engine, "migration_mode", "kv")
-        result = msgspec.structs.replace(result, mode=mode)
+        mode = self.inst.engine.capabilities.migration
+        result = msgspec.structs.replace(result, mode=str(mode))
         level = logging.INFO if result.outcome == "ok" else logging.WARNING
         log.log(
             level,

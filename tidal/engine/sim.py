@@ -1,10 +1,11 @@
 """The `sim` engine: an emulated `ControllableEngine` for tests, demos and cluster experiments.
 
 It behaves like the torch engine in everything but computing: it takes explicit plans
-(`tidal.policy.plan.StepPlan`) or plans itself, holds KV in blocks for the tokens it has computed,
-preempts at layer boundaries (`request_preempt`, the cut chunks resume with `forced_tokens`) and by
-recompute (`preempt`), swaps KV to host memory, and exports/imports requests with a KV blob of the
-real size (`tidal.engine.sim_seq`). It runs no model: output tokens are deterministic words of the
+(`tidal.plan.StepPlan`) or plans itself, holds KV in blocks for the tokens it has computed,
+cuts steps at layer boundaries (`request_layer_cut`, the cut chunks resume with `forced_tokens`),
+recomputes (`recompute`), swaps KV to host memory, and exports/imports requests with a KV blob
+of the real size (`tidal.engine.sim_seq`).
+It runs no model: output tokens are deterministic words of the
 served model's vocabulary chosen from the prompt (`tidal.engine.sim_tokens`), and each step's
 duration comes from a latency model (`tidal.perf.api.StepModel`, default `DEFAULT_SIM_STEP_MODEL`).
 
@@ -52,7 +53,7 @@ from tidal.engine.sim_tokens import (
 )
 from tidal.perf.api import StepModel
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.plan import StepPlan
+from tidal.plan import EngineCapabilities, MigrationMode, PlanRefused, RefusalReason, StepPlan
 
 __all__ = [
     "DEFAULT_SIM_STEP_MODEL",
@@ -192,11 +193,29 @@ class SimEngine(SimMigrateMixin):
             return self._run(self._prepare(num_tokens))
 
     # ---- ControllableEngine ----------------------------------------------------------------
-    def request_preempt(self) -> bool:
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            layer_cut=True,
+            num_layers=self.config.num_layers,
+            migration=MigrationMode.KV,
+            priority=True,  # the own planner runs online requests first
+        )
+
+    def offload(self, req_id: str) -> None:
+        raise PlanRefused(RefusalReason.NO_CPU_ATTENTION, "the sim engine has no CPU attention")
+
+    def recall(self, req_id: str) -> None:
+        raise PlanRefused(RefusalReason.NO_CPU_ATTENTION, "the sim engine has no CPU attention")
+
+    def wake_step(self) -> None:
+        """Nothing to wake: a step here never waits for work."""
+
+    def request_layer_cut(self) -> bool:
         """Thread-safe: end the running step after its current layer; False if none runs."""
         return self.preemption.request()
 
-    def preempt(self, req_id: str) -> None:
+    def recompute(self, req_id: str) -> None:
         """Preemption by recompute: drop the KV; prompt + output are prefilled again later."""
         seq = self.seqs[req_id]
         if seq.status == SWAPPED:
@@ -315,7 +334,7 @@ class SimEngine(SimMigrateMixin):
             # KV recomputes later. The pool holds a max_model_len request, so this ends.
             holders = [s for s in self.seqs.values() if s.num_blocks]
             victim = max(holders, key=lambda s: s.req.arrival_s)
-            self.preempt(victim.req_id)
+            self.recompute(victim.req_id)
             self.num_recompute_preemptions += 1
 
     def _prepare(self, num_tokens: dict[str, int]) -> list[Item]:

@@ -3,7 +3,7 @@
 Implements `tidal.engine.api.Engine` (add / abort / has_work / step / load). Beyond it, the
 instance service may call:
 
-- `request_preempt() -> bool` — thread-safe, from any thread while `step()` runs in another: the
+- `request_layer_cut() -> bool` — thread-safe, from any thread while `step()` runs in another: the
   step stops after the current transformer layer and returns with no events. Each interrupted
   chunk keeps its hidden states and the KV of the layers already run, and a later step resumes it
   from that layer without recompute (OOCO §3.4.1). `last_preempt_latency_s` is the measured
@@ -12,9 +12,9 @@ instance service may call:
   without one, `self.planner` (default `FcfsChunkedPlanner`: decodes, then FCFS prefill chunks
   under a token budget) decides. `set_planner()` swaps it (TaiChi chunk sizes, HyGen budgets).
   `schedulable()` lists what a planner may schedule.
-- `export_request(req_id, remove=True) -> bytes` / `import_request(data)` — a request's tokens,
-  sampling state (RNG included) and KV of all layers, so another engine continues it with
-  identical output (push/pull migration).
+- `begin_export`/`end_export`/`begin_import`/`end_import` (`tidal.engine.migrate`) — a
+  request's tokens, sampling state (RNG included) and KV of all layers, chunk by chunk, so
+  another engine continues it with identical output (push/pull migration).
 - `swap_out(req_id)` / `swap_in(req_id)` — move a request's KV to host memory and back.
 - `free_kv_tokens()`, `check_integrity()`.
 
@@ -57,7 +57,7 @@ from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView, StepPlanner
 from tidal.engine.sequence import SeqStatus, Sequence
 from tidal.engine.tokenizer import TidalTokenizer
 from tidal.engine.torch_migrate import TorchMigrateMixin
-from tidal.policy.plan import StepPlan
+from tidal.plan import EngineCapabilities, MigrationMode, StepPlan
 
 __all__ = ["EngineConfig", "TorchEngine", "default_dtype", "load_torch_engine"]
 
@@ -233,7 +233,20 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
             return StepResult(events=events, telemetry=tel)
 
     # ---- control beyond the protocol -------------------------------------------------------
-    def request_preempt(self) -> bool:
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            layer_cut=True,
+            num_layers=self.model.config.num_hidden_layers,
+            migration=MigrationMode.KV,
+            cpu_attention=self.cpu_link is not None,
+            priority=True,  # the own planner runs online requests first
+        )
+
+    def wake_step(self) -> None:
+        """Nothing to wake: a step here never waits for work."""
+
+    def request_layer_cut(self) -> bool:
         """Stop the running step after its current layer; False if no step is running."""
         return self.preemption.request()
 
@@ -276,7 +289,7 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
 
-    def preempt(self, req_id: str) -> None:
+    def recompute(self, req_id: str) -> None:
         """Preemption by recompute: drop the request's KV; it prefills prompt + output again."""
         seq = self.seqs[req_id]
         if seq.status == SeqStatus.SWAPPED:

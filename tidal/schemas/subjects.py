@@ -68,11 +68,6 @@ def instance_state(instance_id: str) -> str:
     return f"{PREFIX}.inst.{check_token(instance_id, 'instance id')}.state"
 
 
-def instance_preempt(instance_id: str) -> str:
-    """Scheduler -> instance: `PreemptSignal`."""
-    return f"{PREFIX}.inst.{check_token(instance_id, 'instance id')}.preempt"
-
-
 def instance_migrate(instance_id: str) -> str:
     """Scheduler -> source instance: `MigrateCommand` (request/reply)."""
     return f"{PREFIX}.inst.{check_token(instance_id, 'instance id')}.migrate"

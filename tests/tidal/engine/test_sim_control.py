@@ -9,7 +9,7 @@ from tests.tidal.engine.test_sim_engine import make_engine, make_request, run_to
 from tidal.engine.sim import SimEngine, SimEngineConfig
 from tidal.engine.sim_seq import kv_digest, kv_slice
 from tidal.perf.api import BatchShape
-from tidal.policy.plan import StepPlan
+from tidal.plan import StepPlan
 
 
 def reference(prompt_len: int = 20, max_tokens: int = 8) -> list[int]:
@@ -29,7 +29,7 @@ def test_preempt_by_recompute_resumes_with_identical_output() -> None:
     for _ in range(5):  # 3 prefill steps (8 + 8 + 4), 2 decodes: 3 tokens out
         out += step_tokens(eng)
     assert len(out) == 3
-    eng.preempt("a")
+    eng.recompute("a")
     (snap,) = eng.snapshot()
     assert (snap.status, snap.num_computed_tokens, snap.num_blocks) == ("waiting", 0, 0)
     assert eng.num_free_blocks() == eng.num_kv_blocks
@@ -115,7 +115,7 @@ class PreemptingStepModel:
         self.engine: SimEngine | None = None
 
     def step_s(self, batch: BatchShape) -> float:
-        assert self.engine is not None and self.engine.request_preempt()
+        assert self.engine is not None and self.engine.request_layer_cut()
         return 0.3
 
 

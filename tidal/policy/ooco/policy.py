@@ -283,7 +283,7 @@ class OocoPolicy(Policy):
         ]
         need = min(online[0].num_prefill_left, b.chunk_left) - b.budget.free * inst.block_size
         victims = choose_victims(need, off, compute_bound=False) or [c.req_id for c in off]
-        return StepPlan(preempt=tuple(str(v) for v in victims))
+        return StepPlan(recompute=tuple(str(v) for v in victims))
 
     def offline_step(
         self, inst: InstanceState, dec: Sequence[ReqState], pre: Sequence[ReqState]
@@ -305,9 +305,13 @@ class OocoPolicy(Policy):
                 break
         if b.prefill or b.decode:
             repeat = self.cfg.decode_repeat if not b.prefill else 1
-            return StepPlan(prefill=b.prefill, decode=tuple(b.decode), max_repeat=repeat)
+            # §3.4.1: an online arrival cuts this offline-only step at its next layer boundary
+            cut = bool(b.prefill) and inst.num_layers > 1
+            return StepPlan(
+                prefill=b.prefill, decode=tuple(b.decode), max_repeat=repeat, layer_cut=cut
+            )
         stuck = [r for r in inst.running if r.phase is Phase.RUNNING and not r.is_online]
-        return StepPlan(preempt=(stuck[-1].req_id,)) if stuck else StepPlan()
+        return StepPlan(recompute=(stuck[-1].req_id,)) if stuck else StepPlan()
 
     def schedule_strict(self, inst: InstanceState, now: float) -> StepPlan:
         """OOCO Alg. 2 on a latency-strict instance, after making room for pushed requests."""
