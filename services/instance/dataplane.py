@@ -54,10 +54,12 @@ class DataPlaneServer:
         self.url = ""
         self.num_bytes_received = 0
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str = "") -> str:
+        """Listen on (host, port); the URL returned names `advertise_host` (the address peers
+        reach this host on) when given, else the bound address."""
         self.server = await asyncio.start_server(self._serve, host, port)
         sock = self.server.sockets[0].getsockname()
-        self.url = f"tcp://{sock[0]}:{sock[1]}"
+        self.url = f"tcp://{advertise_host or sock[0]}:{sock[1]}"
         return self.url
 
     async def close(self) -> None:
