@@ -339,6 +339,8 @@ class GatewayBus:
 
     async def _on_scheduler_beat(self, hb: Heartbeat, _: Msg) -> None:
         self._observe(hb)
+        if self.metrics is not None:
+            self.metrics.healing.on_scheduler_beat(hb)
         key = (hb.service_id, hb.started_unix_s)
         if key not in self.schedulers_seen and hb.status != "stopped":
             if self.schedulers_seen:

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.cpu_attn_metrics import CpuAttnMetrics
+from services.gateway.healing_metrics import HealingMetrics
 from tidal.engine.sglang_api import PD_MIGRATION_MODE
 from tidal.schemas.messages import Heartbeat, InstanceReport, MigrationEvent
 
@@ -124,6 +125,7 @@ class GatewayMetrics:
         self._sglang_seen: dict[str, tuple[float, dict[str, int]]] = {}
         self.batch = BatchMetrics(self.registry)
         self.cpu_attn = CpuAttnMetrics(self.registry)
+        self.healing = HealingMetrics(self.registry)
 
     def on_migration(self, ev: MigrationEvent) -> None:
         self.migrations.labels(ev.kind, ev.outcome, ev.mode).inc()
