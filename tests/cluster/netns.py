@@ -12,6 +12,7 @@ partition), `heal(host)` brings it back, `kill_host(host)` kills -9 every proces
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -93,10 +94,8 @@ class Hosts:
         """kill -9 every process in the host; returns how many there were."""
         pids = self.pids(host)
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         return len(pids)
 
     def cut(self, host: int) -> None:
