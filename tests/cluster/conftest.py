@@ -29,14 +29,19 @@ STEP_MODEL = "linear:0.01,0,0,0"  # 10 ms per emulated step: streams last second
 HEARTBEAT_S = "0.2"
 
 
+SKIPPED: list[str] = []  # why tests/cluster did not run here, for the session's summary
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    mine = [item for item in items if "tests/cluster/" in str(item.fspath)]
+    if not mine:
+        return
     reason = unavailable_reason()
     if not reason:
         return
-    print(f"\ntests/cluster skipped: {reason}", file=sys.stderr)
-    for item in items:
-        if "tests/cluster/" in str(item.fspath):
-            item.add_marker(pytest.mark.skip(reason=reason))
+    SKIPPED.append(reason)
+    for item in mine:
+        item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @dataclass
@@ -162,9 +167,12 @@ def cluster() -> Iterator[Cluster]:
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
     from tests.cluster.kit import RESULTS
 
+    tr = terminalreporter
+    if SKIPPED:
+        tr.section("multi-host cases (network namespaces)")
+        tr.write_line(f"tests/cluster skipped: {SKIPPED[0]}")
     if not RESULTS:
         return
-    tr = terminalreporter
     tr.section("multi-host cases (network namespaces)")
     tr.write_line("case | hosts | load | lost | duplicated | recovery_s | note")
     for r in RESULTS:
