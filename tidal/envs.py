@@ -19,6 +19,12 @@ class EnvVar:
 
 NATS_URL = EnvVar("TIDAL_NATS_URL", "nats://127.0.0.1:4222", "NATS server the services join")
 LOG_LEVEL = EnvVar("TIDAL_LOG_LEVEL", "INFO", "log level of every service")
+ADVERTISE_HOST = EnvVar(
+    "TIDAL_ADVERTISE_HOST",
+    "",
+    "address other hosts reach this host's data planes on (default: the interface that routes "
+    "to the NATS server)",
+)
 HEARTBEAT_S = EnvVar("TIDAL_HEARTBEAT_S", "0.5", "seconds between service heartbeats")
 CACHE_DIR = EnvVar(
     "TIDAL_CACHE_DIR", str(Path.home() / ".cache" / "tidal"), "converted model weights"
@@ -39,6 +45,7 @@ SIM_KV_PAYLOAD_BYTES_PER_TOKEN = EnvVar(
 ALL = (
     NATS_URL,
     LOG_LEVEL,
+    ADVERTISE_HOST,
     HEARTBEAT_S,
     CACHE_DIR,
     DATA_DIR,

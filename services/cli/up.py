@@ -103,7 +103,9 @@ class Supervisor:
         if a.instances:  # the same roles for the scheduler's policy and every instance's
             policy_args += ["--roles", ",".join(parse_roles(a.instances))]
         children = [self._service("scheduler-0", "services.scheduler", *policy_args)]
-        gib = ["--capacity-gib", str(a.cpu_attn_gib)]
+        addr = ["--advertise-host", a.advertise_host] if a.advertise_host else []
+        gib = ["--capacity-gib", str(a.cpu_attn_gib), *addr]
+        gib += ["--host", a.data_host] if a.data_host else []
         children += [
             self._service(f"cpu-attn-{i}", "services.cpu_attn", *gib) for i in range(a.cpu_attn)
         ]
@@ -131,7 +133,10 @@ class Supervisor:
                 "--num-threads",
                 str(threads),
                 *share,
+                *addr,
             ]
+            if a.data_host:
+                extra += ["--data-host", a.data_host]
             if a.model:
                 extra += ["--model", a.model]
             if a.max_model_len:
@@ -392,6 +397,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="fsync every JetStream write (batches survive a machine crash too; slower)",
     )
     p.add_argument("--host", default="127.0.0.1", help="gateway address")
+    p.add_argument(
+        "--data-host",
+        default="",
+        help="address the instances' KV data planes and the CPU-attention workers listen on "
+        "(default: 127.0.0.1 when the bus is on loopback, else 0.0.0.0)",
+    )
+    p.add_argument(
+        "--advertise-host",
+        default="",
+        help="address other hosts reach this host's data planes on (default: "
+        "$TIDAL_ADVERTISE_HOST, else the interface that routes to NATS; docs/cluster.md)",
+    )
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument(
         "--sim-step-model",

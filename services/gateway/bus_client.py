@@ -24,6 +24,8 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError
 from services.gateway.resync import StreamResync
 from services.gateway.stream import RequestHandle, _Down
+from tidal import envs
+from tidal.cluster.membership import Membership
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     BatchStats,
@@ -73,6 +75,9 @@ class GatewayBus:
         self.schedulers_seen: set[tuple[str, float]] = set()  # (id, started) of each process
         self.scheduler_epoch = 0  # +1 each time a new scheduler process appears
         self.resync = StreamResync(nc, self.handles, self._cut)
+        # Instances and schedulers heard from lately, for `/ready` (as the scheduler counts a
+        # service gone after 4 missed beats).
+        self.presence = Membership(timeout_s=4 * envs.heartbeat_s())
 
     async def start(self) -> None:
         await subscribe(self.nc, self.reply_subject, TokenChunk, self._on_chunk)
@@ -86,8 +91,9 @@ class GatewayBus:
             await subscribe(self.nc, subjects.BATCH_STATS, BatchStats, self._on_batch_stats)
             workers = f"{subjects.PREFIX}.hb.cpu_attn.*"
             await subscribe(self.nc, workers, Heartbeat, self._on_worker_beat)
-            instances = f"{subjects.PREFIX}.hb.instance.*"  # as the cpu_attn beats above
-            await subscribe(self.nc, instances, Heartbeat, self._on_instance_beat)
+        instances = f"{subjects.PREFIX}.hb.instance.*"  # as the cpu_attn beats above
+        await subscribe(self.nc, instances, Heartbeat, self._on_instance_beat)
+        if self.metrics is not None:
             await subscribe(self.nc, subjects.HEARTBEAT_ALL, Heartbeat, self._on_any_beat)
 
     async def _on_mig(self, ev: MigrationEvent, _: Msg) -> None:
@@ -108,8 +114,42 @@ class GatewayBus:
         self.metrics.loop_lag.on_heartbeat(hb)
 
     async def _on_instance_beat(self, hb: Heartbeat, _: Msg) -> None:
-        assert self.metrics is not None
-        self.metrics.on_instance_beat(hb)
+        self._observe(hb)
+        if self.metrics is not None:
+            self.metrics.on_instance_beat(hb)
+
+    def _observe(self, hb: Heartbeat) -> None:
+        if hb.status == "stopped":
+            self.presence.forget(hb.kind, hb.service_id)
+        else:
+            self.presence.observe(hb, time.monotonic())
+
+    def readiness(self) -> tuple[list[str], dict[str, object]]:
+        """(why this gateway cannot serve now — empty when it can, what it sees)."""
+        now = time.monotonic()
+        if not self.nc.is_connected:
+            # Cut off from the bus: missing beats say nothing, keep what was known.
+            self.presence.extend(now)
+        self.presence.expire(now)
+        members = self.presence.members.values()
+        instances = sorted(m.heartbeat.service_id for m in members if m.is_instance)
+        taking = [
+            m.heartbeat.service_id for m in members if m.is_instance and m.heartbeat.status == "ok"
+        ]
+        schedulers = sorted(
+            m.heartbeat.service_id for m in members if m.heartbeat.kind == "scheduler"
+        )
+        reasons = []
+        if not self.nc.is_connected:
+            reasons.append("not connected to the NATS bus")
+        if not schedulers:
+            reasons.append("no scheduler heard from")
+        if not instances:
+            reasons.append("no instance heard from")
+        elif not taking:
+            reasons.append(f"no instance takes work ({len(instances)} draining)")
+        seen = {"instances": instances, "schedulers": schedulers}
+        return reasons, {"nats_connected": self.nc.is_connected, **seen}
 
     async def _on_batch_stats(self, st: BatchStats, _: Msg) -> None:
         assert self.metrics is not None
@@ -304,6 +344,9 @@ class GatewayBus:
                 await sub.unsubscribe()
 
     async def _on_scheduler_beat(self, hb: Heartbeat, _: Msg) -> None:
+        self._observe(hb)
+        if self.metrics is not None:
+            self.metrics.healing.on_scheduler_beat(hb)
         key = (hb.service_id, hb.started_unix_s)
         if key not in self.schedulers_seen and hb.status != "stopped":
             if self.schedulers_seen:

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.cpu_attn_metrics import CpuAttnMetrics
+from services.gateway.healing_metrics import HealingMetrics
 from services.gateway.loop_metrics import LoopLagMetrics
 from tidal.engine.sglang_api import PD_MIGRATION_MODE
 from tidal.schemas.messages import Heartbeat, InstanceReport, MigrationEvent
@@ -134,6 +135,7 @@ class GatewayMetrics:
         self.batch = BatchMetrics(self.registry)
         self.cpu_attn = CpuAttnMetrics(self.registry)
         self.loop_lag = LoopLagMetrics(self.registry)
+        self.healing = HealingMetrics(self.registry)
 
     def on_migration(self, ev: MigrationEvent) -> None:
         self.migrations.labels(ev.kind, ev.outcome, ev.mode).inc()

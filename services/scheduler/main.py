@@ -24,8 +24,9 @@ from services.scheduler.commands import Commands
 from services.scheduler.control import Control, EmptyCtl
 from services.scheduler.live import NO_INSTANCE, SLOT_DOWN, Held, LiveCluster, expire_held
 from tidal import envs
+from tidal.cluster.healing import RoleHealer
 from tidal.cluster.membership import Member, Membership
-from tidal.policy.base import RouteAction
+from tidal.policy.base import ClusterActions, RouteAction
 from tidal.policy.registry import make_policy
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
@@ -71,6 +72,7 @@ class Scheduler:
             max_hold_s=args.max_hold_s,
             max_held_tokens=args.max_held_tokens,
             slots=self.live.slots,
+            healer=RoleHealer(heal_after_s=args.heal_after_s),
         )
         self.commands = Commands(nc, self.cluster)
         self.offline_paused = False
@@ -244,6 +246,14 @@ class Scheduler:
         await expire_held(c, now, self.reply_reject)
         if not c.reports:
             return
+        if heal := c.heal(now):
+            lost = ", ".join(c.healer.lost_since) or "none"
+            log.warning(
+                "roles heal (lost: %s): %s",
+                lost,
+                ", ".join(f"{c.instance_id(i)} -> {r}" for i, r in heal.items()),
+            )
+            await self.commands.set_roles(ClusterActions(set_role=heal))
         for rid, waiting in list(c.held.items()):
             if waiting.retry_route:  # its slot was down: ask the policy again
                 action, idx, _ = c.route(waiting.req, now, waiting.route)
@@ -285,6 +295,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="bound of the held queue in prompt + max_tokens tokens (0: none)",
+    )
+    p.add_argument(
+        "--heal-after-s",
+        type=float,
+        default=5.0,
+        help="when no live instance can prefill (or decode) for this long, the survivors stand "
+        "in as aggregated instances until one is back (docs/cluster.md)",
     )
     p.add_argument("--connect-timeout-s", type=float, default=10.0, help="give up after this")
     return p.parse_args(argv)

@@ -31,6 +31,7 @@ from tidal.policy.base import (
     StepPlan,
     parse_params,
 )
+from tidal.policy.baselines.chunked import chunked_plan
 from tidal.policy.batch_shape import add_prefill, decode_shape
 from tidal.policy.ooco.config import OocoConfig
 from tidal.policy.ooco.eviction import choose_victims, is_compute_bound
@@ -255,9 +256,20 @@ class OocoPolicy(Policy):
 
     # ------------------------------------------------------------------ steps
     def schedule(self, inst: InstanceState, now: float) -> StepPlan:
+        if self.cfg.stand_in and self.is_standing_in(inst):
+            return chunked_plan(inst, online_first=True)
         if self.roles[inst.instance_id] is InstanceRole.STRICT:
             return self.schedule_strict(inst, now)
         return self.schedule_relaxed(inst, now)
+
+    def is_standing_in(self, inst: InstanceState) -> bool:
+        """Set to `aggregated` by the scheduler (roles heal), or a strict instance that still
+        has online prefill work from that time (a strict step never prefills, §3.2.2)."""
+        if inst.role is InstanceRole.AGGREGATED:
+            return True
+        return (
+            self.roles[inst.instance_id] is InstanceRole.STRICT and _online_waiting_tokens(inst) > 0
+        )
 
     def schedule_relaxed(self, inst: InstanceState, now: float) -> StepPlan:
         dec, pre = split_running(inst)
