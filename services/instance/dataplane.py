@@ -29,6 +29,7 @@ from tidal.schemas import kv_wire as wire
 log = logging.getLogger("tidal.dataplane")
 
 IO_TIMEOUT_S = 10.0  # a peer silent this long fails its transfer
+CONNECT_TIMEOUT_S = 3.0  # a target whose packets are dropped fails fast (and is backed off)
 MAX_STATE_BYTES = 256 << 20  # tokens, sampling, any partial chunk's hidden state
 SEND_SLOTS = 4  # transfers one source streams at once; more wait their turn
 
@@ -228,9 +229,10 @@ def send_kv_blocking(
     t0 = time.perf_counter()
     try:
         host, port = parse_url(url)
-        sock = socket.create_connection((host, port), timeout=io_timeout_s)
+        sock = socket.create_connection((host, port), timeout=min(CONNECT_TIMEOUT_S, io_timeout_s))
     except (OSError, ValueError) as exc:
         raise TransferError(f"cannot reach {url}: {exc}") from None
+    sock.settimeout(io_timeout_s)
     with sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
