@@ -26,6 +26,11 @@ ADVERTISE_HOST = EnvVar(
     "to the NATS server)",
 )
 HEARTBEAT_S = EnvVar("TIDAL_HEARTBEAT_S", "0.5", "seconds between service heartbeats")
+MAX_HOLD_S = EnvVar(
+    "TIDAL_MAX_HOLD_S",
+    "600",
+    "longest a request waits for room (the scheduler's hold; the gateway waits a little longer)",
+)
 CACHE_DIR = EnvVar(
     "TIDAL_CACHE_DIR", str(Path.home() / ".cache" / "tidal"), "converted model weights"
 )
@@ -47,6 +52,7 @@ ALL = (
     LOG_LEVEL,
     ADVERTISE_HOST,
     HEARTBEAT_S,
+    MAX_HOLD_S,
     CACHE_DIR,
     DATA_DIR,
     DTYPE,
@@ -62,4 +68,15 @@ def heartbeat_s() -> float:
         raise ValueError(f"{HEARTBEAT_S.name}={value!r} is not a number of seconds") from None
     if not 0.05 <= seconds <= 60:
         raise ValueError(f"{HEARTBEAT_S.name}={seconds} must be in [0.05, 60] seconds")
+    return seconds
+
+
+def max_hold_s() -> float:
+    value = MAX_HOLD_S.get()
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{MAX_HOLD_S.name}={value!r} is not a number of seconds") from None
+    if not 1 <= seconds <= 86_400:
+        raise ValueError(f"{MAX_HOLD_S.name}={seconds} must be in [1, 86400] seconds")
     return seconds

@@ -44,8 +44,10 @@ log = logging.getLogger("tidal.gateway")
 
 MAX_ROUTE_ATTEMPTS = 3
 ROUTE_TIMEOUT_S = 2.0  # models and other quick questions
-# A route may be held by the policy until it has room (Route.hold); the scheduler answers late.
-HELD_ROUTE_TIMEOUT_S = {"online": 30.0, "offline": 600.0}
+# A route may be held by the policy until it has room (Route.hold); the scheduler answers late,
+# within its max hold (`TIDAL_MAX_HOLD_S`, one setting for both): the gateway waits that long and
+# a little more, so the scheduler's own answer (429 "held longer than ...") arrives first.
+HOLD_MARGIN_S = 5.0
 SUBMIT_TIMEOUT_S = 5.0
 ROUTE_RECHECK_S = 0.5  # a held route checks this often whether its scheduler was replaced
 
@@ -247,13 +249,20 @@ class GatewayBus:
                 handle.progress_unix_s = time.time()
                 handle.reconnects_at_place = self.nc.stats.get("reconnects", 0)
                 return
-            if ack.error_code == "draining":
+            if ack.error_code not in _ACK_ERRORS:
+                # draining, a duplicate of a re-placement, anything not the client's fault:
+                # another instance, then 503 with Retry-After below (never a 400)
+                log.warning(
+                    "instance %s refused %s: %s %s",
+                    route.instance_id,
+                    req.req_id,
+                    ack.error_code,
+                    ack.message,
+                )
                 tried.append(route.instance_id)
                 failed_at = max(failed_at, incarnation)
                 continue
-            raise ApiError(
-                _ACK_ERRORS.get(ack.error_code, 400), ack.message, code=ack.error_code or None
-            )
+            raise ApiError(_ACK_ERRORS[ack.error_code], ack.message, code=ack.error_code)
         raise ApiError(
             503,
             "no instance accepted the request; try again shortly",
@@ -277,7 +286,7 @@ class GatewayBus:
             ttft_slo_ms=req.ttft_slo_ms,
             tpot_slo_ms=req.tpot_slo_ms,
         )
-        msg = await self._ask_route(ask, HELD_ROUTE_TIMEOUT_S.get(req.req_class, ROUTE_TIMEOUT_S))
+        msg = await self._ask_route(ask, envs.max_hold_s() + HOLD_MARGIN_S)
         route = codec.decode(msg.data, RouteReply)
         if route.error_code:
             status = _ROUTE_ERRORS.get(route.error_code, 503)

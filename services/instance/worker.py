@@ -121,15 +121,17 @@ class Instance:
             )
             await respond(msg, ack)
             return
-        if req.req_id in self.streams:
-            ack = GenerateAck(ok=False, error_code="invalid_request", message="duplicate req_id")
-            await respond(msg, ack)
-            return
         try:
-            engine_req = self._to_engine_request(req)
+            # off the loop: templating and tokenising a 100k-token prompt takes a while
+            engine_req = await asyncio.to_thread(self._to_engine_request, req)
         except ValueError as exc:
             code = "context_length_exceeded" if "context" in str(exc) else "invalid_request"
             await respond(msg, GenerateAck(ok=False, error_code=code, message=str(exc)))
+            return
+        if req.req_id in self.streams:  # checked after the await: no second copy slips in
+            # not the client's fault: a re-placement raced the request still running here
+            ack = GenerateAck(ok=False, error_code="duplicate", message="already running here")
+            await respond(msg, ack)
             return
         self.streams[req.req_id] = Stream(
             req.reply_subject, req.first_seq, num_prev_output=len(req.resume_token_ids)

@@ -289,7 +289,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--roles", default="", help="comma-separated role per instance slot (default: config's)"
     )
     p.add_argument("--max-held", type=int, default=1024, help="bound of the held queue")
-    p.add_argument("--max-hold-s", type=float, default=600.0, help="longest a request is held")
+    p.add_argument(
+        "--max-hold-s",
+        type=float,
+        default=envs.max_hold_s(),
+        help="longest a request is held (default: TIDAL_MAX_HOLD_S, which the gateway reads too)",
+    )
     p.add_argument(
         "--max-held-tokens",
         type=int,
