@@ -85,6 +85,9 @@ async def batch_output(client: openai.AsyncOpenAI, batch_id: str, timeout_s: flo
     assert b.status == "completed", b
     assert b.output_file_id is not None, b
     text = (await client.files.content(b.output_file_id)).text
+    if b.error_file_id:  # failed lines: say why, so a lost line shows its cause
+        errors = (await client.files.content(b.error_file_id)).text
+        print(f"batch {batch_id} failed lines:\n{errors[:4000]}")
     return [json.loads(x) for x in text.splitlines()]
 
 
