@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 
 from services.common.bus import respond
 from services.instance.policy_adapter import PolicyAdapter, ReqMeta
+from tidal.cluster.view import SUBMITTED
 from tidal.engine.api import (
     ControllableEngine,
     EngineRequest,
@@ -362,11 +363,11 @@ class Instance:
 
     def _submitted(self, req: EngineRequest) -> ReqReport:
         """A request handed over but not yet in the engine (it joins at the next step
-        boundary): here, in no queue the policy counts ("submitted")."""
+        boundary): queued here, as the scheduler's view counts it."""
         meta = self.adapter.meta.get(req.req_id)
         arrival = meta.arrival_unix_s if meta is not None else time.time()
         n, max_out = len(req.prompt_token_ids), req.sampling.max_tokens
-        return ReqReport(req.req_id, str(req.req_class), "submitted", arrival, n, max_out, 0, 0, 0)
+        return ReqReport(req.req_id, str(req.req_class), SUBMITTED, arrival, n, max_out, 0, 0, 0)
 
     async def report(self, force: bool = False) -> None:
         """Publish the instance's state, at most every REPORT_MIN_INTERVAL_S unless forced."""
