@@ -96,9 +96,11 @@ class BatchStore:
         )
         try:
             await js.add_stream(config)
-        except nats.js.errors.BadRequestError:  # exists (maybe with other settings): keep it
+        except nats.js.errors.BadRequestError:  # exists with other settings: take ours
+            existing = (await js.stream_info(JOBS_STREAM)).config.num_replicas or 1
+            config.num_replicas = max(r, existing)  # never fewer copies (_set_replicas)
             await js.update_stream(config)
-        # A store made before (say on one node, R=1) takes the replicas asked for now.
+        # A store made before with fewer copies (say on one node, R=1) gets the ones asked for.
         for stream in (f"OBJ_{FILES_BUCKET}", *(f"KV_{b}" for b in KV_BUCKETS)):
             await self._set_replicas(stream)
 
@@ -112,11 +114,12 @@ class BatchStore:
             return await self.js.key_value(bucket)
 
     async def _set_replicas(self, stream: str) -> None:
+        """Raise the stream's replicas to those asked for; never lower them (a service started
+        by hand without $TIDAL_NATS_REPLICAS must not take a cluster's copies away)."""
         info = await self.js.stream_info(stream)
-        if (info.config.num_replicas or 1) != self.replicas:
-            log.info(
-                "stream %s: %s -> %d replicas", stream, info.config.num_replicas, self.replicas
-            )
+        current = info.config.num_replicas or 1
+        if current < self.replicas:
+            log.info("stream %s: %d -> %d replicas", stream, current, self.replicas)
             info.config.num_replicas = self.replicas
             await self.js.update_stream(info.config)
 
