@@ -41,6 +41,12 @@ DTYPE = EnvVar(
     "TIDAL_DTYPE", "", "torch engine dtype (float32 | bfloat16); default: measured fastest"
 )
 
+NATS_REPLICAS = EnvVar(
+    "TIDAL_NATS_REPLICAS",
+    "1",
+    "replicas of the Batch API's JetStream streams and buckets: 1 on one nats-server, 3 on a "
+    "3-node cluster (survives the loss of one node)",
+)
 SIM_KV_PAYLOAD_BYTES_PER_TOKEN = EnvVar(
     "TIDAL_SIM_KV_PAYLOAD_BYTES_PER_TOKEN",
     "",
@@ -56,6 +62,7 @@ ALL = (
     CACHE_DIR,
     DATA_DIR,
     DTYPE,
+    NATS_REPLICAS,
     SIM_KV_PAYLOAD_BYTES_PER_TOKEN,
 )
 
@@ -80,3 +87,16 @@ def max_hold_s() -> float:
     if not 1 <= seconds <= 86_400:
         raise ValueError(f"{MAX_HOLD_S.name}={seconds} must be in [1, 86400] seconds")
     return seconds
+
+
+def nats_replicas() -> int:
+    value = NATS_REPLICAS.get()
+    try:
+        replicas = int(value)
+    except ValueError:
+        raise ValueError(f"{NATS_REPLICAS.name}={value!r} is not a whole number") from None
+    if not 1 <= replicas <= 5:  # JetStream's own bound
+        raise ValueError(
+            f"{NATS_REPLICAS.name}={replicas} must be in [1, 5] (3 on a 3-node cluster)"
+        )
+    return replicas
