@@ -175,6 +175,7 @@ class GatewayBus:
         for _ in range(MAX_ROUTE_ATTEMPTS):
             route = await self._route(req, tried, failed_at)
             handle.instance_id = route.instance_id
+            handle.default_slo_ms = (route.default_ttft_slo_s * 1e3, route.default_tpot_slo_s * 1e3)
             # NOTE: the process the scheduler routed to is the one that fails it (its start time,
             # else the time it was sent), not the time the failure shows: the instance's process
             # restarted meanwhile (`tidal up` restarts it in seconds; the submit times out in 5)

@@ -16,6 +16,19 @@ log = logging.getLogger("tidal.gateway")
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+def slo_attained(
+    ttft_s: float, tpot_s: float, ttft_slo_ms: float | None, tpot_slo_ms: float | None
+) -> str:
+    """The `attained` label of a finished online request: "true" / "false" against the targets
+    it is held to, or "no_slo" when it has none (never counted as met: an attainment that
+    cannot fail says nothing)."""
+    if ttft_slo_ms is None and tpot_slo_ms is None:
+        return "no_slo"
+    ttft_ok = ttft_slo_ms is None or ttft_s * 1e3 <= ttft_slo_ms
+    tpot_ok = tpot_slo_ms is None or tpot_s * 1e3 <= tpot_slo_ms
+    return "true" if ttft_ok and tpot_ok else "false"
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -60,8 +73,9 @@ class GatewayMetrics:
 
         self.slo = Counter(
             "tidal_slo_requests",
-            "Finished online requests by whether they met their TTFT and TPOT SLO "
-            '(attainment = attained="true" / all)',
+            "Finished online requests by whether they met their TTFT and TPOT SLO: the request's "
+            'own (X-Tidal-* headers or body), else the scheduler\'s default; attained="no_slo" '
+            'when neither exists (attainment = attained="true" / (true + false))',
             ["req_class", "attained", "emulated"],
             registry=self.registry,
         )

@@ -71,6 +71,10 @@ class RouteReply(msgspec.Struct, frozen=True):
     # The routed instance's process, as its latest report names it (`started_unix_s`): if it
     # does not take the request, the gateway excludes that process and no later one.
     instance_started_unix_s: float = 0.0
+    # The scheduler's default SLO, which an online request that names none is held to (0: none
+    # configured). The gateway counts SLO attainment against it.
+    default_ttft_slo_s: float = 0.0
+    default_tpot_slo_s: float = 0.0
 
 
 class ChatMessage(msgspec.Struct, frozen=True):

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.gateway.bus_client import GatewayBus, RequestHandle
 from services.gateway.dependencies import get_bus, get_metrics
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, slo_attained
 from services.gateway.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -113,12 +113,13 @@ class _Call:
             self.metrics.tpot.labels(self.req_class, self.emulated).observe(tpot)
         req = self.handle.request
         if self.req_class == "online" and self.first_token_s is not None:
-            ttft_ok = req.ttft_slo_ms is None or (
-                (self.first_token_s - self.arrival_s) * 1e3 <= req.ttft_slo_ms
+            targets_ms = (
+                req.ttft_slo_ms or self.handle.default_slo_ms[0] or None,
+                req.tpot_slo_ms or self.handle.default_slo_ms[1] or None,
             )
-            tpot_ok = req.tpot_slo_ms is None or tpot * 1e3 <= req.tpot_slo_ms
-            ok = "true" if ttft_ok and tpot_ok else "false"
-            self.metrics.slo.labels(self.req_class, ok, self.emulated).inc()
+            ttft_s = self.first_token_s - self.arrival_s
+            attained = slo_attained(ttft_s, tpot, *targets_ms)
+            self.metrics.slo.labels(self.req_class, attained, self.emulated).inc()
 
     def usage(self) -> dict[str, int]:
         prompt = self.handle.ack.num_prompt_tokens
