@@ -125,13 +125,15 @@ class StepRunner:
         sp = seq.req.sampling
         seq.token_ids.append(tok)
         finish: FinishReason | None = None
-        text_ids = seq.output_ids
+        end = len(seq.token_ids)  # the output's text: token_ids[num_prompt:end], no copy
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.eos_token_id):
             finish = FinishReason.STOP
-            text_ids = text_ids[:-1]
+            end -= 1
         elif seq.num_output >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
             finish = FinishReason.LENGTH
-        delta, hit_stop = seq.detok.update(text_ids, final=finish is not None)
+        delta, hit_stop = seq.detok.update(
+            seq.token_ids, finish is not None, start=seq.num_prompt, end=end
+        )
         if hit_stop:
             finish = FinishReason.STOP
         return TokenEvent(
@@ -145,7 +147,7 @@ class StepRunner:
         )
 
     def finish_event(self, seq: Sequence, reason: str) -> TokenEvent:
-        delta, _ = seq.detok.update(seq.output_ids, final=True)
+        delta, _ = seq.detok.update(seq.token_ids, True, start=seq.num_prompt)
         return TokenEvent(
             req_id=seq.req_id,
             token_ids=(),

@@ -1,5 +1,5 @@
-"""Token sampling (greedy, temperature, top-k, top-p, seeded) and incremental detokenisation with
-stop strings cut from the streamed text."""
+"""Token sampling (greedy, temperature, top-k, top-p, seeded). `Detokenizer` (incremental
+detokenisation, stop strings cut) lives in `tidal.engine.detokenizer` and is re-exported here."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from collections.abc import Sequence
 
 import torch
 
-from tidal.engine.api import SamplingParams, Tokenizer
+from tidal.engine.api import SamplingParams
+from tidal.engine.detokenizer import Detokenizer
+
+__all__ = ["Detokenizer", "make_generator", "sample"]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -51,42 +54,3 @@ def sample(
             lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
         )
     return tokens, logprobs
-
-
-class Detokenizer:
-    """Turns a growing list of output ids into text deltas; cuts at the first stop string and
-    holds back any tail that could still become one, so streamed text never contains it."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.emitted = ""  # text already handed out
-
-    def update(self, output_ids: list[int], final: bool) -> tuple[str, bool]:
-        """(delta, hit_stop). `final`: the request ends now, flush what is held back."""
-        full = self.tokenizer.decode(output_ids)
-        if self.stop:
-            start = max(0, len(self.emitted) - max(len(s) for s in self.stop))
-            hits = [i for s in self.stop if (i := full.find(s, start)) >= 0]
-            if hits:
-                cut = min(hits)
-                delta = full[len(self.emitted) : cut]
-                self.emitted += delta
-                return delta, True
-        end = len(full)
-        if not final:
-            if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
-                end -= 1
-            end -= self._held_tail(full[:end])
-        delta = full[len(self.emitted) : max(end, len(self.emitted))]
-        self.emitted += delta
-        return delta, False
-
-    def _held_tail(self, text: str) -> int:
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
