@@ -88,6 +88,8 @@ class GatewayBus:
             await subscribe(self.nc, workers, Heartbeat, self._on_worker_beat)
             instances = f"{subjects.PREFIX}.hb.instance.*"  # as the cpu_attn beats above
             await subscribe(self.nc, instances, Heartbeat, self._on_instance_beat)
+            gateways = f"{subjects.PREFIX}.hb.gateway.*"  # which gateway exports the cluster's
+            await subscribe(self.nc, gateways, Heartbeat, self._on_gateway_beat)
 
     async def _on_mig(self, ev: MigrationEvent, _: Msg) -> None:
         assert self.metrics is not None
@@ -106,6 +108,10 @@ class GatewayBus:
         assert self.metrics is not None
         self.metrics.on_instance_beat(hb)
 
+    async def _on_gateway_beat(self, hb: Heartbeat, _: Msg) -> None:
+        assert self.metrics is not None
+        self.metrics.exporter.on_gateway_beat(hb)
+
     async def _on_batch_stats(self, st: BatchStats, _: Msg) -> None:
         assert self.metrics is not None
         self.metrics.batch.on_stats(st)
@@ -116,6 +122,8 @@ class GatewayBus:
             handle.queue.put_nowait(chunk)
 
     async def _on_down(self, event: InstanceDown, _: Msg) -> None:
+        if self.metrics is not None:
+            self.metrics.vllm.forget(event.instance_id)
         for handle in list(self.handles.values()):
             if handle.instance_id == event.instance_id:
                 handle.queue.put_nowait(_Down(event.instance_id, event.reason, time.monotonic()))

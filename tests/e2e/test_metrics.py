@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import Stack, start_stack
@@ -64,3 +65,57 @@ def test_a_request_without_slo_headers_is_held_to_the_default_slo(stack: Stack) 
         assert slo_count(stack, "no_slo") == before["no_slo"]
     finally:
         stack.ctl("req", "tidal.ctl.policy.set", json.dumps({"tpot_slo_s": default["tpot_s"]}))
+
+
+VLLM_PER_REQUEST = {  # family -> its sample names (a histogram's _bucket, _sum, _count)
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+}
+VLLM_PER_INSTANCE = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+)
+
+
+def families(stack: Stack) -> dict[str, Metric]:
+    base = stack.base_url.removesuffix("/v1")
+    text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_vllm_metrics_after_a_streamed_request(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True
+    )
+    assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"
+    fams = families(stack)
+    for name, kind in VLLM_PER_REQUEST.items():
+        fam = fams[name]
+        assert fam.type == kind, name
+        assert {s.labels.get("model_name") for s in fam.samples} == {MODEL}, name
+    gen = fams["vllm:generation_tokens"].samples
+    assert sum(s.value for s in gen if s.name == "vllm:generation_tokens_total") >= 6
+    itl = fams["vllm:inter_token_latency_seconds"].samples
+    # one sample per token after the first (5 here), not one per request
+    assert sum(s.value for s in itl if s.name.endswith("_count")) >= 5
+    e2e = fams["vllm:e2e_request_latency_seconds"].samples
+    assert (
+        max(float(s.labels["le"]) for s in e2e if "le" in s.labels and s.labels["le"] != "+Inf")
+        >= 600
+    )
+    ok = fams["vllm:request_success"].samples
+    assert any(s.labels["finished_reason"] == "length" and s.value >= 1 for s in ok)
+    # The instance's gauges: one series per instance of the model, labelled as vLLM's.
+    status = stack.status()
+    for name in VLLM_PER_INSTANCE:
+        fam = fams[name]
+        assert fam.type == "gauge"
+        engines = {s.labels["engine"] for s in fam.samples}
+        assert {s.labels["model_name"] for s in fam.samples} == {MODEL}
+        assert engines and all(e in json.dumps(status) for e in engines), (name, engines)

@@ -99,14 +99,29 @@ class _Call:
         if chunk.num_tokens == 0:
             return
         now = time.monotonic()
+        vllm = self.metrics.vllm
         if self.first_token_s is None:
             self.first_token_s = now
             self.metrics.ttft.labels(self.req_class, self.emulated).observe(now - self.arrival_s)
+            vllm.ttft.labels(self.model).observe(now - self.arrival_s)
+            vllm.prompt_tokens.labels(self.model).inc(self.handle.ack.num_prompt_tokens)
+        elif self.last_token_s is not None:
+            # one sample per token: a chunk of k tokens after a gap g is k gaps of g / k
+            itl = vllm.itl.labels(self.model)
+            for _ in range(chunk.num_tokens):
+                itl.observe((now - self.last_token_s) / chunk.num_tokens)
         self.last_token_s = now
         self.num_output += chunk.num_tokens
         self.metrics.output_tokens.labels(self.req_class, self.emulated).inc(chunk.num_tokens)
+        vllm.generation_tokens.labels(self.model).inc(chunk.num_tokens)
 
-    def finish(self) -> None:
+    def finish(self, finish_reason: str | None) -> None:
+        """The request ended (`finish_reason` None: the client left before its end)."""
+        if finish_reason is not None:
+            self.metrics.vllm.success.labels(self.model, finish_reason).inc()
+            if finish_reason not in _FAILED:
+                e2e_s = time.monotonic() - self.arrival_s
+                self.metrics.vllm.e2e.labels(self.model).observe(e2e_s)
         tpot = 0.0
         if self.first_token_s is not None and self.last_token_s is not None and self.num_output > 1:
             tpot = (self.last_token_s - self.first_token_s) / (self.num_output - 1)
@@ -236,6 +251,7 @@ async def _stream(call: _Call, include_usage: bool) -> AsyncIterator[bytes]:
             first = {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
             yield _sse(call.envelope(True) | {"choices": [first]})
         failed = False
+        reason: str | None = None
         async for batch in call.handle.batches():
             # NOTE: events that arrived together go out in one write; each is still its own
             # `data:` event, so the stream is byte-for-byte OpenAI's format.
@@ -244,10 +260,11 @@ async def _stream(call: _Call, include_usage: bool) -> AsyncIterator[bytes]:
                 call.observe(chunk)
                 events += _sse_events(call, chunk)
                 failed = chunk.finish_reason in _FAILED
+                reason = chunk.finish_reason or reason
             yield b"".join(events)
             if failed:
                 break
-        call.finish()
+        call.finish(reason)
         if include_usage and not failed:
             usage = {"choices": [], "usage": call.usage(), "tidal": call.tidal_info()}
             yield _sse(call.envelope(True) | usage)
@@ -286,8 +303,8 @@ async def _complete(call: _Call, request: Request) -> JSONResponse:
         gauge.dec()
         if not task.done():
             task.cancel()
-    call.finish()
     last = chunks[-1] if chunks else None
+    call.finish(last.finish_reason if last is not None else None)
     if last is None or last.finish_reason in _FAILED:
         reason = last.error if last is not None else "no output"
         raise ApiError(
