@@ -1,4 +1,5 @@
-"""Token sampling (greedy, temperature, top-k, top-p, seeded). `Detokenizer` (incremental
+"""Token sampling (greedy, temperature, top-k, top-p, seeded; OpenAI's frequency and presence
+penalties and logit_bias; log-probs with top alternatives). `Detokenizer` (incremental
 detokenisation, stop strings cut) lives in `tidal.engine.detokenizer` and is re-exported here."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 from tidal.engine.api import SamplingParams
 from tidal.engine.detokenizer import Detokenizer
 
-__all__ = ["Detokenizer", "make_generator", "sample"]
+__all__ = ["Detokenizer", "apply_penalties", "logprobs_of", "make_generator", "sample"]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -54,3 +55,42 @@ def sample(
             lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
         )
     return tokens, logprobs
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """logits (M, V) with each row's OpenAI penalties and logit_bias applied (a new tensor):
+    logit -= frequency_penalty * count + presence_penalty * (count > 0), count being how often
+    the token is in that row's output so far; then logit_bias is added."""
+    out = logits.float().clone()
+    vocab = out.shape[1]
+    for i, p in enumerate(params):
+        if not p.is_penalised:
+            continue
+        if (p.frequency_penalty or p.presence_penalty) and outputs[i]:
+            ids = torch.tensor(list(outputs[i]), device=out.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(out.dtype)  # (V,)
+            out[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
+        for tid, bias in p.logit_bias:
+            out[i, int(tid)] += float(bias)
+    return out
+
+
+def logprobs_of(
+    logits: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int]
+) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
+    """Each row's chosen token's log-prob under `logits` (M, V), and its `num_top[i]` most
+    likely (token id, log-prob) pairs, most likely first."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (M, V)
+    chosen = lp.gather(1, torch.tensor(list(tokens), device=lp.device).unsqueeze(1)).squeeze(1)
+    k = max(num_top, default=0)
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
+    if k:
+        values, ids = torch.topk(lp, k, dim=-1)  # (M, k)
+        vals, idl = values.tolist(), ids.tolist()
+        tops = [
+            tuple(zip(idl[i][: num_top[i]], vals[i][: num_top[i]], strict=True))
+            for i in range(len(tokens))
+        ]
+    return chosen.tolist(), tops

@@ -99,6 +99,12 @@ def sampling_params(sp: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
         out["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.seed is not None:
         out["sampling_seed"] = sp.seed
+    if sp.frequency_penalty:
+        out["frequency_penalty"] = sp.frequency_penalty
+    if sp.presence_penalty:
+        out["presence_penalty"] = sp.presence_penalty
+    if sp.logit_bias:
+        out["logit_bias"] = {str(t): b for t, b in sp.logit_bias}
     return out
 
 

@@ -94,7 +94,10 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = None  # top log-probs per token (0: only the chosen token's)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: list[tuple[int, float]] = []  # (token id, bias)
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):
@@ -139,6 +142,9 @@ class TokenChunk(msgspec.Struct, frozen=True):
     instance_id: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     logprobs: list[float] = []
+    # with logprobs: each token's text, and its top alternatives as (text, log-prob) pairs
+    tokens: list[str] = []
+    top_logprobs: list[list[tuple[str, float]]] = []
     token_ids: list[int] = []  # the chunk's tokens (a recompute resumes from them)
     # Not tokens: the request migrated to this instance id; its next chunk (this `seq`) comes
     # from there. The gateway follows it.
