@@ -4,15 +4,21 @@ through `tidal up --engine sim`."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import Stack, start_stack
+from services.cli import natsd
+from tests.e2e.conftest import Stack, start_stack, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nats]
 MODEL = "tidal-sim"
@@ -119,3 +125,31 @@ def test_vllm_metrics_after_a_streamed_request(stack: Stack) -> None:
         engines = {s.labels["engine"] for s in fam.samples}
         assert {s.labels["model_name"] for s in fam.samples} == {MODEL}
         assert engines and all(e in json.dumps(status) for e in engines), (name, engines)
+
+
+def test_a_second_gateway_does_not_export_the_cluster_series_again(stack: Stack) -> None:
+    state = json.loads(Path(stack.env["TIDAL_STATE_FILE"]).read_text())
+    port = natsd.free_port()
+    argv = [sys.executable, "-m", "services.gateway", "--nats-url", state["nats_url"]]
+    argv += ["--id", "gateway-extra", "--port", str(port)]
+    proc = subprocess.Popen(argv, env=stack.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    second = Stack(proc, f"http://127.0.0.1:{port}/v1", stack.env, stack.log_path)
+    try:
+        # both have heard each other and the instances for a few beats
+        wait_until(lambda: _up(second), 30, "the second gateway")
+        time.sleep(2.0)
+        cluster = [*VLLM_PER_INSTANCE, "tidal_queue_depth"]
+        old, new = families(stack), families(second)
+        for name in cluster:
+            assert old[name].samples, name  # the longest-running gateway exports them
+            assert name not in new or not new[name].samples, name  # the other does not
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+
+
+def _up(st: Stack) -> bool:
+    try:
+        return bool(families(st))
+    except OSError:
+        return False
