@@ -250,6 +250,9 @@ class RecomputePayload:
             "stop_token_ids": list(sp.stop_token_ids),
             "ignore_eos": sp.ignore_eos,
             "logprobs": sp.logprobs,
+            "frequency_penalty": sp.frequency_penalty,
+            "presence_penalty": sp.presence_penalty,
+            "logit_bias": [list(pair) for pair in sp.logit_bias],
         }
         obj = {
             "kind": self.KIND,
@@ -273,8 +276,14 @@ class RecomputePayload:
             if not isinstance(p, dict) or p.get("kind") != cls.KIND:
                 raise ValueError("not an SGLang recompute payload")
             s = p["sampling"]
+            bias = tuple((int(t), float(b)) for t, b in s.get("logit_bias", []))
             sp = SamplingParams(
-                **{**s, "stop": tuple(s["stop"]), "stop_token_ids": tuple(s["stop_token_ids"])}
+                **{
+                    **s,
+                    "stop": tuple(s["stop"]),
+                    "stop_token_ids": tuple(s["stop_token_ids"]),
+                    "logit_bias": bias,
+                }
             )
             req = EngineRequest(
                 str(p["req_id"]),

@@ -78,3 +78,16 @@ def test_logprobs_of_lists_the_top_alternatives_most_likely_first() -> None:
     assert chosen == pytest.approx([lp[0, 2].item(), lp[1, 0].item()])
     assert [t for t, _ in tops[0]] == [1, 2] and tops[1] == ()
     assert tops[0][0][1] == pytest.approx(lp[0, 1].item())
+
+
+def test_penalties_and_bias_survive_a_migration() -> None:
+    from tidal.engine import kv_transfer as kvt
+    from tidal.engine.api import EngineRequest
+    from tidal.engine.sglang_api import RecomputePayload
+
+    sp = SamplingParams(frequency_penalty=0.5, presence_penalty=-1.0, logit_bias=((7, -100.0),))
+    req = EngineRequest("r", [1, 2], sp)
+    moved = kvt.request_from_dict(kvt.unpack(kvt.pack(kvt.request_to_dict(req))))
+    assert moved.sampling == sp
+    payload = RecomputePayload("m", req, [3], [], "")
+    assert RecomputePayload.decode(payload.encode()).req.sampling == sp
