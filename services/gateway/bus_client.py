@@ -97,6 +97,8 @@ class GatewayBus:
         await subscribe(self.nc, instances, Heartbeat, self._on_instance_beat)
         if self.metrics is not None:
             await subscribe(self.nc, subjects.HEARTBEAT_ALL, Heartbeat, self._on_any_beat)
+            gateways = f"{subjects.PREFIX}.hb.gateway.*"  # which gateway exports the cluster's
+            await subscribe(self.nc, gateways, Heartbeat, self._on_gateway_beat)
 
     async def _on_mig(self, ev: MigrationEvent, _: Msg) -> None:
         assert self.metrics is not None
@@ -153,6 +155,10 @@ class GatewayBus:
         seen = {"instances": instances, "schedulers": schedulers}
         return reasons, {"nats_connected": self.nc.is_connected, **seen}
 
+    async def _on_gateway_beat(self, hb: Heartbeat, _: Msg) -> None:
+        assert self.metrics is not None
+        self.metrics.exporter.on_gateway_beat(hb)
+
     async def _on_batch_stats(self, st: BatchStats, _: Msg) -> None:
         assert self.metrics is not None
         self.metrics.batch.on_stats(st)
@@ -163,6 +169,8 @@ class GatewayBus:
             handle.queue.put_nowait(chunk)
 
     async def _on_down(self, event: InstanceDown, _: Msg) -> None:
+        if self.metrics is not None:
+            self.metrics.vllm.forget(event.instance_id)
         for handle in list(self.handles.values()):
             if handle.instance_id == event.instance_id:
                 handle.queue.put_nowait(_Down(event.instance_id, event.reason, time.monotonic()))
@@ -222,6 +230,7 @@ class GatewayBus:
         for _ in range(MAX_ROUTE_ATTEMPTS):
             route = await self._route(req, tried, failed_at)
             handle.instance_id = route.instance_id
+            handle.default_slo_ms = (route.default_ttft_slo_s * 1e3, route.default_tpot_slo_s * 1e3)
             # NOTE: the process the scheduler routed to is the one that fails it (its start time,
             # else the time it was sent), not the time the failure shows: the instance's process
             # restarted meanwhile (`tidal up` restarts it in seconds; the submit times out in 5)

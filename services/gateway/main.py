@@ -87,6 +87,7 @@ def create_app(
         await bus.start()
         app.state.nc, app.state.bus = nc, bus
         started = time.time()
+        app.state.metrics.exporter.me = (started, gateway_id)
         stop = asyncio.Event()
 
         def beat() -> Heartbeat:

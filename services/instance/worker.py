@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -188,7 +189,11 @@ class Instance:
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
             logprobs=s.logprobs,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            logit_bias=tuple((int(t), float(b)) for t, b in s.logit_bias),
         )
+        sampling.check_vocab(self.engine.tokenizer.vocab_size)
         return EngineRequest(
             req_id=req.req_id,
             prompt_token_ids=ids + resumed,
@@ -330,6 +335,11 @@ class Instance:
         await self._publish(result.events)
         return True
 
+    def _token_texts(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's own text, as OpenAI's logprobs list it (a token holding part of a UTF-8
+        character reads as U+FFFD)."""
+        return [self.engine.tokenizer.decode([t]) for t in token_ids]
+
     async def _publish(self, events: list[TokenEvent]) -> None:
         now = time.time()
         for ev in events:
@@ -347,6 +357,17 @@ class Instance:
                 instance_id=self.id,
                 finish_reason=None if ev.finish_reason is None else str(ev.finish_reason),
                 logprobs=list(ev.logprobs),
+                tokens=self._token_texts(ev.token_ids) if ev.logprobs else [],
+                top_logprobs=[
+                    list(
+                        zip(
+                            self._token_texts([t for t, _ in top]),
+                            [lp for _, lp in top],
+                            strict=True,
+                        )
+                    )
+                    for top in ev.top_logprobs
+                ],
                 is_emulated=self.engine.is_emulated,
                 error=ev.error,
                 token_ids=list(ev.token_ids),

@@ -220,7 +220,14 @@ class Scheduler:
             return
         self.num_routed += 1
         started = self.cluster.reports[idx].started_unix_s
-        await respond(msg, RouteReply(instance_id=iid, instance_started_unix_s=started))
+        slo = self.cluster.default_slo
+        reply = RouteReply(
+            instance_id=iid,
+            instance_started_unix_s=started,
+            default_ttft_slo_s=slo.ttft_s,
+            default_tpot_slo_s=slo.tpot_s,
+        )
+        await respond(msg, reply)
 
     async def reply_reject(self, msg: Msg, reason: str, code: str = "rejected") -> None:
         self.num_rejected += 1

@@ -57,6 +57,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probs to return per token; None = none
+    # OpenAI's penalties: logit -= frequency_penalty * count + presence_penalty * (count > 0),
+    # count = times the token is in the output so far
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
+
+    @property
+    def is_penalised(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -69,6 +78,20 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for tid, bias in self.logit_bias:
+            if tid < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias needs ids >= 0 and biases in [-100, 100]: {tid}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the first `logit_bias` token outside the vocabulary."""
+        for tid, _ in self.logit_bias:
+            if tid >= vocab_size:
+                raise ValueError(
+                    f"logit_bias token {tid} is not in the vocabulary [0, {vocab_size})"
+                )
 
 
 def check_fits(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
@@ -103,6 +126,8 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, including this step's
     logprobs: tuple[float, ...] = ()  # log-prob of each token in token_ids, when asked
+    # per token in token_ids: its `logprobs` most likely (token id, log-prob), most likely first
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     error: str = ""
 
 
@@ -138,6 +163,9 @@ class EngineLoad:
 
 class Tokenizer(Protocol):
     eos_token_id: int | None
+
+    @property
+    def vocab_size(self) -> int: ...
 
     def encode(self, text: str) -> list[int]: ...
 

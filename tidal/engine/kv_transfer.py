@@ -44,6 +44,7 @@ def request_from_dict(d: dict[str, Any]) -> EngineRequest:
     sp = dict(d["sampling"])
     sp["stop"] = tuple(sp["stop"])
     sp["stop_token_ids"] = tuple(sp["stop_token_ids"])
+    sp["logit_bias"] = tuple((int(t), float(b)) for t, b in sp.get("logit_bias", ()))
     return EngineRequest(
         req_id=d["req_id"],
         prompt_token_ids=list(d["prompt_token_ids"]),

@@ -23,6 +23,7 @@ and nothing is changed behind their back.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -443,6 +444,15 @@ class SimEngine(SimMigrateMixin):
             elif seq.num_output >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 finish = FinishReason.LENGTH
         seq.text += delta
+        lps: tuple[float, ...] = ()
+        tops: tuple[tuple[tuple[int, float], ...], ...] = ()
+        if sp.logprobs is not None:
+            # The emulated output draws each token uniformly from `word_ids`: that is its
+            # distribution, so every word has log(1 / len(word_ids)); the chosen one is listed
+            # first among equals.
+            lp = -math.log(len(self.word_ids))
+            alts = [tok] + [w for w in self.word_ids if w != tok]
+            lps, tops = (lp,), (tuple((w, lp) for w in alts[: sp.logprobs]),)
         return TokenEvent(
             req_id=seq.req_id,
             token_ids=(tok,),
@@ -450,4 +460,6 @@ class SimEngine(SimMigrateMixin):
             finish_reason=finish,
             num_prompt_tokens=seq.num_prompt,
             num_output_tokens=seq.num_output,
+            logprobs=lps,
+            top_logprobs=tops,
         )

@@ -142,6 +142,7 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt holds token ids outside [0, {vocab})")
         sp = request.sampling
+        sp.check_vocab(vocab)
         self.seqs[request.req_id] = Sequence(
             req=request,
             token_ids=list(request.prompt_token_ids),

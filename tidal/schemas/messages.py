@@ -71,6 +71,10 @@ class RouteReply(msgspec.Struct, frozen=True):
     # The routed instance's process, as its latest report names it (`started_unix_s`): if it
     # does not take the request, the gateway excludes that process and no later one.
     instance_started_unix_s: float = 0.0
+    # The scheduler's default SLO, which an online request that names none is held to (0: none
+    # configured). The gateway counts SLO attainment against it.
+    default_ttft_slo_s: float = 0.0
+    default_tpot_slo_s: float = 0.0
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -90,7 +94,10 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = None  # top log-probs per token (0: only the chosen token's)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: list[tuple[int, float]] = []  # (token id, bias)
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):
@@ -135,6 +142,9 @@ class TokenChunk(msgspec.Struct, frozen=True):
     instance_id: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     logprobs: list[float] = []
+    # with logprobs: each token's text, and its top alternatives as (text, log-prob) pairs
+    tokens: list[str] = []
+    top_logprobs: list[list[tuple[str, float]]] = []
     token_ids: list[int] = []  # the chunk's tokens (a recompute resumes from them)
     # Not tokens: the request migrated to this instance id; its next chunk (this `seq`) comes
     # from there. The gateway follows it.
