@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -87,7 +88,9 @@ def test_penalties_and_bias_survive_a_migration() -> None:
 
     sp = SamplingParams(frequency_penalty=0.5, presence_penalty=-1.0, logit_bias=((7, -100.0),))
     req = EngineRequest("r", [1, 2], sp)
-    moved = kvt.request_from_dict(kvt.unpack(kvt.pack(kvt.request_to_dict(req))))
+    # the torch engine's exported state carries the request as MessagePack
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(kvt.request_to_dict(req)))
+    moved = kvt.request_from_dict(wire)
     assert moved.sampling == sp
     payload = RecomputePayload("m", req, [3], [], "")
     assert RecomputePayload.decode(payload.encode()).req.sampling == sp
