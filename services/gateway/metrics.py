@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.cluster_export import ClusterExporter, WhenExporter
 from services.gateway.cpu_attn_metrics import CpuAttnMetrics
+from services.gateway.healing_metrics import HealingMetrics
+from services.gateway.loop_metrics import LoopLagMetrics
 from services.gateway.vllm_metrics import TTFT_BUCKETS_S, VllmMetrics
 from tidal import envs
 from tidal.engine.sglang_api import PD_MIGRATION_MODE
@@ -98,6 +100,13 @@ class GatewayMetrics:
             ["instance"],
             registry=self.cluster,
         )
+        self.plan_refusals = Counter(
+            "tidal_plan_refusals",
+            "Step plans an instance refused, by reason (`tidal.plan.RefusalReason`; nothing of a "
+            "refused plan is carried out, docs/plan-contract.md)",
+            ["instance", "reason"],
+            registry=self.registry,
+        )
         self.migrations = Counter(
             "tidal_migrations",
             "Migrations by kind (push: online after prefill; pull: offline decode), outcome and "
@@ -146,8 +155,13 @@ class GatewayMetrics:
             registry=self.cluster,
         )
         self._preempt_seen: dict[str, int] = {}  # instance -> count in its last report
+        self._refusals_seen: dict[str, dict[str, int]] = {}  # instance -> reason -> count
         # instance -> (its start, {info key: count}) from its last heartbeat (sglang engine)
         self._sglang_seen: dict[str, tuple[float, dict[str, int]]] = {}
+        self.batch = BatchMetrics(self.registry)
+        self.cpu_attn = CpuAttnMetrics(self.registry)
+        self.loop_lag = LoopLagMetrics(self.registry)
+        self.healing = HealingMetrics(self.registry)
         self.batch = BatchMetrics(self.cluster)
         self.cpu_attn = CpuAttnMetrics(self.cluster)
 
@@ -196,6 +210,13 @@ class GatewayMetrics:
         if rep.num_preemptions > seen:
             self.preemptions.labels(iid).inc(rep.num_preemptions - seen)
         self._preempt_seen[iid] = rep.num_preemptions
+        seen_r = self._refusals_seen.get(iid, {})
+        if any(n < seen_r.get(why, 0) for why, n in rep.plan_refusals.items()):
+            seen_r = {}  # the instance restarted
+        for why, n in rep.plan_refusals.items():
+            if n > seen_r.get(why, 0):
+                self.plan_refusals.labels(iid, why).inc(n - seen_r.get(why, 0))
+        self._refusals_seen[iid] = dict(rep.plan_refusals)
         waiting = {"online": 0, "offline": 0}
         for r in rep.requests:
             if r.phase == "waiting":

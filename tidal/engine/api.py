@@ -16,12 +16,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from tidal.policy.plan import StepPlan
+from tidal.plan import EngineCapabilities, StepPlan
 from tidal.schemas.enums import RequestClass
 
 __all__ = [
     "ControllableEngine",
     "Engine",
+    "EngineCapabilities",
     "EngineLoad",
     "EngineRequest",
     "FinishReason",
@@ -220,9 +221,11 @@ class SeqSnapshot:
 
 @runtime_checkable
 class ControllableEngine(Engine, Protocol):
-    """An engine a policy can drive step by step: explicit plans, preemption (at a layer
-    boundary, and by recompute), swapping, and export/import for migration. `torch` and `sim`
-    implement it; the instance service's executor (`tidal.engine.executor`) is its only caller.
+    """An engine a policy can drive step by step: explicit plans, a layer cut, recompute,
+    swapping, CPU attention and export/import for migration, as far as its `capabilities`
+    declare. `torch`, `sim` and `sglang` implement it; the instance's executor
+    (`tidal.engine.executor`, through `tidal.plan.carry_out`) is its only planner-side caller.
+    Each method either does all its work or raises and changes nothing.
     """
 
     block_size: int  # tokens per KV block
@@ -231,17 +234,28 @@ class ControllableEngine(Engine, Protocol):
     last_step_preempted: bool  # the last step was cut at a layer boundary
     last_preempt_latency_s: float | None  # signal -> free time of the last cut
 
-    def step(self, plan: StepPlan | None = None) -> StepResult:
-        """Run `plan` (prefill chunks and decodes; its preempt/swap fields are the executor's
-        business, not the engine's), or the engine's own FCFS planner when None."""
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """What of a `StepPlan` this engine can carry out (read each plan: CPU-attention
+        workers come and go)."""
         ...
 
-    def request_preempt(self) -> bool:
+    def step(self, plan: StepPlan | None = None) -> StepResult:
+        """Run `plan`'s prefill chunks, decodes and CPU decodes (its other fields are the
+        interpreter's stages, already run), or the engine's own planner when None."""
+        ...
+
+    def request_layer_cut(self) -> bool:
         """Thread-safe: end the running step after its current layer (False: none running).
         The cut work is kept and resumes without recompute (`SeqSnapshot.forced_tokens`)."""
         ...
 
-    def preempt(self, req_id: str) -> None:
+    def wake_step(self) -> None:
+        """Thread-safe: new work is waiting; a step that waits for tokens (a self-driven
+        engine's) ends its wait now. A no-op for engines whose steps do not wait."""
+        ...
+
+    def recompute(self, req_id: str) -> None:
         """Drop the request's KV; it waits again and recomputes prompt + output later."""
         ...
 
@@ -249,6 +263,14 @@ class ControllableEngine(Engine, Protocol):
 
     def swap_in(self, req_id: str) -> None:
         """MemoryError if the KV does not fit now."""
+        ...
+
+    def offload(self, req_id: str) -> None:
+        """KV to a CPU-attention worker; it decodes on with attention there."""
+        ...
+
+    def recall(self, req_id: str) -> None:
+        """An offloaded request's KV back on the device; MemoryError if it does not fit."""
         ...
 
     def export_request(self, req_id: str, remove: bool = True) -> bytes:

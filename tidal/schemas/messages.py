@@ -203,20 +203,13 @@ class InstanceReport(msgspec.Struct, frozen=True):
     started_unix_s: float = 0.0  # when this process started (a restart under the same id
     # starts `seq` again at 1)
     num_preemptions: int = 0  # layer-boundary preemptions since start
+    plan_refusals: dict[str, int] = {}  # `tidal.plan.RefusalReason` -> plans refused since start
     num_steps: int = 0
     last_step_ms: float = 0.0
     emulated: bool = False
     # Requests that ended here since the previous report: the scheduler stops counting a routed
     # request that finished before any report showed it (a short one ends within one interval).
     finished_req_ids: list[str] = []
-
-
-class PreemptSignal(msgspec.Struct, frozen=True):
-    """Scheduler -> instance on `subjects.instance_preempt(id)`: cut the offline step in flight
-    at the next layer boundary (OOCO §3.4.1); `req_id` is the online arrival that needs it."""
-
-    req_id: str = ""
-    reason: str = ""
 
 
 class MigrateCommand(msgspec.Struct, frozen=True):
@@ -278,8 +271,7 @@ class MigrateOffer(msgspec.Struct, frozen=True):
     src_instance_id: str
     kind: str  # "push" | "pull"
     num_kv_tokens: int
-    num_bytes: int
-    checksum: str  # blake2b hex of the payload
+    num_bytes: int  # KV bytes that follow on the data plane (each chunk carries its CRC32C)
     reply_subject: str  # where the request's tokens go (the gateway's subject)
     next_seq: int  # seq of the next chunk the request will stream
     req_class: str

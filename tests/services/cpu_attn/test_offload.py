@@ -14,7 +14,7 @@ from tests.services.cpu_attn.conftest import WorkerFactory
 from tidal.engine.api import EngineRequest, SamplingParams
 from tidal.engine.piggyback import OffloadRefused
 from tidal.engine.torch_engine import TorchEngine
-from tidal.policy.plan import StepPlan
+from tidal.plan import StepPlan
 
 PROMPT = [ord(c) for c in "The tide comes in and the tide goes out; "]
 
