@@ -28,6 +28,9 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request a
 LOADS_INTERVAL_S = 0.25  # how often /v1/loads is read
 
 
+STREAM_IDLE_TIMEOUT_S = 300.0  # longest silence of a /generate stream before it is given up
+
+
 @dataclass(frozen=True)
 class StreamMsg:
     """One thing a `/generate` stream brought: a decoded chunk, or its end (`obj` None)."""
@@ -130,7 +133,11 @@ class SglangClient:
     async def _stream(self, req_id: str, rid: str, body: dict[str, Any]) -> None:
         assert self._http is not None
         try:
-            async with self._http.stream("POST", "/generate", json=body, timeout=None) as r:
+            # NOTE: no chunk for STREAM_IDLE_TIMEOUT_S (a hung server) ends the stream with an
+            # error, handled as an SGLang abort (requeued, failed after a few); a long prefill
+            # or a wait behind retractions stays well inside it.
+            timeout = httpx.Timeout(self.timeout_s, read=STREAM_IDLE_TIMEOUT_S)
+            async with self._http.stream("POST", "/generate", json=body, timeout=timeout) as r:
                 if r.status_code != 200:
                     text = (await r.aread()).decode(errors="replace")[:500]
                     err = {"message": f"HTTP {r.status_code}: {text}"}
