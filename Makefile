@@ -1,4 +1,5 @@
-# Two commands for a fresh Linux machine with Python 3.11: `make up` and `make test`.
+# Two commands for a fresh Linux machine with Python 3.11+: `make up` and `make test`.
+# Another Python: make PYTHON=python3.12 test (any of 3.11-3.13).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python

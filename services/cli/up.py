@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import importlib.util
 import os
 import secrets
 import signal
@@ -105,7 +106,8 @@ class Supervisor:
         children = [self._service("scheduler-0", "services.scheduler", *policy_args)]
         gib = ["--capacity-gib", str(a.cpu_attn_gib)]
         children += [
-            self._service(f"cpu-attn-{i}", "services.cpu_attn", *gib) for i in range(a.cpu_attn)
+            self._service(f"cpu-attn-{i}", "services.cpu_attn", *gib)
+            for i in range(num_cpu_attn(a.cpu_attn))
         ]
         num_instances = len(load_live_config(a.config, a.policy, a.instances).slots)
         # NOTE: instances share this machine's cores; without a split, each torch engine would
@@ -274,8 +276,24 @@ def parse_roles(spec: str) -> tuple[str, ...]:
     return roles
 
 
+def has_torch() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def num_cpu_attn(requested: int | None) -> int:
+    """CPU-attention workers to start: as asked, else one where torch is installed (they hold KV
+    as tensors) and none in a control-plane install."""
+    return (1 if has_torch() else 0) if requested is None else requested
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
+        if not has_torch() and (args.engine == "torch" or (args.cpu_attn or 0) > 0):
+            what = "the torch engine" if args.engine == "torch" else "--cpu-attn workers"
+            raise ValueError(
+                f"{what} need PyTorch, which this install lacks: pip install "
+                "'tidal-serve[engine]' (or run the control plane alone with --engine sim)"
+            )
         if args.instances:
             parse_roles(args.instances)
         # A bad config, policy or role fails here, not in every child.
@@ -284,7 +302,7 @@ def _run(args: argparse.Namespace) -> int:
             sglang_args(args, 0, len(slots))  # --sglang-urls names one server per instance
         if args.port < 1 or args.port > 65535:
             raise ValueError(f"--port {args.port} is not a TCP port")
-        if args.cpu_attn < 0:
+        if args.cpu_attn is not None and args.cpu_attn < 0:
             raise ValueError("--cpu-attn must be >= 0")
         if args.cpu_attn_gib <= 0:
             raise ValueError("--cpu-attn-gib must be > 0")
@@ -360,7 +378,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="",
         help="comma-separated instance roles, one instance each (default: the config's)",
     )
-    p.add_argument("--cpu-attn", type=int, default=1, help="number of CPU-attention workers")
+    p.add_argument(
+        "--cpu-attn",
+        type=int,
+        default=None,
+        help="number of CPU-attention workers (default: 1, or 0 where PyTorch is not installed)",
+    )
     p.add_argument(
         "--max-offline-backlog",
         type=int,

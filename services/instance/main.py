@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -22,8 +23,6 @@ from services.common.bus import connect, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
 from services.common.live_config import LiveConfig, load_live_config
-from services.instance.cpu_attn_discovery import Discovery
-from services.instance.cpu_attn_link import CpuAttnPool
 from services.instance.dataplane import DataPlaneServer
 from services.instance.engines import ENGINES, build_engine, parse_step_model
 from services.instance.migration import Migrator
@@ -49,6 +48,9 @@ from tidal.schemas.messages import (
     MigrateOffer,
     PreemptSignal,
 )
+
+if TYPE_CHECKING:
+    from services.instance.cpu_attn_link import CpuAttnPool
 
 log = logging.getLogger("tidal.instance")
 ROLES = tuple(r.value for r in InstanceRole)
@@ -185,6 +187,11 @@ async def _serve(
 ) -> None:
     pool: CpuAttnPool | None = None
     if args.cpu_attn and callable(getattr(engine, "attach_cpu_attn", None)):
+        # Imported here: the CPU-attention link moves torch tensors, and a `sim` instance of a
+        # control-plane install (no torch) never uses it.
+        from services.instance.cpu_attn_discovery import Discovery
+        from services.instance.cpu_attn_link import CpuAttnPool
+
         pool = CpuAttnPool()
         engine.attach_cpu_attn(pool)  # type: ignore[attr-defined]
         adapter.cpu_capacity = pool.capacity

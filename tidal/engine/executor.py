@@ -17,8 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 
-from tidal.engine.api import ControllableEngine, StepResult
-from tidal.engine.piggyback import OffloadRefused
+from tidal.engine.api import ControllableEngine, OffloadRefused, StepResult
 from tidal.policy.plan import StepPlan
 
 log = logging.getLogger("tidal.executor")

@@ -1,0 +1,5 @@
+import sys
+
+from services.batch.main import main
+
+sys.exit(main())

@@ -1,0 +1,244 @@
+"""Pull batch lines off the JetStream work queue and run them in the cluster's slack.
+
+At most `max_inflight` lines run at once; each is routed as an offline request, so the policy
+decides when it runs (online traffic never waits for a batch: an offline route is held in the
+scheduler's queue until the policy admits it). Per line:
+
+* a job whose batch is gone, cancelled or past its window is acknowledged and not run;
+* a job that already has a stored result (a redelivery after a crash) is acknowledged, not rerun;
+* a job delivered more than `MAX_DELIVER` times (it keeps failing, or keeps killing its worker)
+  is given up: its error line is stored, and the batch still completes;
+* while a line runs, its ack deadline is extended (`in_progress`); it is acknowledged
+  (`ack_sync`) only after its result line is durably stored (first writer wins);
+* a busy cluster (429/503) is waited out, the job held; a failed generation is tried again up to
+  `MAX_DELIVER` times, then its error goes in the error file.
+
+The consumer has no server-side `max_deliver`: a message the server stops delivering would sit
+on the work queue forever and its batch would never finish; counting deliveries here instead
+puts the line in the error file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import api
+
+from services.batch.runner import Outcome, run_line
+from services.common.batch_store import (
+    ACK_WAIT_S,
+    DISPATCH_CONSUMER,
+    JOBS_STREAM,
+    JOBS_SUBJECT,
+    MAX_DELIVER,
+    BatchStore,
+)
+from services.gateway.bus_client import GatewayBus, RequestHandle
+from tidal.batch.lines import error_line, response_line
+
+log = logging.getLogger("tidal.batch")
+
+RETRY_DELAY_S = 1.0  # first wait before a line the cluster could not take runs again
+MAX_RETRY_DELAY_S = 10.0
+BUSY_STATUSES = (404, 429, 503)  # the cluster is busy or restarting: wait, however long
+FETCH_TIMEOUT_S = 1.0
+STOPPED = ("cancelling", "cancelled", "expired", "failed", "completed")
+
+
+class JobPayload(msgspec.Struct, frozen=True):
+    batch_id: str
+    custom_id: str
+    index: int  # 0-based position among the batch's requests
+    endpoint: str
+    body: dict[str, Any]
+
+
+@dataclass
+class Counters:
+    done: int = 0
+    failed: int = 0
+    output_tokens: int = 0
+
+
+@dataclass
+class Dispatcher:
+    store: BatchStore
+    bus: GatewayBus
+    max_inflight: int
+    counters: Counters = field(default_factory=Counters)
+    tasks: dict[str, dict[str, asyncio.Task[None]]] = field(
+        default_factory=lambda: defaultdict(dict)
+    )  # batch_id -> custom_id -> the task running that line
+    handles: dict[str, RequestHandle] = field(default_factory=dict)
+    _freed: asyncio.Event = field(default_factory=asyncio.Event)
+    _pending: set[asyncio.Task[None]] = field(default_factory=set)  # fire-and-forget acks
+
+    @property
+    def num_inflight(self) -> int:
+        return sum(len(t) for t in self.tasks.values())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            sub = None
+            try:
+                sub = await self._bind()
+                await self._pull(sub, stop)
+            except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+                # NOTE: a pull subscription can stop working after nats-server restarts; bind it
+                # again rather than trust it.
+                log.warning("batch dispatch: %r; binding the consumer again", exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=1.0)
+            finally:
+                if sub is not None:  # an orphaned pull request would capture the next jobs
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+        await self.cancel_all()
+
+    async def _bind(self) -> Any:
+        config = api.ConsumerConfig(
+            durable_name=DISPATCH_CONSUMER,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=ACK_WAIT_S,
+            max_ack_pending=-1,
+            filter_subject=JOBS_SUBJECT + ".>",
+        )
+        return await self.store.js.pull_subscribe(
+            JOBS_SUBJECT + ".>", durable=DISPATCH_CONSUMER, stream=JOBS_STREAM, config=config
+        )
+
+    async def _pull(self, sub: Any, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            free = self.max_inflight - self.num_inflight
+            if free <= 0:
+                self._freed.clear()
+                with contextlib.suppress(TimeoutError):  # look at `stop` at least every second
+                    await asyncio.wait_for(self._freed.wait(), timeout=FETCH_TIMEOUT_S)
+                continue
+            try:
+                msgs = await sub.fetch(free, timeout=FETCH_TIMEOUT_S)
+            except TimeoutError:  # NOTE: nats-py raises asyncio's, not only its own subclass
+                continue
+            for msg in msgs:
+                self._start(msg)
+
+    def _start(self, msg: Msg) -> None:
+        try:
+            job = msgspec.json.decode(msg.data, type=JobPayload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("batch dispatch: dropping a malformed job (%s)", exc)
+            term = asyncio.create_task(msg.term())
+            self._pending.add(term)
+            term.add_done_callback(self._pending.discard)
+            return
+        task = asyncio.create_task(self._job(job, msg))
+        self.tasks[job.batch_id][job.custom_id] = task
+
+    async def _job(self, job: JobPayload, msg: Msg) -> None:
+        keepalive = asyncio.create_task(_keep_alive(msg))
+        try:
+            await self._run_job(job, msg)
+        except asyncio.CancelledError:
+            # cancelled batch (its finalizer accounts for the line) or stopping service (the
+            # job is redelivered to whoever runs next)
+            with contextlib.suppress(Exception):
+                batch = await self.store.batch(job.batch_id)
+                if batch is None or batch.status in STOPPED:
+                    await msg.ack()
+                else:
+                    await msg.nak()
+        except Exception:
+            log.exception(
+                "batch line %s/%s failed; it will be retried", job.batch_id, job.custom_id
+            )
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=RETRY_DELAY_S)
+        finally:
+            keepalive.cancel()
+            self.tasks[job.batch_id].pop(job.custom_id, None)
+            if not self.tasks[job.batch_id]:
+                self.tasks.pop(job.batch_id, None)
+            self._freed.set()
+
+    async def _run_job(self, job: JobPayload, msg: Msg) -> None:
+        batch = await self.store.batch(job.batch_id)
+        if batch is None or batch.status in STOPPED or time.time() >= batch.expires_at:
+            await msg.ack_sync()
+            return
+        if await self.store.has_result(job.batch_id, job.custom_id):
+            await msg.ack_sync()  # a redelivery of a line that already ran
+            return
+        delivered = msg.metadata.num_delivered or 1
+        if delivered > MAX_DELIVER:
+            line = error_line(
+                job.batch_id,
+                job.custom_id,
+                "max_deliveries_exceeded",
+                f"the request was tried {MAX_DELIVER} times and failed each time",
+            )
+            await self._store(job, line, ok=False, tokens=0)
+            await msg.ack_sync()
+            return
+        key = f"{job.batch_id}/{job.custom_id}"
+        failures = 0
+        delay = RETRY_DELAY_S
+        while True:
+            out: Outcome = await run_line(self.bus, job.endpoint, job.body, self.handles, key)
+            if not out.retry:
+                break
+            # NOTE: retried here, the job held (its deadline kept extended), not put back: a
+            # busy cluster must not use up the deliveries that catch a line that kills workers.
+            failures += out.status_code not in BUSY_STATUSES
+            if failures >= MAX_DELIVER:
+                break  # a generation that fails every time: its error goes in the error file
+            reason = out.body.get("error", {}).get("message")
+            log.info("batch line %s: %s; trying again in %.0f s", key, reason, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_RETRY_DELAY_S)
+            batch = await self.store.batch(job.batch_id)
+            if batch is None or batch.status in STOPPED or time.time() >= batch.expires_at:
+                await msg.ack_sync()  # its finalizer accounts for the line
+                return
+        line = response_line(job.batch_id, job.custom_id, out.status_code, out.request_id, out.body)
+        await self._store(job, line, ok=out.status_code == 200, tokens=out.output_tokens)
+        await msg.ack_sync()
+
+    async def _store(self, job: JobPayload, line: dict[str, Any], ok: bool, tokens: int) -> None:
+        stored = await self.store.put_result(
+            job.batch_id, job.custom_id, {"index": job.index, "ok": ok, "line": line}
+        )
+        if stored:
+            self.counters.done += 1
+            self.counters.failed += 0 if ok else 1
+            self.counters.output_tokens += tokens
+
+    async def cancel_batch(self, batch_id: str) -> int:
+        """Abort the lines of `batch_id` running here; how many there were."""
+        tasks = list(self.tasks.get(batch_id, {}).values())
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return len(tasks)
+
+    async def cancel_all(self) -> None:
+        for batch_id in list(self.tasks):
+            await self.cancel_batch(batch_id)
+
+
+async def _keep_alive(msg: Msg) -> None:
+    """Extend a running job's ack deadline until it ends."""
+    while True:
+        await asyncio.sleep(ACK_WAIT_S / 3)
+        with contextlib.suppress(Exception):
+            await msg.in_progress()

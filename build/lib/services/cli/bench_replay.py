@@ -1,0 +1,266 @@
+"""`tidal bench replay`: the same trace window through the live stack and through the simulator.
+
+For each policy, the config's workload (`tidal.sim.build.workload`, cut to `--duration-s`) is
+replayed in real time against `tidal up --engine sim --config CONFIG --policy P`, whose sim
+engine takes each step's time from the simulator's own latency model (`MODEL@HARDWARE` of the
+config) and whose KV pool is the simulator's. Every request is a streamed `/v1/completions` call
+of the official openai client with a prompt of exactly its trace length in the served tokenizer
+and `max_tokens` = its trace output length. The simulator then runs the same requests with the
+same config and policy. Printed side by side: online SLO attainment, TTFT and TPOT p50/p99, and
+offline output tokens per second in the window. TTFT counts from the moment the client sent the
+request (as guidellm's does); how late the client sent it against the trace is shown apart.
+Both sides are emulation (the sim engine and the simulator); the point is their agreement.
+
+`--client guidellm` sends the same window from an outside client instead, guidellm's trace
+replay (`services/cli/bench_replay_guidellm.py`; guidellm runs from its own environment,
+`--guidellm PATH`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from services.cli import natsd
+from services.cli.benchkit import save_json, stack
+from tidal.sim.build import instance_setups, simulate, workload
+from tidal.sim.config import SimConfig, load_config
+from tidal.sim.metrics import summarize
+from tidal.workload.mix import SimRequest
+
+
+def _prompt_maker() -> Any:
+    """prompt(n) -> a string the served tokenizer (the sim engine's default, SmolLM2's) reads as
+    exactly n tokens: " tide" is one token, plus whatever the tokenizer adds (a BOS)."""
+    from tidal.engine.sim_tokens import load_sim_tokenizer
+
+    extra = len(load_sim_tokenizer().encode("tide")) - 1
+
+    def prompt(n: int) -> str:
+        return "tide" + " tide" * max(0, n - 1 - extra)
+
+    return prompt
+
+
+def _stats(ttft: list[float], tpot: list[float]) -> dict[str, float]:
+    def p(x: list[float], q: float) -> float:
+        return float(np.percentile(x, q)) if x else float("nan")
+
+    return {
+        "ttft_p50_s": p(ttft, 50),
+        "ttft_p99_s": p(ttft, 99),
+        "tpot_p50_s": p(tpot, 50),
+        "tpot_p99_s": p(tpot, 99),
+    }
+
+
+async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig) -> dict[str, Any]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=3600)
+    # (request, sent, first token, last token, tokens), times from t0
+    rows: list[tuple[SimRequest, float, float | None, float | None, int]] = []
+    off_tokens = 0  # offline output tokens streamed inside the window (as the simulator bins)
+    prompt = _prompt_maker()
+    t0 = time.perf_counter()
+
+    async def one(r: SimRequest) -> None:
+        nonlocal off_tokens
+        await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
+        first = last = None
+        n = 0
+        sent = time.perf_counter() - t0  # later than r.arrival_s by the client's own lag
+        try:
+            stream = await client.completions.create(
+                model=model,
+                prompt=prompt(r.input_tokens),
+                max_tokens=r.output_tokens,
+                stream=True,
+                extra_body={"request_class": str(r.req_class)},
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    last = time.perf_counter() - t0
+                    first = first if first is not None else last
+                    n += 1
+                    off_tokens += r.req_class == "offline" and last <= cfg.duration_s
+        except openai.APIError:
+            pass  # rejected or failed: counts as not attained, no tokens
+        rows.append((r, sent, first, last, n))
+
+    await asyncio.gather(*(one(r) for r in reqs))
+    await client.close()
+    slo = cfg.slo
+    ttft, tpot, ok, num_online = [], [], 0, 0
+    for r, sent, first, last, n in rows:
+        if r.req_class == "offline":
+            continue
+        num_online += 1
+        if first is None or last is None:
+            continue
+        # NOTE: from the moment the request was sent, as guidellm measures it: a client late
+        # to send (its event loop busy with the other streams) is not the server's latency.
+        # The lateness is reported apart (dispatch lag).
+        ttft.append(first - sent)
+        tp = (last - first) / (n - 1) if n > 1 else 0.0
+        if n == r.output_tokens:
+            tpot.append(tp)
+            ok += first - sent <= slo.ttft_s and tp <= slo.tpot_s
+    out: dict[str, Any] = {
+        "slo_attainment_pct": 100.0 * ok / max(1, num_online),
+        "num_online": num_online,
+    }
+    out |= _stats(ttft, tpot)
+    out["offline_tokens_per_s"] = off_tokens / cfg.duration_s
+    lag = [sent - r.arrival_s for r, sent, *_ in rows]
+    out["dispatch_lag_p50_s"] = float(np.percentile(lag, 50)) if lag else float("nan")
+    out["dispatch_lag_p99_s"] = float(np.percentile(lag, 99)) if lag else float("nan")
+    out["requests"] = [  # per request, for finding where the time went
+        {
+            "class": str(r.req_class),
+            "arrival_s": r.arrival_s,
+            "sent_s": sent,
+            "input_tokens": r.input_tokens,
+            "output_tokens": r.output_tokens,
+            "first_token_s": first,
+            "last_token_s": last,
+            "num_chunks": n,
+        }
+        for r, sent, first, last, n in rows
+    ]
+    return out
+
+
+def _simulated(cfg: SimConfig, policy: str, reqs: list[SimRequest]) -> dict[str, Any]:
+    s = summarize(simulate(cfg, policy, requests=reqs), cfg.duration_s, policy, "replay")
+    on = s["online"]
+    return {
+        "slo_attainment_pct": on["slo_attainment_pct"],
+        "num_online": on["num_requests"],
+        "ttft_p50_s": on["ttft_s"]["p50"],
+        "ttft_p99_s": on["ttft_s"]["p99"],
+        "tpot_p50_s": on["tpot_s"]["p50"],
+        "tpot_p99_s": on["tpot_s"]["p99"],
+        "offline_tokens_per_s": s["offline"]["tokens_per_s"],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = dataclasses.replace(load_config(args.config), duration_s=args.duration_s)
+    reqs = [r for r in workload(cfg) if r.arrival_s < args.duration_s]
+    exe = ""
+    if args.client == "guidellm":
+        from services.cli import bench_replay_guidellm as gl
+
+        try:
+            exe = gl.find_guidellm(args.guidellm)
+        except gl.GuidellmError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    report: dict[str, Any] = {
+        "config": args.config,
+        "duration_s": args.duration_s,
+        "client": args.client,
+        "runs": {},
+    }
+    spec = f"{cfg.model}@{cfg.hardware}"
+    for policy in args.policies:
+        setups = instance_setups(cfg, policy)
+        kv_tokens = min(s.num_blocks for s in setups) * cfg.block_size
+        max_len = max(r.input_tokens + r.output_tokens for r in reqs) + 16
+        up = ["--engine", "sim", "--config", args.config, "--policy", policy, "--cpu-attn", "0"]
+        up += ["--sim-step-model", spec, "--kv-cache-tokens", str(kv_tokens)]
+        up += ["--max-model-len", str(max_len)]
+        env = {"TIDAL_SIM_KV_PAYLOAD_BYTES_PER_TOKEN": str(args.kv_payload_bytes_per_token)}
+        sim_reqs = reqs
+        with stack(natsd.free_port(), *up, env=env) as base:
+            if exe:
+                live = gl.replay(exe, base, "tidal-sim", reqs, cfg)
+                sim_reqs = gl.shifted(reqs, live["start_offset_s"])
+            else:
+                live = asyncio.run(_replay(base, "tidal-sim", reqs, cfg))
+        report["runs"][policy] = {"live": live, "simulator": _simulated(cfg, policy, sim_reqs)}
+    client = "guidellm trace replay" if exe else "the openai client"
+    print(
+        f"Fidelity, live stack (sim engine, emulated {spec} step times; load from {client}) vs "
+        f"simulator, {args.config}, first {args.duration_s:.0f} s ({len(reqs)} requests):"
+    )
+    print_table(report, "guidellm" if exe else "live")
+    save_json(args.json, report)
+    return 0
+
+
+KEYS = [
+    ("slo_attainment_pct", "attain %", 1),
+    ("ttft_p50_s", "TTFT p50 s", 3),
+    ("ttft_p99_s", "TTFT p99 s", 3),
+    ("tpot_p50_s", "TPOT p50 s", 4),
+    ("tpot_p99_s", "TPOT p99 s", 4),
+    ("offline_tokens_per_s", "offline tok/s", 1),
+]
+
+
+def print_table(report: dict[str, Any], label: str) -> None:
+    """Both sides of every policy, one figure a line: `label` value, simulator value, difference
+    (points for attainment, % otherwise)."""
+    for policy, run_ in report["runs"].items():
+        print(f"  {policy}")
+        for key, name, nd in KEYS:
+            a, b = run_["live"][key], run_["simulator"][key]
+            diff = f"{a - b:+.1f} pt" if key.endswith("pct") else f"{(a / b - 1) * 100:+.1f} %"
+            print(f"    {name:14s} {label} {a:10.{nd}f}   sim {b:10.{nd}f}   {diff}")
+        live = run_["live"]
+        if "start_offset_s" in live:  # guidellm's load: how it was sent
+            off = ", ".join(f"{c} +{s:.2f} s" for c, s in live["start_offset_s"].items())
+            print(
+                f"    (guidellm: dispatch lag p50/p99 {live['dispatch_lag_p50_s'] * 1e3:.1f}/"
+                f"{live['dispatch_lag_p99_s'] * 1e3:.1f} ms; process start {off}; "
+                f"unrecorded {live['unrecorded']}; errored/incomplete {live['failed']}; "
+                f"prompt token counts off {live['prompt_tokens_mismatched']})"
+            )
+        elif "dispatch_lag_p50_s" in live:
+            print(
+                f"    (client: dispatch lag p50/p99 {live['dispatch_lag_p50_s'] * 1e3:.1f}/"
+                f"{live['dispatch_lag_p99_s'] * 1e3:.1f} ms, not in TTFT)"
+            )
+
+
+def register(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser(
+        "replay",
+        help="a trace window through the live stack (sim engine) and the simulator, compared",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", default="configs/ooco.yaml", help="experiment config YAML")
+    p.add_argument(
+        "--policies", nargs="+", default=["tidal", "ooco", "online-priority"], help="policies"
+    )
+    p.add_argument("--duration-s", type=float, default=60.0, help="trace window, seconds")
+    p.add_argument(
+        "--kv-payload-bytes-per-token",
+        type=int,
+        default=0,
+        help="emulated KV bytes a live migration really ships per token (default 0: the "
+        "simulator's link moves a request's KV in milliseconds; shipping SmolLM2-sized blobs "
+        "through Python on the same cores takes 0.1-1 s and stalls the target's decodes; -1: "
+        "the sim engine's full size)",
+    )
+    p.add_argument(
+        "--client",
+        choices=["tidal", "guidellm"],
+        default="tidal",
+        help="who sends the load: Tidal's openai-client replay (default) or guidellm's trace "
+        "replay (an outside client; see services/cli/bench_replay_guidellm.py)",
+    )
+    p.add_argument(
+        "--guidellm", default="", help="guidellm executable (default: `guidellm` on PATH)"
+    )
+    p.add_argument("--json", default="", help="also write the figures here as JSON")
+    p.set_defaults(func=run)

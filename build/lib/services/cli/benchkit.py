@@ -1,0 +1,85 @@
+"""What the `tidal bench` commands share: a `tidal up` stack on a free port, percentiles, and
+writing a report as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def gateway_metrics(base: str) -> dict[str, float]:
+    """The gateway's /metrics samples summed by name (labels dropped); `base` is the API URL."""
+    import urllib.request
+
+    url = base.removesuffix("/v1") + "/metrics"
+    out: dict[str, float] = {}
+    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        name = name.split("{")[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def save_json(path: str, report: dict[str, Any]) -> None:
+    """Write `report` to `path` as JSON (nothing when `path` is empty). An argparse namespace in
+    it is written as its options, without the command's function."""
+    if not path:
+        return
+    clean = {
+        k: {a: v for a, v in vars(x).items() if not callable(v)}
+        if isinstance(x, argparse.Namespace)
+        else x
+        for k, x in report.items()
+    }
+    Path(path).write_text(json.dumps(clean, indent=2, default=str))
+
+
+@contextlib.contextmanager
+def stack(
+    port: int, *up_args: str, start_timeout_s: float = 240.0, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """`tidal up --port PORT *up_args` (`env` added to this process's environment); yields the
+    API base URL once it serves a model."""
+    tmp = tempfile.mkdtemp(prefix="tidal-bench-")
+    env = {**os.environ, **(env or {}), "TIDAL_STATE_FILE": f"{tmp}/up.json"}
+    # `python -m`, not the `tidal` script: the stack runs the code this process imported (a
+    # worktree's, from its directory), not whatever the venv's entry point resolves to
+    argv = [sys.executable, "-m", "services.cli.main", "up", "--port", str(port)]
+    argv += ["--log-level", "WARNING", "--store-dir", tmp, *up_args]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), urllib.request.urlopen(base + "/models") as r:
+                if b'"id"' in r.read():
+                    break
+            time.sleep(0.2)
+        else:
+            raise RuntimeError(f"the benchmark stack did not start within {start_timeout_s} s")
+        time.sleep(1.0)  # every instance's first state report has reached the scheduler
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)

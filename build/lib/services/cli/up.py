@@ -1,0 +1,453 @@
+"""`tidal up`: the embedded stack in one command — nats-server, scheduler, CPU-attention workers,
+instances and the gateway, each its own process, supervised.
+
+A child that dies unexpectedly is reported by name with its exit reason and restarted with
+exponential back-off; the scheduler routes around it meanwhile. Ctrl-C (or SIGTERM) stops the
+services first (each drains), then the bus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import importlib.util
+import os
+import secrets
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.cli import natsd, state
+from services.common import live_config
+from services.common.live_config import load_live_config
+from services.gateway.auth import API_KEYS_ENV, keys_from
+from services.gateway.ratelimit import RateLimiter, add_rate_args
+from tidal import envs
+from tidal.engine import core_share
+
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0  # a child up this long has its back-off reset
+STOP_GRACE_S = 10.0
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if `tidal up` itself is killed (Linux prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: asyncio.subprocess.Process | None = None
+    started_s: float = 0.0
+    backoff_s: float = BACKOFF_START_S
+    num_restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        self.started_s = time.monotonic()
+
+
+def say(msg: str) -> None:
+    print(f"tidal up: {msg}", file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.stopping = asyncio.Event()
+        self.services: list[Child] = []
+        self.nats: Child | None = None
+        self.store_dir = ""
+        self.core_share_path: Path | None = None
+        self.nats_url_shown = args.nats_url.split("@")[-1]
+        self.nats_url = args.nats_url
+        self.api_keys = keys_from(args.api_key)
+
+    def _service(self, name: str, module: str, *extra: str) -> Child:
+        # NOTE: the bus URL (with its token) travels in the environment, not in argv, which any
+        # user of the machine can read with `ps`.
+        argv = [sys.executable, "-m", module, "--id", name, *extra]
+        env = {"TIDAL_LOG_LEVEL": self.args.log_level, "TIDAL_NATS_URL": self.nats_url}
+        if name.startswith("gateway") and self.api_keys:
+            env[API_KEYS_ENV] = ",".join(self.api_keys)
+        return Child(name, argv, env=env)
+
+    def plan(self) -> list[Child]:
+        a = self.args
+        policy_args = ["--policy", a.policy] + (["--config", a.config] if a.config else [])
+        if a.instances:  # the same roles for the scheduler's policy and every instance's
+            policy_args += ["--roles", ",".join(parse_roles(a.instances))]
+        children = [self._service("scheduler-0", "services.scheduler", *policy_args)]
+        gib = ["--capacity-gib", str(a.cpu_attn_gib)]
+        children += [
+            self._service(f"cpu-attn-{i}", "services.cpu_attn", *gib)
+            for i in range(num_cpu_attn(a.cpu_attn))
+        ]
+        num_instances = len(load_live_config(a.config, a.policy, a.instances).slots)
+        # NOTE: instances share this machine's cores; without a split, each torch engine would
+        # start one thread per core and they would fight over them. This split is where they
+        # start; with a core share each step then runs on cores ÷ instances busy at the time
+        # (tidal.engine.core_share), so a lone stream gets every core.
+        threads = max(1, (os.cpu_count() or 1) // num_instances)
+        share: list[str] = []
+        if a.engine == "torch" and num_instances > 1 and not a.fixed_threads:
+            path = Path(tempfile.gettempdir()) / f"tidal-cores-{os.getpid()}.bin"
+            core_share.create(path, num_instances)
+            self.core_share_path = path
+            share = ["--core-share", str(path)]
+        for i in range(num_instances):
+            extra = [
+                *policy_args,
+                "--index",
+                str(i),
+                "--engine",
+                a.engine,
+                "--sim-step-model",
+                a.sim_step_model,
+                "--num-threads",
+                str(threads),
+                *share,
+            ]
+            if a.model:
+                extra += ["--model", a.model]
+            if a.max_model_len:
+                extra += ["--max-model-len", str(a.max_model_len)]
+            if a.kv_cache_tokens:
+                extra += ["--kv-cache-tokens", str(a.kv_cache_tokens)]
+            if a.engine == "sglang":
+                extra += sglang_args(a, i, num_instances)
+            children.append(self._service(f"instance-{i}", "services.instance", *extra))
+        backlog = ["--max-backlog", str(a.max_offline_backlog)] if a.max_offline_backlog else []
+        children.append(self._service("batch-0", "services.batch", *backlog))
+        gateway = ["--host", a.host, "--port", str(a.port)]
+        if a.rate_limit:
+            gateway += ["--rate-limit", str(a.rate_limit), "--rate-burst", str(a.rate_burst)]
+        children.append(self._service("gateway-0", "services.gateway", *gateway))
+        return children
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stopping.set)
+        if not natsd.port_is_free(self.args.host, self.args.port):
+            say(f"port {self.args.port} on {self.args.host} is in use; pick another with --port")
+            return 1
+        try:
+            if not self.nats_url and not await self._start_nats():
+                return 1
+            self.services = self.plan()
+            for child in self.services:
+                await child.start()
+            watchers = [asyncio.create_task(self._watch(c)) for c in self.services]
+            if self.nats is not None:
+                watchers.append(asyncio.create_task(self._watch(self.nats)))
+            api = f"http://{self.args.host}:{self.args.port}/v1"
+            ready = asyncio.create_task(self._announce_when_ready(api))
+            await self.stopping.wait()
+            ready.cancel()
+            say("stopping (services drain first, then the bus)")
+            await self._stop_all(watchers)
+            return 0
+        finally:
+            state.clear_state()
+            if self.core_share_path is not None:
+                self.core_share_path.unlink(missing_ok=True)
+
+    async def _start_nats(self) -> bool:
+        port = natsd.free_port()
+        # NOTE: the store outlives `tidal up`: batches, their files and queued lines are still
+        # there after a restart (one store per gateway port, so two stacks never share one).
+        self.store_dir = self.args.store_dir or str(
+            Path(envs.CACHE_DIR.get()) / f"jetstream-{self.args.port}"
+        )
+        Path(self.store_dir).mkdir(parents=True, exist_ok=True)
+        # A token of this run's own: nothing on the machine joins the bus anonymously. `tidal
+        # ctl` reads it from the state file (mode 0600).
+        token = secrets.token_urlsafe(24)
+        argv = natsd.nats_server_argv(
+            port, self.store_dir, sync_always=self.args.sync_always, auth_token=token
+        )
+        self.nats = Child("nats-server", argv)
+        self.nats_url = f"nats://{token}@127.0.0.1:{port}"
+        self.nats_url_shown = f"nats://127.0.0.1:{port}"
+        await self.nats.start()
+        ok = await asyncio.to_thread(natsd.wait_for_port, "127.0.0.1", port, 10.0)
+        if not ok:
+            say(f"nats-server did not start on port {port}")
+            return False
+        say(f"nats-server (JetStream) on {self.nats_url_shown}, store {self.store_dir}")
+        return True
+
+    async def _announce_when_ready(self, api: str) -> None:
+        t0 = time.monotonic()
+        health = api.removesuffix("/v1") + "/health"
+        while not self.stopping.is_set():
+            key = self.api_keys[0] if self.api_keys else ""
+            if await asyncio.to_thread(_http_ok, health) and await asyncio.to_thread(
+                _http_ok, api + "/models", require_data=True, api_key=key
+            ):
+                state.write_state(self.nats_url, api)
+                say(f"ready in {time.monotonic() - t0:.1f}s")
+                print(
+                    f"\n  API:   {api}   (OpenAI-compatible; GET {api}/models)\n"
+                    f"  NATS:  {self.nats_url_shown}   (token in {state.state_path()};"
+                    " tidal ctl status)\n"
+                    f"  Stop:  Ctrl-C\n",
+                    flush=True,
+                )
+                return
+            await asyncio.sleep(0.2)
+
+    async def _watch(self, child: Child) -> None:
+        while True:
+            assert child.proc is not None
+            code = await child.proc.wait()
+            if self.stopping.is_set():
+                return
+            ran_s = time.monotonic() - child.started_s
+            if ran_s > STABLE_AFTER_S:
+                child.backoff_s = BACKOFF_START_S
+            say(
+                f"{child.name} (pid {child.proc.pid}) {describe_exit(code)} after {ran_s:.1f}s; "
+                f"restarting in {child.backoff_s:.1f}s"
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), timeout=child.backoff_s)
+            if self.stopping.is_set():
+                return
+            child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
+            child.num_restarts += 1
+            await child.start()
+            say(f"{child.name} restarted (pid {child.proc.pid}, restart #{child.num_restarts})")
+
+    async def _stop_all(self, watchers: list[asyncio.Task[None]]) -> None:
+        await _terminate([c for c in self.services if c.proc is not None])
+        if self.nats is not None:
+            await _terminate([self.nats])
+        for w in watchers:
+            w.cancel()
+
+
+async def _terminate(children: list[Child]) -> None:
+    procs = [c.proc for c in children if c.proc is not None and c.proc.returncode is None]
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), STOP_GRACE_S)
+    except TimeoutError:
+        for c in children:
+            if c.proc is not None and c.proc.returncode is None:
+                say(f"{c.name} did not stop in {STOP_GRACE_S:.0f}s; killing it")
+                c.proc.kill()
+        await asyncio.gather(*(p.wait() for p in procs))
+
+
+def parse_roles(spec: str) -> tuple[str, ...]:
+    roles = live_config.parse_roles(spec)
+    if not roles:
+        raise ValueError("--instances names no instance role")
+    return roles
+
+
+def has_torch() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def num_cpu_attn(requested: int | None) -> int:
+    """CPU-attention workers to start: as asked, else one where torch is installed (they hold KV
+    as tensors) and none in a control-plane install."""
+    return (1 if has_torch() else 0) if requested is None else requested
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        if not has_torch() and (args.engine == "torch" or (args.cpu_attn or 0) > 0):
+            what = "the torch engine" if args.engine == "torch" else "--cpu-attn workers"
+            raise ValueError(
+                f"{what} need PyTorch, which this install lacks: pip install "
+                "'tidal-serve[engine]' (or run the control plane alone with --engine sim)"
+            )
+        if args.instances:
+            parse_roles(args.instances)
+        # A bad config, policy or role fails here, not in every child.
+        slots = load_live_config(args.config, args.policy, args.instances).slots
+        if args.engine == "sglang":
+            sglang_args(args, 0, len(slots))  # --sglang-urls names one server per instance
+        if args.port < 1 or args.port > 65535:
+            raise ValueError(f"--port {args.port} is not a TCP port")
+        if args.cpu_attn is not None and args.cpu_attn < 0:
+            raise ValueError("--cpu-attn must be >= 0")
+        if args.cpu_attn_gib <= 0:
+            raise ValueError("--cpu-attn-gib must be > 0")
+        if args.max_offline_backlog < 0:
+            raise ValueError("--max-offline-backlog must be >= 0")
+        if args.rate_limit:
+            RateLimiter(args.rate_limit, args.rate_burst)  # a bad rate fails here
+    except ValueError as exc:
+        say(str(exc))
+        return 2
+    return asyncio.run(Supervisor(args).run())
+
+
+def _http_ok(url: str, require_data: bool = False, api_key: str = "") -> bool:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=1
+        ) as resp:
+            body = resp.read()
+            return resp.status == 200 and (not require_data or b'"id"' in body)
+    except (OSError, ValueError):
+        return False
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up",
+        help="start the embedded stack (nats + all services)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nats-url", default="", help="join this NATS server instead of starting one")
+    p.add_argument(
+        "--engine",
+        default="torch",
+        choices=("sim", "torch", "sglang"),
+        help="instance engine: torch (real model), sim (emulated timings) or sglang (a real "
+        "SGLang server per instance; README, SGLang backend)",
+    )
+    p.add_argument(
+        "--sglang-urls",
+        default="",
+        help="sglang: comma-separated SGLang server per instance, in slot order (default: each "
+        "instance starts its own)",
+    )
+    p.add_argument(
+        "--sglang-decode-urls",
+        default="",
+        help="sglang PD: comma-separated decode server per instance, in slot order (empty: that "
+        "instance is not a pair); --sglang-urls then names the prefill servers",
+    )
+    p.add_argument("--sglang-args", default="", help="sglang: extra launch_server arguments")
+    p.add_argument("--sglang-python", default="", help="sglang: the Python that has sglang")
+    p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
+    p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
+    p.add_argument(
+        "--kv-cache-tokens", type=int, default=0, help="KV pool of each instance (0: default)"
+    )
+    p.add_argument(
+        "--config",
+        default="",
+        help="cluster config YAML: instance roles, chunk sizes, SLO, policy params "
+        "(default: configs/embedded.yaml)",
+    )
+    p.add_argument(
+        "--policy",
+        default="tidal",
+        help="scheduling policy the scheduler and every instance run (tidal policies lists them)",
+    )
+    p.add_argument(
+        "--instances",
+        default="",
+        help="comma-separated instance roles, one instance each (default: the config's)",
+    )
+    p.add_argument(
+        "--cpu-attn",
+        type=int,
+        default=None,
+        help="number of CPU-attention workers (default: 1, or 0 where PyTorch is not installed)",
+    )
+    p.add_argument(
+        "--max-offline-backlog",
+        type=int,
+        default=0,
+        help="Batch API lines queued over all batches past which a new batch fails (0: none)",
+    )
+    p.add_argument(
+        "--cpu-attn-gib",
+        type=float,
+        default=4.0,
+        help="host memory each CPU-attention worker holds offloaded KV in, GiB",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="the gateway accepts only this key (repeatable; also $TIDAL_API_KEYS); none: open",
+    )
+    add_rate_args(p)
+    p.add_argument(
+        "--store-dir",
+        default="",
+        help="JetStream store (batches, files, queued lines), kept across restarts "
+        "(default: $TIDAL_CACHE_DIR/jetstream-PORT)",
+    )
+    p.add_argument(
+        "--sync-always",
+        action="store_true",
+        help="fsync every JetStream write (batches survive a machine crash too; slower)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="gateway address")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument(
+        "--sim-step-model",
+        default="linear",
+        help="sim engine latency: zero | linear[:B,P,D,C] | MODEL@HARDWARE",
+    )
+    p.add_argument("--log-level", default="INFO", help="log level of every service")
+    p.add_argument(
+        "--fixed-threads",
+        action="store_true",
+        help="torch instances keep cores ÷ instances threads, busy or not (default: each step "
+        "runs on cores ÷ instances busy now)",
+    )
+    p.set_defaults(func=_run)
+
+
+def sglang_args(a: argparse.Namespace, index: int, num_instances: int) -> list[str]:
+    """One instance's `--sglang-*` options: its server from `--sglang-urls` (with its decode
+    server from `--sglang-decode-urls`, a PD pair), or its own child."""
+    urls = [u for u in a.sglang_urls.split(",") if u] if a.sglang_urls else []
+    if urls and len(urls) != num_instances:
+        raise ValueError(f"--sglang-urls names {len(urls)} server(s) for {num_instances} instances")
+    out = ["--sglang-url", urls[index]] if urls else []
+    if decode_urls := getattr(a, "sglang_decode_urls", ""):
+        decodes = decode_urls.split(",")
+        if not urls or len(decodes) != num_instances:
+            raise ValueError(
+                f"--sglang-decode-urls names {len(decodes)} server(s) for {num_instances} "
+                "instances, each paired with its prefill server in --sglang-urls"
+            )
+        out += ["--sglang-decode-url", decodes[index]] if decodes[index] else []
+    if a.sglang_args:
+        out += ["--sglang-args", a.sglang_args]
+    if a.sglang_python:
+        out += ["--sglang-python", a.sglang_python]
+    return out

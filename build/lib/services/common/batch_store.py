@@ -1,0 +1,255 @@
+"""The Batch API's durable state on JetStream (the bus Tidal already runs; no new server).
+
+* files: content in the Object Store bucket `tidal-files` (chunked, never one message), the
+  `FileObject` in the KV bucket `tidal-file-meta`;
+* batches: the `Batch` in the KV bucket `tidal-batches`, changed only by `update_batch`, a
+  read-modify-write with the revision checked (two writers never overwrite each other);
+* jobs: one message per input line on the work-queue stream `TIDAL_BATCH_JOBS`, published with
+  the message id `batch_id:custom_id`, so publishing a batch again after a crash adds nothing;
+* results: one KV entry per line in `tidal-batch-results`, written first-writer-wins
+  (`kv.create`), so a job that runs twice stores one result.
+
+Everything is on file storage (`tidal up` keeps the store across restarts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from tidal.batch.lines import result_key
+from tidal.batch.objects import Batch, FileObject
+from tidal.schemas import subjects
+
+log = logging.getLogger("tidal.batch")
+
+FILES_BUCKET = "tidal-files"
+FILE_META_BUCKET = "tidal-file-meta"
+BATCHES_BUCKET = "tidal-batches"
+RESULTS_BUCKET = "tidal-batch-results"
+JOBS_STREAM = "TIDAL_BATCH_JOBS"
+JOBS_SUBJECT = subjects.BATCH_JOBS  # .<batch_id>
+DISPATCH_CONSUMER = "tidal-batch-dispatch"
+DEDUP_WINDOW_S = 24 * 3600.0  # a re-publish within a day of the first is dropped
+ACK_WAIT_S = 15.0  # a job not acknowledged (nor marked in progress) within this is redelivered
+MAX_DELIVER = 5  # deliveries before a line is given up and goes to the error file
+UPDATE_ATTEMPTS = 20
+
+
+class Conflict(RuntimeError):
+    """A revision-checked update lost to other writers too many times."""
+
+
+class BatchStore:
+    """Typed access to the buckets and the jobs stream; `open` creates whatever is missing."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self.js = js
+        self.files: ObjectStore
+        self.file_meta: KeyValue
+        self.batches: KeyValue
+        self.results: KeyValue
+
+    @classmethod
+    async def open(cls, nc: NATS) -> BatchStore:
+        store = cls(nc.jetstream(timeout=10.0))
+        await store._ensure()
+        return store
+
+    async def _ensure(self) -> None:
+        js = self.js
+        file_storage = api.StorageType.FILE
+        self.files = await js.create_object_store(
+            FILES_BUCKET, config=api.ObjectStoreConfig(bucket=FILES_BUCKET, storage=file_storage)
+        )
+        self.file_meta = await js.create_key_value(
+            api.KeyValueConfig(bucket=FILE_META_BUCKET, storage=file_storage, history=1)
+        )
+        self.batches = await js.create_key_value(
+            api.KeyValueConfig(bucket=BATCHES_BUCKET, storage=file_storage, history=1)
+        )
+        self.results = await js.create_key_value(
+            api.KeyValueConfig(bucket=RESULTS_BUCKET, storage=file_storage, history=1)
+        )
+        config = api.StreamConfig(
+            name=JOBS_STREAM,
+            subjects=[JOBS_SUBJECT + ".>"],
+            retention=api.RetentionPolicy.WORK_QUEUE,
+            storage=file_storage,
+            duplicate_window=DEDUP_WINDOW_S,
+        )
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:  # exists (maybe with other settings): keep it
+            await js.update_stream(config)
+
+    # -- files --------------------------------------------------------------------------------
+
+    async def put_file(self, meta: FileObject, data: io.BufferedIOBase | bytes) -> FileObject:
+        """Store the content, then its file object with the size actually stored."""
+        info = await self.files.put(meta.id, data)
+        meta = msgspec.structs.replace(meta, bytes=info.size or 0)
+        await self.file_meta.put(meta.id, msgspec.json.encode(meta))
+        return meta
+
+    async def file(self, file_id: str) -> FileObject | None:
+        return await _get_json(self.file_meta, file_id, FileObject)
+
+    async def file_content(self, file_id: str) -> bytes:
+        result = await self.files.get(file_id)
+        return result.data or b""
+
+    async def file_chunks(self, file_id: str) -> AsyncIterator[bytes]:
+        """The file's content as the store's chunks, without holding it whole."""
+        info = await self.files.get_info(file_id)
+        sub = await self.js.subscribe(f"$O.{FILES_BUCKET}.C.{info.nuid}", ordered_consumer=True)
+        try:
+            remaining = info.size or 0
+            while remaining > 0:
+                msg = await sub.next_msg(timeout=10.0)
+                remaining -= len(msg.data)
+                yield msg.data
+        finally:
+            await sub.unsubscribe()
+
+    async def list_files(self) -> list[FileObject]:
+        return await _all_json(self.file_meta, ">", FileObject)
+
+    async def delete_file(self, file_id: str) -> bool:
+        if await self.file(file_id) is None:
+            return False
+        await self.file_meta.delete(file_id)
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.files.delete(file_id)
+        return True
+
+    # -- batches ------------------------------------------------------------------------------
+
+    async def create_batch(self, batch: Batch) -> None:
+        await self.batches.create(batch.id, msgspec.json.encode(batch))
+
+    async def batch(self, batch_id: str) -> Batch | None:
+        return await _get_json(self.batches, batch_id, Batch)
+
+    async def list_batches(self) -> list[Batch]:
+        # batches are never deleted: every key the server holds is one to read
+        expected = await self._num_keys(BATCHES_BUCKET, ">")
+        return await _all_json(self.batches, ">", Batch, expected)
+
+    async def update_batch(
+        self, batch_id: str, change: Callable[[Batch], Batch | None]
+    ) -> Batch | None:
+        """Apply `change` to the stored batch with a revision check, retrying on a conflict.
+        `change` returns None to leave it as it is; returns the stored batch (None if absent)."""
+        for _ in range(UPDATE_ATTEMPTS):
+            try:
+                entry = await self.batches.get(batch_id)
+            except nats.js.errors.KeyNotFoundError:
+                return None
+            current = decode_or_none(entry.value, Batch, f"batch {batch_id}")
+            if current is None:
+                return None
+            new = change(current)
+            if new is None:
+                return current
+            try:
+                await self.batches.update(batch_id, msgspec.json.encode(new), last=entry.revision)
+                return new
+            except nats.js.errors.KeyWrongLastSequenceError:
+                await asyncio.sleep(0.01)  # another writer won; read again
+        raise Conflict(f"batch {batch_id}: {UPDATE_ATTEMPTS} conflicting updates in a row")
+
+    # -- jobs and results ---------------------------------------------------------------------
+
+    async def publish_job(self, batch_id: str, custom_id: str, payload: dict[str, Any]) -> None:
+        await self.js.publish(
+            f"{JOBS_SUBJECT}.{batch_id}",
+            msgspec.json.encode(payload),
+            headers={"Nats-Msg-Id": f"{batch_id}:{custom_id}"},
+        )
+
+    async def put_result(self, batch_id: str, custom_id: str, line: dict[str, Any]) -> bool:
+        """Store a line's result unless one is there; True when this call stored it."""
+        try:
+            await self.results.create(result_key(batch_id, custom_id), msgspec.json.encode(line))
+            return True
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+
+    async def has_result(self, batch_id: str, custom_id: str) -> bool:
+        try:
+            await self.results.get(result_key(batch_id, custom_id))
+            return True
+        except nats.js.errors.KeyNotFoundError:
+            return False
+
+    async def results_of(self, batch_id: str) -> list[dict[str, Any]]:
+        expected = await self.num_results(batch_id)
+        return await _all_json(self.results, f"{batch_id}.*", dict, expected)
+
+    async def num_results(self, batch_id: str) -> int:
+        """How many lines of `batch_id` have a stored result, counted by the server."""
+        return await self._num_keys(RESULTS_BUCKET, f"{batch_id}.*")
+
+    async def _num_keys(self, bucket: str, keys: str) -> int:
+        info = await self.js.stream_info(f"KV_{bucket}", subjects_filter=f"$KV.{bucket}.{keys}")
+        return len(info.state.subjects or {})
+
+
+async def _get_json(kv: KeyValue, key: str, type_: type[Any]) -> Any:
+    try:
+        entry = await kv.get(key)
+    except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+        return None
+    except nats.js.errors.InvalidKeyError:
+        return None
+    return decode_or_none(entry.value, type_, f"key {key}")
+
+
+def decode_or_none(data: bytes | None, type_: type[Any], what: str) -> Any:
+    """A stored JSON value, or None (logged) when it is not one: anyone on the bus can write to a
+    KV subject, and one bad value must not make a listing or a watcher fail for good."""
+    try:
+        return msgspec.json.decode(data or b"", type=type_)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("ignored a malformed stored value (%s): %s", what, exc)
+        return None
+
+
+async def _all_json(kv: KeyValue, keys: str, type_: type[Any], expected: int = 0) -> list[Any]:
+    """Every live value under `keys`, read with one watcher (no request per key). With
+    `expected` (how many keys the server holds there, none deleted), at least that many.
+
+    NOTE: nats-py's watcher can put its "nothing more stored" marker ahead of entries already on
+    their way (it compares the consumer's pending count with what its callback has seen, before
+    the callback ran). Trusted alone, it once made a finalizer read no results and write a batch
+    with no output; with `expected`, an early marker is read past."""
+    out = []
+    seen = 0
+    watcher = await kv.watch(keys, ignore_deletes=True)
+    try:
+        while True:
+            entry = await watcher.updates(timeout=10.0)
+            if entry is None:  # the end of what is stored now, unless it came early
+                if seen >= expected:
+                    break
+                continue
+            seen += 1
+            if entry.value and entry.operation is None:
+                value = decode_or_none(entry.value, type_, f"key {entry.key}")
+                if value is not None:
+                    out.append(value)
+    finally:
+        await watcher.stop()
+    return out

@@ -1,0 +1,5 @@
+import sys
+
+from services.cpu_attn.main import main
+
+sys.exit(main())

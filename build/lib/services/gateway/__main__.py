@@ -1,0 +1,5 @@
+import sys
+
+from services.gateway.main import main
+
+sys.exit(main())

@@ -1,0 +1,319 @@
+"""The gateway's side of the bus: route a request, submit it, and stream its tokens back.
+
+One subscription per gateway (`subjects.gateway_tokens(id)`) carries every request's tokens; they
+are dispatched by request id to per-request queues and delivered strictly in `seq` order, from
+whichever instance runs the request now: a migrated request's chunks come from its new instance
+(announced by a `moved_to` chunk), and a chunk whose `seq` was already delivered is dropped. If
+the instance running a request dies, the request is routed again elsewhere and recomputed from its
+prompt plus the tokens already streamed (`resume_token_ids`): the client sees no repeated text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from services.common.bus import subscribe
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import ApiError
+from services.gateway.resync import StreamResync
+from services.gateway.stream import RequestHandle, _Down
+from tidal.schemas import codec, subjects
+from tidal.schemas.messages import (
+    BatchStats,
+    GenerateAck,
+    GenerateRequest,
+    Heartbeat,
+    InstanceDown,
+    InstanceReport,
+    MigrationEvent,
+    RouteReply,
+    RouteRequest,
+    TokenChunk,
+)
+
+log = logging.getLogger("tidal.gateway")
+
+MAX_ROUTE_ATTEMPTS = 3
+ROUTE_TIMEOUT_S = 2.0  # models and other quick questions
+# A route may be held by the policy until it has room (Route.hold); the scheduler answers late.
+HELD_ROUTE_TIMEOUT_S = {"online": 30.0, "offline": 600.0}
+SUBMIT_TIMEOUT_S = 5.0
+ROUTE_RECHECK_S = 0.5  # a held route checks this often whether its scheduler was replaced
+
+_ROUTE_ERRORS = {  # scheduler error code -> HTTP status
+    "unknown_model": 404,
+    "no_capacity": 503,
+    "offline_paused": 503,
+    "rejected": 429,  # the policy's admission control
+    "queue_full": 429,  # the scheduler's held queue is full
+    "invalid_request": 400,
+}
+# Room left under NATS's max_payload for what a re-placed request adds (resume token ids).
+WIRE_HEADROOM_BYTES = 64 * 1024
+_ACK_ERRORS = {"context_length_exceeded": 400, "invalid_request": 400}
+
+
+class GatewayBus:
+    def __init__(
+        self, nc: NATS, gateway_id: str, max_inflight: int, metrics: GatewayMetrics | None = None
+    ) -> None:
+        self.nc = nc
+        self.metrics = metrics
+        self.gateway_id = gateway_id
+        self.reply_subject = subjects.gateway_tokens(gateway_id)
+        self.max_inflight = max_inflight
+        self.handles: dict[str, RequestHandle] = {}  # req_id -> live request
+        self.schedulers_seen: set[tuple[str, float]] = set()  # (id, started) of each process
+        self.scheduler_epoch = 0  # +1 each time a new scheduler process appears
+        self.resync = StreamResync(nc, self.handles, self._cut)
+
+    async def start(self) -> None:
+        await subscribe(self.nc, self.reply_subject, TokenChunk, self._on_chunk)
+        await subscribe(self.nc, subjects.INSTANCE_DOWN, InstanceDown, self._on_down)
+        beats = f"{subjects.PREFIX}.hb.scheduler.*"
+        await subscribe(self.nc, beats, Heartbeat, self._on_scheduler_beat)
+        await subscribe(self.nc, subjects.INSTANCE_STATE_ALL, InstanceReport, self._on_rep)
+        self.resync.start()
+        if self.metrics is not None:
+            await subscribe(self.nc, subjects.MIGRATION_EVENTS, MigrationEvent, self._on_mig)
+            await subscribe(self.nc, subjects.BATCH_STATS, BatchStats, self._on_batch_stats)
+            workers = f"{subjects.PREFIX}.hb.cpu_attn.*"
+            await subscribe(self.nc, workers, Heartbeat, self._on_worker_beat)
+            instances = f"{subjects.PREFIX}.hb.instance.*"  # as the cpu_attn beats above
+            await subscribe(self.nc, instances, Heartbeat, self._on_instance_beat)
+
+    async def _on_mig(self, ev: MigrationEvent, _: Msg) -> None:
+        assert self.metrics is not None
+        self.metrics.on_migration(ev)
+
+    async def _on_rep(self, rep: InstanceReport, _: Msg) -> None:
+        self.resync.on_report(rep)
+        if self.metrics is not None:
+            self.metrics.on_report(rep)
+
+    async def _on_worker_beat(self, hb: Heartbeat, _: Msg) -> None:
+        assert self.metrics is not None
+        self.metrics.cpu_attn.on_heartbeat(hb)
+
+    async def _on_instance_beat(self, hb: Heartbeat, _: Msg) -> None:
+        assert self.metrics is not None
+        self.metrics.on_instance_beat(hb)
+
+    async def _on_batch_stats(self, st: BatchStats, _: Msg) -> None:
+        assert self.metrics is not None
+        self.metrics.batch.on_stats(st)
+
+    async def _on_chunk(self, chunk: TokenChunk, _: Msg) -> None:
+        handle = self.handles.get(chunk.req_id)
+        if handle is not None:
+            handle.queue.put_nowait(chunk)
+
+    async def _on_down(self, event: InstanceDown, _: Msg) -> None:
+        for handle in list(self.handles.values()):
+            if handle.instance_id == event.instance_id:
+                handle.queue.put_nowait(_Down(event.instance_id, event.reason, time.monotonic()))
+
+    def _cut(self, handle: RequestHandle, reason: str) -> None:
+        """A stream that lost its chunks (a bus outage): run it again, anywhere."""
+        handle.queue.put_nowait(_Down(handle.instance_id, reason, time.monotonic(), exclude=False))
+
+    def release(self, handle: RequestHandle) -> None:
+        self.handles.pop(handle.request.req_id, None)
+
+    async def submit(self, request: GenerateRequest) -> RequestHandle:
+        """Route and submit; raises `ApiError` with the right status when it cannot run."""
+        if len(self.handles) >= self.max_inflight:
+            raise ApiError(
+                429,
+                f"this gateway already has {self.max_inflight} requests in flight",
+                type_="rate_limit_error",
+                code="too_many_requests",
+                retry_after_s=1,
+            )
+        self.check_wire(request)
+        handle = RequestHandle(bus=self, request=request)
+        self.handles[request.req_id] = handle
+        try:
+            await self.place(handle, exclude=[])
+        except BaseException:
+            self.release(handle)
+            raise
+        return handle
+
+    def check_wire(self, request: GenerateRequest) -> None:
+        """ApiError unless `request` can go on the bus: MessagePack holds no integer beyond 64
+        bits and no lone UTF-16 surrogate (JSON's "\\ud800" decodes to one), and NATS caps a
+        message at the server's max_payload (1 MiB by default)."""
+        try:
+            size = len(codec.encode(request))
+        except (OverflowError, UnicodeEncodeError) as exc:
+            raise ApiError(400, f"the request cannot be encoded: {exc}") from None
+        limit = self.nc.max_payload - WIRE_HEADROOM_BYTES
+        if size > limit:
+            raise ApiError(
+                413,
+                f"the request is {size} bytes on the bus, over its limit of {limit} bytes",
+                code="request_too_large",
+            )
+
+    async def place(
+        self, handle: RequestHandle, exclude: list[str], excluded_at_unix_s: float = 0.0
+    ) -> None:
+        """Find an instance that accepts the request, trying others if one does not answer.
+        `exclude`: instances whose processes started at or before `excluded_at_unix_s` (the ones
+        that failed it); a process started since under the same id may take it."""
+        req = handle.request
+        tried = list(exclude)
+        failed_at = (excluded_at_unix_s or time.time()) if tried else 0.0
+        for _ in range(MAX_ROUTE_ATTEMPTS):
+            route = await self._route(req, tried, failed_at)
+            handle.instance_id = route.instance_id
+            # NOTE: the process the scheduler routed to is the one that fails it (its start time,
+            # else the time it was sent), not the time the failure shows: the instance's process
+            # restarted meanwhile (`tidal up` restarts it in seconds; the submit times out in 5)
+            # did not fail it, and excluding it kept the request held until the gateway gave up.
+            incarnation = route.instance_started_unix_s or time.time()
+            try:
+                reply = await self.nc.request(
+                    subjects.instance_submit(route.instance_id),
+                    codec.encode(req),
+                    timeout=SUBMIT_TIMEOUT_S,
+                )
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                log.warning(
+                    "instance %s did not take %s; trying another", route.instance_id, req.req_id
+                )
+                tried.append(route.instance_id)
+                failed_at = max(failed_at, incarnation)
+                continue
+            ack = codec.decode(reply.data, GenerateAck)
+            if ack.ok:
+                if not handle.ack.ok:  # keep the first ack: a recompute's prompt holds outputs
+                    handle.ack = ack
+                handle.placed_at_s = time.monotonic()
+                handle.placed_at_unix_s = incarnation
+                handle.progress_unix_s = time.time()
+                handle.reconnects_at_place = self.nc.stats.get("reconnects", 0)
+                return
+            if ack.error_code == "draining":
+                tried.append(route.instance_id)
+                failed_at = max(failed_at, incarnation)
+                continue
+            raise ApiError(
+                _ACK_ERRORS.get(ack.error_code, 400), ack.message, code=ack.error_code or None
+            )
+        raise ApiError(
+            503,
+            "no instance accepted the request; try again shortly",
+            type_="server_error",
+            code="no_capacity",
+            retry_after_s=1,
+        )
+
+    async def _route(
+        self, req: GenerateRequest, exclude: list[str], excluded_at_unix_s: float
+    ) -> RouteReply:
+        ask = RouteRequest(
+            req_id=req.req_id,
+            model=req.model,
+            req_class=req.req_class,
+            max_tokens=req.sampling.max_tokens,
+            num_prompt_chars=len(req.prompt or "")
+            + sum(len(m.content) for m in req.messages or []),
+            exclude=exclude,
+            excluded_at_unix_s=excluded_at_unix_s,
+            ttft_slo_ms=req.ttft_slo_ms,
+            tpot_slo_ms=req.tpot_slo_ms,
+        )
+        msg = await self._ask_route(ask, HELD_ROUTE_TIMEOUT_S.get(req.req_class, ROUTE_TIMEOUT_S))
+        route = codec.decode(msg.data, RouteReply)
+        if route.error_code:
+            status = _ROUTE_ERRORS.get(route.error_code, 503)
+            raise ApiError(
+                status,
+                route.message,
+                code=route.error_code,
+                type_={404: "invalid_request_error", 400: "invalid_request_error"}.get(
+                    status, "rate_limit_error" if status == 429 else "server_error"
+                ),
+                param="model" if status == 404 else None,
+                retry_after_s=route.retry_after_s or None,
+            )
+        return route
+
+    async def _ask_route(self, ask: RouteRequest, timeout_s: float) -> Msg:
+        """The scheduler's answer to `ask`, which may come late (a held request). A request held
+        by a scheduler that dies is lost with it: when a new scheduler process appears (its
+        first heartbeat), the question is asked again, so a held request never waits forever."""
+        data = codec.encode(ask)
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        epoch = self.scheduler_epoch
+        reconnects = self.nc.stats.get("reconnects", 0)
+        try:
+            await self.nc.publish(subjects.ROUTE, data, reply=inbox)
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:  # a request held all this time
+                    raise ApiError(
+                        503,
+                        f"no instance took the request within {timeout_s:.0f} s; try again",
+                        type_="server_error",
+                        code="no_capacity",
+                        retry_after_s=1,
+                    )
+                try:
+                    msg = await sub.next_msg(timeout=min(left, ROUTE_RECHECK_S))
+                except nats.errors.TimeoutError:
+                    if self.scheduler_epoch != epoch:
+                        epoch = self.scheduler_epoch
+                        log.warning("a new scheduler is up; asking it to route %s", ask.req_id)
+                        await self.nc.publish(subjects.ROUTE, data, reply=inbox)
+                    elif self.nc.stats.get("reconnects", 0) != reconnects:
+                        # the question or its answer may have been lost in a bus outage; the
+                        # scheduler answers a request it already holds only once
+                        reconnects = self.nc.stats.get("reconnects", 0)
+                        log.warning("bus reconnected; asking again to route %s", ask.req_id)
+                        await self.nc.publish(subjects.ROUTE, data, reply=inbox)
+                    continue
+                if msg.headers and msg.headers.get("Status") == "503":  # no responders
+                    raise ApiError(
+                        503,
+                        "the scheduler is not reachable; try again shortly",
+                        type_="server_error",
+                        code="scheduler_unavailable",
+                        retry_after_s=1,
+                    )
+                return msg
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _on_scheduler_beat(self, hb: Heartbeat, _: Msg) -> None:
+        key = (hb.service_id, hb.started_unix_s)
+        if key not in self.schedulers_seen and hb.status != "stopped":
+            if self.schedulers_seen:
+                self.scheduler_epoch += 1
+            self.schedulers_seen.add(key)
+
+    async def models(self) -> list[str]:
+        try:
+            msg = await self.nc.request(subjects.MODELS, codec.encode({}), timeout=ROUTE_TIMEOUT_S)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            raise ApiError(
+                503,
+                "the scheduler is not reachable",
+                type_="server_error",
+                code="scheduler_unavailable",
+                retry_after_s=1,
+            ) from None
+        return codec.decode(msg.data, list[str])

@@ -1,0 +1,5 @@
+import sys
+
+from services.instance.main import main
+
+sys.exit(main())

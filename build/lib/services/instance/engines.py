@@ -1,0 +1,95 @@
+"""Building the engine an instance hosts, from its command-line options."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from typing import Any
+
+from tidal import envs
+from tidal.engine.api import ControllableEngine
+from tidal.engine.sim import DEFAULT_SIM_STEP_MODEL, ZERO_STEP_MODEL, SimEngine, SimEngineConfig
+from tidal.perf.api import StepModel
+from tidal.perf.linear import LinearStepModel
+
+ENGINES = ("sim", "torch", "sglang")
+
+
+def parse_step_model(spec: str) -> StepModel:
+    """`zero`, `linear` (`DEFAULT_SIM_STEP_MODEL`), `linear:BASE_S,PER_TOKEN_S,DECODE_REQ_S,
+    CTX_TOKEN_S` (a `LinearStepModel`: seconds per step, per token, per decoding request, per
+    decode context token), or `MODEL@HARDWARE` for a `tidal.perf` model (e.g.
+    `llama-2-7b@a100-80gb`)."""
+    if spec == "zero":
+        return ZERO_STEP_MODEL
+    if spec == "linear":
+        return DEFAULT_SIM_STEP_MODEL
+    if spec.startswith("linear:"):
+        try:
+            coeffs = [float(x) for x in spec.removeprefix("linear:").split(",")]
+        except ValueError:
+            raise ValueError(f"--sim-step-model {spec!r}: coefficients must be numbers") from None
+        if len(coeffs) != 4:
+            raise ValueError(f"--sim-step-model {spec!r}: linear takes exactly 4 coefficients")
+        base_s, per_token_s, per_decode_req_s, per_ctx_token_s = coeffs
+        return LinearStepModel(
+            base_s=base_s,
+            per_token_s=per_token_s,
+            per_decode_req_s=per_decode_req_s,
+            per_ctx_token_s=per_ctx_token_s,
+            per_attn_pair_s=0.0,
+        )
+    if "@" in spec:
+        from tidal import perf
+
+        model, hardware = spec.split("@", 1)
+        make = getattr(perf, "make_step_model", None)
+        if make is None:
+            raise ValueError("this build has no tidal.perf.make_step_model yet")
+        step_model: StepModel = make(model, hardware)
+        return step_model
+    raise ValueError(f"--sim-step-model {spec!r}: expected zero, linear[:...] or MODEL@HARDWARE")
+
+
+def build_engine(args: argparse.Namespace) -> ControllableEngine:
+    if args.engine == "sim":
+        # The engine waits its emulated step time itself (interruptible at layer boundaries).
+        sim: dict[str, Any] = {}
+        if kv_tokens := getattr(args, "kv_cache_tokens", 0):
+            sim["num_kv_blocks"] = kv_tokens // SimEngineConfig.block_size
+        if payload := envs.SIM_KV_PAYLOAD_BYTES_PER_TOKEN.get():
+            sim["kv_payload_bytes_per_token"] = int(payload)
+        config = SimEngineConfig(
+            model_name=args.model or "tidal-sim",
+            max_model_len=args.max_model_len or 8192,
+            realtime=True,
+            tokenizer=getattr(args, "tokenizer", "") or "",
+            **sim,
+        )
+        return SimEngine(config, parse_step_model(args.sim_step_model))
+    if args.engine == "torch":
+        # Imported on demand: the torch engine pulls in PyTorch, which the sim engine never needs.
+        torch_engine = importlib.import_module("tidal.engine.torch_engine")
+        if args.num_threads:
+            import torch
+
+            torch.set_num_threads(args.num_threads)
+        kwargs = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+        if kv_tokens := getattr(args, "kv_cache_tokens", 0):
+            kwargs["kv_cache_tokens"] = kv_tokens
+        torch_eng = torch_engine.load_torch_engine(args.model or None, device=args.device, **kwargs)
+        if share := getattr(args, "core_share", ""):
+            from tidal.engine.core_share import CoreShare
+
+            torch_eng.core_share = CoreShare(Path(share), args.index)
+        engine: ControllableEngine = torch_eng
+        return engine
+    if args.engine == "sglang":
+        # An HTTP client of a SGLang server (started here as a child, or --sglang-url): the
+        # worker never imports sglang, so the default install stays torch-only.
+        from services.instance.sglang.launcher import build_sglang_engine
+
+        sgl: ControllableEngine = build_sglang_engine(args)
+        return sgl
+    raise ValueError(f"unknown engine {args.engine!r}; expected one of {ENGINES}")

@@ -1,0 +1,357 @@
+"""An instance worker: hosts one engine, runs the instance half of the cluster's policy before
+every step, takes requests and migrations over NATS, streams tokens back.
+
+python -m services.instance --id instance-0 --index 0 --engine sim [--config FILE --policy NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from services.common.bus import connect, subscribe
+from services.common.heartbeat import heartbeat_loop
+from services.common.lifecycle import run_service
+from services.common.live_config import LiveConfig, load_live_config
+from services.instance.dataplane import DataPlaneServer
+from services.instance.engines import ENGINES, build_engine, parse_step_model
+from services.instance.migration import Migrator
+from services.instance.policy_adapter import PolicyAdapter
+from services.instance.worker import Instance
+from tidal import envs
+from tidal.engine.api import ControllableEngine
+from tidal.engine.sglang_api import DEFAULT_BOOTSTRAP_PORT, DEFAULT_HANDOFF_TIMEOUT_S
+from tidal.policy.base import InstanceRole, Slo
+from tidal.policy.registry import make_policy
+from tidal.schemas import codec, subjects
+from tidal.schemas.messages import (
+    CancelRequest,
+    CtlDrain,
+    CtlPolicy,
+    CtlRoles,
+    GenerateRequest,
+    Heartbeat,
+    InstanceLoad,
+    MigrateAbort,
+    MigrateCommand,
+    MigrateCommit,
+    MigrateOffer,
+    PreemptSignal,
+)
+
+if TYPE_CHECKING:
+    from services.instance.cpu_attn_link import CpuAttnPool
+
+log = logging.getLogger("tidal.instance")
+ROLES = tuple(r.value for r in InstanceRole)
+MAX_PAYLOAD_BYTES = 8 << 30  # a migration payload this instance accepts (KV of one request)
+
+
+def heartbeat(inst: Instance, status: str = "") -> Heartbeat:
+    load = inst.engine.load()
+    return Heartbeat(
+        service_id=inst.id,
+        kind="instance",
+        pid=os.getpid(),
+        started_unix_s=inst.started_unix_s,
+        sent_unix_s=time.time(),
+        status=status or ("draining" if inst.draining else "ok"),
+        role=str(inst.adapter.inst.role),
+        engine=inst.engine.name,
+        model=inst.engine.model_name,
+        is_emulated=inst.engine.is_emulated,
+        load=InstanceLoad(
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_kv_blocks_used=load.num_kv_blocks_used,
+            num_kv_blocks_total=load.num_kv_blocks_total,
+            num_online=load.num_online,
+            num_offline=load.num_offline,
+            num_steps=inst.num_steps,
+            last_step_ms=round(inst.last_step_ms, 3),
+        ),
+        info={
+            "policy": inst.adapter.policy.name,
+            "data_url": inst.data_url,
+            **(engine_info() if (engine_info := getattr(inst.engine, "info", None)) else {}),
+        },
+    )
+
+
+class Control:
+    """Operator and scheduler control of one instance (JSON): policy, role, chunk, drain."""
+
+    def __init__(self, inst: Instance, live: LiveConfig) -> None:
+        self.inst = inst
+        self.live = live
+
+    async def on_policy(self, ctl: CtlPolicy, msg: Msg) -> None:
+        """The scheduler switched policy (or params / SLO): run the same one here."""
+        adapter = self.inst.adapter
+        try:
+            ctx = self.live.context()
+            if ctl.params is not None:
+                ctx = dataclasses.replace(ctx, params=ctl.params)
+            if ctl.ttft_slo_s and ctl.tpot_slo_s:
+                self.inst.default_slo = Slo(ctl.ttft_slo_s, ctl.tpot_slo_s)
+            adapter.policy = make_policy(ctl.policy or adapter.policy.name, ctx)
+            adapter.reqs.clear()  # fresh ReqStates: the new policy keeps no old bookkeeping
+        except (KeyError, ValueError, TypeError) as exc:
+            log.warning("policy change refused: %s", exc)
+            return
+        log.info("instance %s now runs policy %s", self.inst.id, adapter.policy.name)
+        self.inst.wake.set()
+
+    async def on_control(self, msg: Msg) -> None:
+        try:
+            raw = msgspec.json.decode(msg.data or b"{}")
+            if not isinstance(raw, dict):
+                raise ValueError("expected a JSON object")
+            if "instance_id" in raw:
+                drain = msgspec.convert(raw, CtlDrain)
+                self.inst.draining = not drain.undrain
+                out: dict[str, object] = {"draining": self.inst.draining}
+            else:
+                roles = msgspec.convert(raw, CtlRoles)
+                state = self.inst.adapter.inst
+                if self.inst.id in roles.roles:
+                    state.role = InstanceRole(roles.roles[self.inst.id])
+                if self.inst.id in roles.chunk_sizes:
+                    size = roles.chunk_sizes[self.inst.id]
+                    if size < 1:
+                        raise ValueError("chunk size must be >= 1")
+                    state.chunk_size = size
+                out = {"role": str(state.role), "chunk_size": state.chunk_size}
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            out = {"error": str(exc)}
+        if msg.reply:
+            await msg.respond(msgspec.json.encode(out))
+        await self.inst.report(force=True)
+
+
+def build_adapter(
+    args: argparse.Namespace, live: LiveConfig, engine: ControllableEngine
+) -> PolicyAdapter:
+    slots = live.slots
+    if not 0 <= args.index < len(slots):
+        raise ValueError(f"--index {args.index}: the config has {len(slots)} instance slot(s)")
+    group = slots[args.index]
+    spec = args.policy_step_model or (
+        args.sim_step_model if engine.is_emulated else f"{live.cfg.model}@{live.cfg.hardware}"
+    )
+    return PolicyAdapter.build(
+        policy=make_policy(live.policy, live.context()),
+        index=args.index,
+        instance_id=args.id,
+        role=group.role,
+        chunk_size=group.chunk_size,
+        max_batch_reqs=group.max_batch_reqs,
+        block_size=engine.block_size,
+        num_blocks=engine.num_kv_blocks,
+        step_model=parse_step_model(spec),
+        step_model_spec=spec,
+        kv_bytes_per_token=engine.kv_bytes_per_token,
+    )
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    subjects.check_token(args.id, "instance id")
+    live = load_live_config(args.config, args.policy, args.roles)
+    engine = await asyncio.to_thread(build_engine, args)  # loading weights can take seconds
+    if not isinstance(engine, ControllableEngine):
+        raise ValueError(f"engine {engine.name!r} cannot be driven by a policy")
+    try:
+        adapter = build_adapter(args, live, engine)
+        await _serve(args, stop, live, engine, adapter)
+    finally:
+        if (close := getattr(engine, "close", None)) is not None:
+            await asyncio.to_thread(close)  # an SGLang child stops with its worker
+
+
+async def _serve(
+    args: argparse.Namespace,
+    stop: asyncio.Event,
+    live: LiveConfig,
+    engine: ControllableEngine,
+    adapter: PolicyAdapter,
+) -> None:
+    pool: CpuAttnPool | None = None
+    if args.cpu_attn and callable(getattr(engine, "attach_cpu_attn", None)):
+        # Imported here: the CPU-attention link moves torch tensors, and a `sim` instance of a
+        # control-plane install (no torch) never uses it.
+        from services.instance.cpu_attn_discovery import Discovery
+        from services.instance.cpu_attn_link import CpuAttnPool
+
+        pool = CpuAttnPool()
+        engine.attach_cpu_attn(pool)  # type: ignore[attr-defined]
+        adapter.cpu_capacity = pool.capacity
+    nc: NATS = await connect(args.nats_url, f"instance-{args.id}", args.connect_timeout_s)
+    inst = Instance(nc, args.id, engine, adapter, live.cfg.slo)
+    migrator = Migrator(inst)
+    control = Control(inst, live)
+    plane = DataPlaneServer(migrator.on_payload, MAX_PAYLOAD_BYTES)
+    inst.data_url = await plane.start(args.data_host, args.data_port)
+    hb_s = envs.heartbeat_s()
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(plane.close)
+        sub = subscribe
+        await sub(nc, subjects.instance_submit(args.id), GenerateRequest, inst.on_submit)
+        await sub(nc, subjects.CANCEL, CancelRequest, inst.on_cancel)
+        await sub(nc, subjects.instance_preempt(args.id), PreemptSignal, inst.on_preempt)
+        await sub(nc, subjects.instance_migrate(args.id), MigrateCommand, migrator.on_command)
+        await sub(nc, subjects.migrate_offer(args.id), MigrateOffer, migrator.on_offer)
+        await sub(nc, subjects.migrate_commit(args.id), MigrateCommit, migrator.on_commit)
+        await sub(nc, subjects.migrate_abort(args.id), MigrateAbort, migrator.on_abort)
+        await sub(nc, subjects.CTL_POLICY_CHANGED, CtlPolicy, control.on_policy, json=True)
+        await nc.subscribe(subjects.instance_control(args.id), cb=control.on_control)
+        reaper: asyncio.Task[None] | None = None
+        if pool is not None:
+            stack.callback(pool.close)
+            discovery = Discovery(pool)
+            await discovery.start(nc)
+            reaper = asyncio.create_task(discovery.reap(stop))
+        label = " (emulated timings)" if engine.is_emulated else ""
+        log.info(
+            "instance %s (slot %d, %s, %s engine%s, model %s, policy %s, data plane %s) ready",
+            args.id,
+            args.index,
+            adapter.inst.role,
+            engine.name,
+            label,
+            engine.model_name,
+            adapter.policy.name,
+            inst.data_url,
+        )
+        hb_stop = asyncio.Event()
+        beats = asyncio.create_task(heartbeat_loop(nc, lambda: heartbeat(inst), hb_stop, hb_s))
+        expiry = asyncio.create_task(migrator.expire_loop(hb_stop))
+        await inst.run(stop)
+        log.info("instance %s draining", args.id)
+        await migrator.close()
+        await inst.drain(args.drain_timeout_s)
+        await migrator.close()
+        hb_stop.set()
+        await beats
+        await expiry
+        if reaper is not None:
+            await reaper
+        await nc.publish(
+            subjects.heartbeat("instance", args.id),
+            codec.encode(heartbeat(inst, status="stopped")),
+        )
+    log.info("instance %s stopped", args.id)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.instance", description=__doc__)
+    p.add_argument("--nats-url", default=envs.NATS_URL.get(), help="NATS server to join")
+    p.add_argument("--id", default="instance-0", help="instance id (letters, digits, _ -)")
+    p.add_argument("--index", type=int, default=0, help="this instance's slot in the config")
+    p.add_argument("--config", default="", help="cluster config YAML (default: embedded)")
+    p.add_argument("--policy", default="", help="policy name (default: the config's)")
+    p.add_argument(
+        "--roles",
+        default="",
+        help="comma-separated role per slot, instead of the config's (the scheduler must be "
+        f"given the same): {', '.join(ROLES)}",
+    )
+    p.add_argument("--engine", default="sim", choices=ENGINES, help="engine to host")
+    p.add_argument("--model", default="", help="model path (torch, sglang) or served name (sim)")
+    p.add_argument("--tokenizer", default="", help="sim engine: tokenizer (default SmolLM2's)")
+    p.add_argument("--device", default="cpu", help="torch device (torch engine)")
+    p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's)")
+    p.add_argument(
+        "--core-share",
+        default="",
+        help="torch: file of the engines sharing this machine's cores; each step then runs on "
+        "cores ÷ engines busy (slot = --index)",
+    )
+    p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
+    p.add_argument(
+        "--sglang-url",
+        default="",
+        help="sglang: attach to this running SGLang server (else start one as a child)",
+    )
+    p.add_argument(
+        "--sglang-decode-url",
+        default="",
+        help="sglang: with --sglang-url, SGLang PD disaggregation: --sglang-url is a server run "
+        "with --disaggregation-mode prefill, this one with --disaggregation-mode decode; every "
+        "request goes to both (same bootstrap room) and SGLang pushes its KV prefill -> decode",
+    )
+    p.add_argument(
+        "--sglang-bootstrap-port",
+        type=int,
+        default=DEFAULT_BOOTSTRAP_PORT,
+        help="sglang PD: the prefill server's --disaggregation-bootstrap-port, used when its "
+        "/server_info does not report it",
+    )
+    p.add_argument(
+        "--sglang-handoff-timeout-s",
+        type=float,
+        default=DEFAULT_HANDOFF_TIMEOUT_S,
+        help="sglang PD: a prefill server that has not answered, or a decode server that has "
+        "brought no token after the prefill answered, within this long fails the handoff "
+        "(the request is requeued; SGLang's own wait is 300 s)",
+    )
+    p.add_argument(
+        "--sglang-args",
+        default="",
+        help='sglang: extra `sglang.launch_server` arguments for the child, e.g. "--tp 2"',
+    )
+    p.add_argument(
+        "--sglang-python",
+        default="",
+        help="sglang: the Python that has sglang installed (default: this one)",
+    )
+    p.add_argument(
+        "--sglang-start-timeout-s",
+        type=float,
+        default=900.0,
+        help="sglang: how long to wait for the server to answer /health",
+    )
+    p.add_argument("--kv-cache-tokens", type=int, default=0, help="KV pool size (0: default)")
+    p.add_argument(
+        "--sim-step-model",
+        default="linear",
+        help="sim engine latency: zero | linear[:B,P,D,C] | MODEL@HARDWARE",
+    )
+    p.add_argument(
+        "--policy-step-model",
+        default="",
+        help="latency model the policy plans with (default: the sim engine's, or the "
+        "config's MODEL@HARDWARE roofline for torch)",
+    )
+    p.add_argument(
+        "--cpu-attn",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="torch: offload decode attention to the CPU-attention workers heartbeating on the "
+        "bus when the policy says so (OmniServe)",
+    )
+    p.add_argument("--data-host", default="127.0.0.1", help="KV data plane address")
+    p.add_argument("--data-port", type=int, default=0, help="KV data plane port (0: any free)")
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=5.0,
+        help="on SIGTERM, let running requests finish this long before aborting",
+    )
+    p.add_argument("--connect-timeout-s", type=float, default=10.0, help="give up after this")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_service("instance", lambda stop: serve(args, stop))

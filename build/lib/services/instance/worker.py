@@ -1,0 +1,392 @@
+"""An instance worker's live loop: requests in over NATS, the policy's `schedule` before every
+engine step, its `StepPlan` carried out on the engine, tokens out to the gateway, and a state
+report to the scheduler after each step.
+
+Preemption (OOCO §3.4.1): an online request that arrives while the step in flight computes only
+offline work (or a step the policy marked `preemptible_layers`) cuts that step at its next layer
+boundary; the cut chunks resume later without recompute. The scheduler can send the same signal
+on `subjects.instance_preempt(id)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from services.common.bus import respond
+from services.instance.policy_adapter import PolicyAdapter, ReqMeta
+from tidal.engine.api import (
+    ControllableEngine,
+    EngineRequest,
+    FinishReason,
+    RequestClass,
+    SamplingParams,
+    StepResult,
+    TokenEvent,
+    check_fits,
+)
+from tidal.engine.executor import execute
+from tidal.policy.base import Slo, StepPlan
+from tidal.schemas import codec, subjects
+from tidal.schemas.messages import (
+    CancelRequest,
+    GenerateAck,
+    GenerateRequest,
+    PreemptSignal,
+    TokenChunk,
+)
+
+log = logging.getLogger("tidal.instance")
+
+REPORT_MIN_INTERVAL_S = 0.05  # at most ~20 state reports a second
+IDLE_REPORT_INTERVAL_S = 0.5  # an idle instance still reports, so the view never goes stale
+IDLE_PLAN_RETRY_S = 0.02  # the policy left a busy instance idle: ask it again this soon
+MAX_BAD_PLANS = 3  # plans the engine refused in a row before one step of its own FCFS planner
+
+
+@dataclass
+class Stream:
+    """Where a request's tokens go, and the seq of its next chunk."""
+
+    reply_subject: str
+    seq: int = 0
+    num_prev_output: int = 0  # tokens streamed before a recompute resumed it elsewhere
+
+
+class Instance:
+    def __init__(
+        self,
+        nc: NATS,
+        instance_id: str,
+        engine: ControllableEngine,
+        adapter: PolicyAdapter,
+        default_slo: Slo,
+    ) -> None:
+        self.nc = nc
+        self.id = instance_id
+        self.engine = engine
+        self.adapter = adapter
+        self.default_slo = default_slo
+        self.streams: dict[str, Stream] = {}  # req_id -> where its tokens go
+        self.pending_add: list[EngineRequest] = []  # handed to the engine between steps
+        self.pending_abort: list[str] = []
+        self.wake = asyncio.Event()
+        self.engine_lock = asyncio.Lock()  # held by a step, an export and an import
+        self.draining = False
+        self.data_url = ""
+        self.started_unix_s = time.time()
+        self.num_steps = 0
+        self.num_preemptions = 0  # layer-boundary cuts
+        self.preempt_latency_s: list[float] = []  # signal -> engine free, recent cuts
+        self.last_step_ms = 0.0
+        self.in_flight: StepPlan | None = None
+        self.in_flight_preemptible = False
+        self.report_seq = 0
+        self.finished_ids: list[str] = []  # ended since the last report
+        self.last_report_s = 0.0
+        # An online request gave its first token since the last report: the scheduler's
+        # `place_decode` (push migration) waits on a report that shows it decoding, so the
+        # next report goes out at once, not up to REPORT_MIN_INTERVAL_S later.
+        self.placement_due = False
+
+    # ---- inbound ----
+
+    async def on_submit(self, req: GenerateRequest, msg: Msg) -> None:
+        if self.draining:
+            await respond(msg, GenerateAck(ok=False, error_code="draining", message="draining"))
+            return
+        if not req.reply_subject.startswith(subjects.PREFIX + ".gw."):
+            ack = GenerateAck(
+                ok=False,
+                error_code="invalid_request",
+                message="reply_subject must be a gateway subject",
+            )
+            await respond(msg, ack)
+            return
+        if req.req_id in self.streams:
+            ack = GenerateAck(ok=False, error_code="invalid_request", message="duplicate req_id")
+            await respond(msg, ack)
+            return
+        try:
+            engine_req = self._to_engine_request(req)
+        except ValueError as exc:
+            code = "context_length_exceeded" if "context" in str(exc) else "invalid_request"
+            await respond(msg, GenerateAck(ok=False, error_code=code, message=str(exc)))
+            return
+        self.streams[req.req_id] = Stream(
+            req.reply_subject, req.first_seq, num_prev_output=len(req.resume_token_ids)
+        )
+        slo = None
+        if engine_req.req_class is RequestClass.ONLINE:
+            d = self.default_slo
+            slo = Slo(
+                (req.ttft_slo_ms / 1e3) if req.ttft_slo_ms else d.ttft_s,
+                (req.tpot_slo_ms / 1e3) if req.tpot_slo_ms else d.tpot_s,
+            )
+        self.adapter.meta[req.req_id] = ReqMeta(slo, req.arrival_unix_s or time.time())
+        self.pending_add.append(engine_req)
+        self.wake.set()
+        if (wake_step := getattr(self.engine, "wake_step", None)) is not None:
+            wake_step()  # an engine that waits inside its step (sglang) admits it now
+        if engine_req.req_class is RequestClass.ONLINE:
+            self.preempt_offline_step(f"online {req.req_id} arrived")
+        ack = GenerateAck(
+            ok=True,
+            num_prompt_tokens=len(engine_req.prompt_token_ids) - len(req.resume_token_ids),
+            engine=self.engine.name,
+            is_emulated=self.engine.is_emulated,
+        )
+        await respond(msg, ack)
+
+    def _to_engine_request(self, req: GenerateRequest) -> EngineRequest:
+        tok = self.engine.tokenizer
+        if req.messages is not None:
+            prompt = tok.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in req.messages]
+            )
+        else:
+            prompt = req.prompt or ""
+        ids = tok.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        s = req.sampling
+        max_tokens = s.max_tokens
+        if s.max_tokens_is_default:
+            max_tokens = max(1, min(max_tokens, self.engine.max_model_len - len(ids)))
+        check_fits(len(ids), max_tokens, self.engine.max_model_len)
+        # A recompute after a lost instance: what the client already has is input now.
+        resumed = list(req.resume_token_ids)
+        if len(resumed) >= max_tokens:
+            raise ValueError("resume_token_ids already hold max_tokens tokens")
+        sampling = SamplingParams(
+            max_tokens=max_tokens - len(resumed),
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            stop=tuple(s.stop),
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs,
+        )
+        return EngineRequest(
+            req_id=req.req_id,
+            prompt_token_ids=ids + resumed,
+            sampling=sampling,
+            req_class=RequestClass(req.req_class),
+            arrival_s=req.arrival_unix_s or time.time(),
+        )
+
+    async def on_cancel(self, req: CancelRequest, msg: Msg) -> None:
+        if req.req_id in self.streams:
+            self.pending_abort.append(req.req_id)
+            self.wake.set()
+
+    async def on_preempt(self, sig: PreemptSignal, msg: Msg) -> None:
+        self.preempt_offline_step(sig.reason or f"scheduler, for {sig.req_id}")
+
+    def preempt_offline_step(self, why: str) -> bool:
+        """Cut the step in flight at its next layer boundary if it may be cut (OOCO §3.4.1)."""
+        if self.in_flight is None or not self.in_flight_preemptible:
+            return False
+        request_preempt = getattr(self.engine, "request_preempt", None)
+        if request_preempt is None or not request_preempt():
+            return False
+        log.info("preempting the offline step in flight: %s", why)
+        return True
+
+    # ---- the engine loop ----
+
+    def _apply_pending(self) -> list[TokenEvent]:
+        failed: list[TokenEvent] = []
+        adds, self.pending_add = self.pending_add, []
+        for req in adds:
+            try:
+                self.engine.add(req)
+            except ValueError as exc:
+                failed.append(TokenEvent(req.req_id, (), "", FinishReason.ERROR, error=str(exc)))
+        aborts, self.pending_abort = self.pending_abort, []
+        for req_id in aborts:
+            self.engine.abort(req_id)
+            self.streams.pop(req_id, None)  # a cancelled client wants nothing more
+            self.adapter.meta.pop(req_id, None)
+        return failed
+
+    async def _idle(self, stop: asyncio.Event, timeout_s: float) -> None:
+        self.wake.clear()
+        waiter = asyncio.ensure_future(self.wake.wait())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiter, stopper}, timeout=timeout_s, return_when="FIRST_COMPLETED")
+        waiter.cancel()
+        stopper.cancel()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        num_bad = 0
+        # When the work for the next step began: the previous step's end while the loop runs
+        # back to back, else the moment it found work. An emulating engine (`step_origin`)
+        # counts its step time from here, so this loop's own work (publishing, reporting,
+        # planning, the thread hand-off) is inside each emulated step, not added to it.
+        origin: float | None = None
+        while not stop.is_set():
+            origin = time.perf_counter() if origin is None else origin
+            async with self.engine_lock:
+                failed = self._apply_pending()
+            await self._publish(failed)
+            if not self.engine.has_work():
+                # NOTE: going idle with requests just ended reports them now, not when the idle
+                # interval comes round: the scheduler counts them as queued here until it knows.
+                stale = time.time() - self.last_report_s > IDLE_REPORT_INTERVAL_S
+                await self.report(force=stale or bool(self.finished_ids))
+                await self._idle(stop, IDLE_REPORT_INTERVAL_S)
+                origin = None
+                continue
+            # The lock spans snapshot -> plan -> step: a migration exporting a request between
+            # them would leave the plan naming a request the engine no longer has.
+            async with self.engine_lock:
+                now = time.time()
+                self.adapter.sync(self.engine.snapshot(), self.engine.num_free_blocks(), now)
+                plan = self.adapter.plan(now)
+                fcfs = num_bad >= MAX_BAD_PLANS
+                # an engine whose requests run by themselves (sglang) steps to collect tokens
+                idle = plan.is_empty and not fcfs and not getattr(self.engine, "self_driven", False)
+                ok = None if idle else await self._step(plan, fcfs, origin)
+                if self.placement_due:
+                    # NOTE: mirrored while the lock is held: a migration taking the lock next
+                    # would leave `report` without a sync, and the first token unreported.
+                    snaps, free = self.engine.snapshot(), self.engine.num_free_blocks()
+                    self.adapter.sync(snaps, free, time.time())
+            if ok is None:
+                await self.report()
+                await self._idle(stop, IDLE_PLAN_RETRY_S)  # the policy idles it for now
+                origin = None
+                continue
+            num_bad = 0 if ok else num_bad + 1
+            origin = getattr(self.engine, "last_step_end_s", None) if ok else None
+            await self.report(force=self.placement_due)
+
+    async def _step(self, plan: StepPlan, fcfs: bool, origin: float | None = None) -> bool:
+        reqs = self.adapter.reqs
+        ids = [*plan.prefill, *plan.decode]
+        has_online = any(reqs[r].is_online for r in ids if r in reqs)
+        self.in_flight = plan
+        self.in_flight_preemptible = plan.preemptible_layers > 0 or (bool(ids) and not has_online)
+        self.adapter.on_step_start(plan, time.time())
+        if hasattr(self.engine, "step_origin"):
+            self.engine.step_origin = origin
+        result: StepResult | None
+        try:  # NOTE: the caller holds engine_lock
+            if fcfs:
+                log.warning("the policy's plans failed %d times; one FCFS step", MAX_BAD_PLANS)
+                result = await asyncio.to_thread(self.engine.step, None)
+            else:
+                ex = await asyncio.to_thread(execute, self.engine, plan, self.adapter.forced)
+                result = ex.result
+        except (ValueError, MemoryError, KeyError) as exc:
+            log.warning(
+                "the engine refused the policy's plan (%s): %s", self.adapter.policy.name, exc
+            )
+            return False
+        finally:
+            self.in_flight = None
+            if hasattr(self.engine, "step_origin"):
+                self.engine.step_origin = None  # not used by a step that did not run
+        if result is None:
+            return True
+        self.num_steps += 1
+        self.last_step_ms = result.telemetry.step_s * 1e3
+        ran = result.telemetry.num_requests or result.events or plan.cpu_decode
+        if not ran and (plan.prefill or plan.decode) and not fcfs:
+            # The engine ran none of the plan (it gave the planned blocks back for lack of
+            # room): a plan it can never run would repeat forever, so count it as refused and
+            # let the engine's own planner take a step after MAX_BAD_PLANS of them.
+            log.warning(
+                "the engine ran nothing of the policy's plan (%s): out of KV blocks",
+                self.adapter.policy.name,
+            )
+            return False
+        if getattr(self.engine, "last_step_preempted", False):
+            self.num_preemptions += 1
+            lat = getattr(self.engine, "last_preempt_latency_s", None)
+            if lat is not None:
+                self.preempt_latency_s = [*self.preempt_latency_s[-999:], lat]
+        await self._publish(result.events)
+        return True
+
+    async def _publish(self, events: list[TokenEvent]) -> None:
+        now = time.time()
+        for ev in events:
+            stream = self.streams.get(ev.req_id)
+            if stream is None:
+                continue
+            self.adapter.on_tokens(ev.req_id, now, len(ev.token_ids))
+            chunk = TokenChunk(
+                req_id=ev.req_id,
+                seq=stream.seq,
+                text=ev.text,
+                num_tokens=len(ev.token_ids),
+                num_prompt_tokens=ev.num_prompt_tokens - stream.num_prev_output,
+                num_output_tokens=ev.num_output_tokens + stream.num_prev_output,
+                instance_id=self.id,
+                finish_reason=None if ev.finish_reason is None else str(ev.finish_reason),
+                logprobs=list(ev.logprobs),
+                is_emulated=self.engine.is_emulated,
+                error=ev.error,
+                token_ids=list(ev.token_ids),
+            )
+            meta = self.adapter.meta.get(ev.req_id)
+            if stream.seq == 0 and ev.token_ids and ev.finish_reason is None:
+                self.placement_due |= meta is not None and meta.slo is not None  # online
+            stream.seq += 1
+            if ev.finish_reason is not None:
+                del self.streams[ev.req_id]
+                self.adapter.meta.pop(ev.req_id, None)
+                self.finished_ids.append(ev.req_id)
+            await self.nc.publish(stream.reply_subject, codec.encode(chunk))
+
+    async def report(self, force: bool = False) -> None:
+        """Publish the instance's state, at most every REPORT_MIN_INTERVAL_S unless forced."""
+        now = time.time()
+        if not force and now - self.last_report_s < REPORT_MIN_INTERVAL_S:
+            return
+        if self.in_flight is None and not self.engine_lock.locked():
+            self.adapter.sync(self.engine.snapshot(), self.engine.num_free_blocks(), now)
+        self.last_report_s = now
+        self.placement_due = False
+        self.report_seq += 1
+        rep = self.adapter.report(
+            self.report_seq,
+            self.data_url,
+            draining=self.draining,
+            started_unix_s=self.started_unix_s,
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+            last_step_ms=round(self.last_step_ms, 3),
+            emulated=self.engine.is_emulated,
+            finished_req_ids=self.finished_ids,
+        )
+        self.finished_ids = []
+        try:
+            await self.nc.publish(subjects.instance_state(self.id), codec.encode(rep))
+        except Exception as exc:  # a reconnecting client buffers; anything else is logged
+            log.warning("state report not sent: %s", exc)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Take no new work; let running requests finish for `timeout_s`, then abort the rest."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        stop = asyncio.Event()
+        runner = asyncio.create_task(self.run(stop))
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stop.set()
+        self.wake.set()
+        await runner
+        for req_id in list(self.streams):
+            self.engine.abort(req_id)
+            ev = TokenEvent(req_id, (), "", FinishReason.ABORT, error="instance shutting down")
+            await self._publish([ev])

@@ -1,0 +1,5 @@
+import sys
+
+from services.scheduler.main import main
+
+sys.exit(main())

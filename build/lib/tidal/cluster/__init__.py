@@ -1,0 +1,1 @@
+"""Cluster view shared by the live scheduler: who is alive, and where a request goes."""

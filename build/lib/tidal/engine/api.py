@@ -1,0 +1,245 @@
+"""The one interface every instance engine implements (`sim` now, `torch` next, `sglang` later).
+
+The instance service owns an engine and drives it with one call per step; inside, each engine runs
+the loop STYLE.md asks for: ``plan = scheduler.schedule(now)`` -> ``out = runner.execute(plan)`` ->
+``scheduler.update(plan, out)``. The service feeds requests in (`add`, `abort`) and carries the
+step's token events out to the gateway. Nothing here does I/O.
+
+An engine is *emulated* when its step times come from a latency model rather than from running a
+model (`sim`). It still takes that time (the sim engine waits it out, interruptibly, when
+`realtime`), and every response and metric it produces is labelled as emulation.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from tidal.policy.plan import StepPlan
+from tidal.schemas.enums import RequestClass
+
+
+class OffloadRefused(Exception):
+    """No CPU-attention worker took the request (the message says why); it stays on the
+    instance."""
+
+
+__all__ = [
+    "ControllableEngine",
+    "Engine",
+    "EngineLoad",
+    "EngineRequest",
+    "FinishReason",
+    "RequestClass",
+    "SamplingParams",
+    "SeqSnapshot",
+    "StepPlan",
+    "StepResult",
+    "StepTelemetry",
+    "TokenEvent",
+    "Tokenizer",
+]
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop string or a stop token id
+    LENGTH = "length"  # max_tokens reached or the context window is full
+    ABORT = "abort"  # cancelled by the client or the operator
+    ERROR = "error"  # the engine failed this request (message in TokenEvent.error)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, mirroring the OpenAI fields the gateway accepts."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top log-probs to return per token; None = none
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+
+def check_fits(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
+    """ValueError (naming the context, which the gateway maps to `context_length_exceeded`)
+    when prompt + max_tokens does not fit the model's context."""
+    if num_prompt + max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"context length of {max_model_len} tokens"
+        )
+
+
+@dataclass
+class EngineRequest:
+    """A tokenised request as it enters an engine."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    req_class: RequestClass = RequestClass.ONLINE
+    arrival_s: float = 0.0  # caller's clock, for queueing metrics only
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One request's progress in one step: the tokens it produced, and whether it ended."""
+
+    req_id: str
+    token_ids: tuple[int, ...]  # tokens produced this step (usually 0 or 1)
+    text: str  # detokenised text delta for token_ids (stop strings already cut)
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far, including this step's
+    logprobs: tuple[float, ...] = ()  # log-prob of each token in token_ids, when asked
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class StepTelemetry:
+    """What one engine step did; the performance models are calibrated from a log of these."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_context_tokens: int  # KV tokens attended to, summed over requests
+    num_requests: int
+    step_s: float  # wall time, or emulated time for an emulated engine
+    module_s: dict[str, float] = field(default_factory=dict)  # module name -> seconds (optional)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    events: list[TokenEvent]
+    telemetry: StepTelemetry
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The load an instance reports to the scheduler."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_online: int
+    num_offline: int
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """Render OpenAI-style chat messages into a prompt string ending at the assistant turn."""
+        ...
+
+
+class Engine(Protocol):
+    """The instance engine interface. Calls come from one thread at a time."""
+
+    name: str  # "sim", "torch", ...
+    model_name: str  # the model id clients ask for
+    is_emulated: bool  # True when step_s is emulated, not measured
+    max_model_len: int  # prompt + output tokens one request may hold
+    tokenizer: Tokenizer
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request; ValueError (with a message for the client) if it can never run."""
+        ...
+
+    def abort(self, req_id: str) -> bool:
+        """Drop a request wherever it is and free its KV; False if it is unknown."""
+        ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> StepResult:
+        """Run one schedule -> execute -> update iteration."""
+        ...
+
+    def load(self) -> EngineLoad: ...
+
+
+@dataclass(frozen=True)
+class SeqSnapshot:
+    """One request inside an engine, as the instance's policy adapter mirrors it into a
+    `tidal.policy.ReqState` before every step."""
+
+    req_id: str
+    req_class: RequestClass
+    arrival_s: float  # the EngineRequest's arrival_s (caller's clock)
+    num_prompt_tokens: int
+    max_output_tokens: int  # sampling.max_tokens
+    num_computed_tokens: int  # tokens whose KV is written for every layer
+    num_output_tokens: int  # generated so far
+    num_blocks: int  # KV blocks held on the device
+    status: str  # "waiting" (no KV) | "running" (KV on device) | "swapped" (KV in host memory)
+    forced_tokens: int = 0  # > 0: a layer-preempted chunk that must resume with exactly this many
+
+
+@runtime_checkable
+class ControllableEngine(Engine, Protocol):
+    """An engine a policy can drive step by step: explicit plans, preemption (at a layer
+    boundary, and by recompute), swapping, and export/import for migration. `torch` and `sim`
+    implement it; the instance service's executor (`tidal.engine.executor`) is its only caller.
+    """
+
+    block_size: int  # tokens per KV block
+    num_kv_blocks: int  # KV blocks in total
+    kv_bytes_per_token: float  # bytes of KV one token holds (all layers)
+    last_step_preempted: bool  # the last step was cut at a layer boundary
+    last_preempt_latency_s: float | None  # signal -> free time of the last cut
+
+    def step(self, plan: StepPlan | None = None) -> StepResult:
+        """Run `plan` (prefill chunks and decodes; its preempt/swap fields are the executor's
+        business, not the engine's), or the engine's own FCFS planner when None."""
+        ...
+
+    def request_preempt(self) -> bool:
+        """Thread-safe: end the running step after its current layer (False: none running).
+        The cut work is kept and resumes without recompute (`SeqSnapshot.forced_tokens`)."""
+        ...
+
+    def preempt(self, req_id: str) -> None:
+        """Drop the request's KV; it waits again and recomputes prompt + output later."""
+        ...
+
+    def swap_out(self, req_id: str) -> None: ...
+
+    def swap_in(self, req_id: str) -> None:
+        """MemoryError if the KV does not fit now."""
+        ...
+
+    def export_request(self, req_id: str, remove: bool = True) -> bytes:
+        """Tokens, sampling state and KV of all layers; another engine of the same model
+        continues it with identical output."""
+        ...
+
+    def import_request(self, data: bytes) -> None:
+        """MemoryError if its KV does not fit; ValueError for a foreign or corrupt payload."""
+        ...
+
+    def snapshot(self) -> list[SeqSnapshot]:
+        """Every request in the engine, in arrival order."""
+        ...
+
+    def num_free_blocks(self) -> int: ...

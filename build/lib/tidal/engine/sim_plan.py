@@ -1,0 +1,89 @@
+"""Step planning and timing of the `sim` engine: its own online-first planner, the batch shape
+of a step, and the emulated time of each layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView
+from tidal.engine.sim_seq import SimSeq
+from tidal.perf.api import BatchShape, StepModel
+from tidal.schemas.enums import RequestClass
+
+__all__ = ["Item", "batch_shape", "layer_times", "online_first_plan", "tokens_of"]
+
+Item = tuple[SimSeq, int]  # (request, tokens this step)
+
+
+def tokens_of(plan: Any) -> dict[str, int]:
+    """req_id -> tokens this step, from a `tidal.policy.plan.StepPlan` (or any plan with
+    `num_tokens`); a decode computes 1."""
+    num_tokens = getattr(plan, "num_tokens", None)
+    if num_tokens is None:
+        num_tokens = dict(plan.prefill) | dict.fromkeys(plan.decode, 1)
+    return dict(num_tokens)
+
+
+def online_first_plan(
+    views: Sequence[SeqView],
+    num_free_blocks: int,
+    block_size: int,
+    blocks_needed: Callable[[str, int], int],
+    token_budget: int,
+    chunk_size: int,
+    max_num_seqs: int,
+) -> dict[str, int]:
+    """The torch engine's `FcfsChunkedPlanner`, run twice so that online requests go first:
+    over the online requests plus every decode and cut chunk, then over the offline prefills
+    with the tokens, request slots and blocks left. `blocks_needed(req_id, tokens)` counts the
+    new KV blocks an entry takes."""
+
+    def first_pass(v: SeqView) -> bool:
+        return v.req_class == RequestClass.ONLINE or v.is_decode or v.forced_tokens > 0
+
+    planner = FcfsChunkedPlanner(
+        token_budget=token_budget, chunk_size=chunk_size, max_num_seqs=max_num_seqs
+    )
+    first = [v for v in views if first_pass(v)]
+    out = tokens_of(planner.plan(first, num_free_blocks, block_size))
+    rest = [v for v in views if not first_pass(v)]
+    budget = token_budget - sum(out.values())
+    if rest and budget > 0 and len(out) < max_num_seqs:
+        used = sum(blocks_needed(rid, n) for rid, n in out.items())
+        planner = FcfsChunkedPlanner(
+            token_budget=budget, chunk_size=chunk_size, max_num_seqs=max_num_seqs - len(out)
+        )
+        out |= tokens_of(planner.plan(rest, max(0, num_free_blocks - used), block_size))
+    return out
+
+
+def batch_shape(items: Sequence[Item]) -> BatchShape:
+    p = pr = pairs = sq = d = ctx = 0
+    for seq, n in items:
+        if seq.is_decode:
+            d += 1
+            ctx += seq.num_computed + 1
+        else:
+            p, pr, pairs, sq = p + n, pr + 1, pairs + n * (seq.num_computed + n), sq + n * n
+    return BatchShape(
+        num_prefill_tokens=p,
+        num_prefill_reqs=pr,
+        prefill_attn_pairs=pairs,
+        num_decode_reqs=d,
+        decode_context_tokens=ctx,
+        prefill_sq_tokens=sq,
+    )
+
+
+def layer_times(items: Sequence[Item], step_model: StepModel, num_layers: int) -> list[float]:
+    """Emulated seconds of each layer: layer l runs the chunks that start at or before it (a
+    chunk cut by a preemption resumes at `partial_layer`), so a resumed chunk only costs its
+    remaining layers' share of the step time. An empty step takes 0 s."""
+    out = [0.0] * num_layers
+    starts = sorted({s.partial_layer for s, _ in items})
+    for i, start in enumerate(starts):
+        active = [(s, n) for s, n in items if s.partial_layer <= start]
+        end = starts[i + 1] if i + 1 < len(starts) else num_layers
+        out[start:end] = [step_model.step_s(batch_shape(active)) / num_layers] * (end - start)
+    return out

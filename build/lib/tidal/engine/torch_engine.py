@@ -1,0 +1,465 @@
+"""`torch`: the real instance engine, a paged-KV PyTorch engine for the Llama family.
+
+Implements `tidal.engine.api.Engine` (add / abort / has_work / step / load). Beyond it, the
+instance service may call:
+
+- `request_preempt() -> bool` — thread-safe, from any thread while `step()` runs in another: the
+  step stops after the current transformer layer and returns with no events. Each interrupted
+  chunk keeps its hidden states and the KV of the layers already run, and a later step resumes it
+  from that layer without recompute (OOCO §3.4.1). `last_preempt_latency_s` is the measured
+  signal-to-free time; `last_step_preempted` says the last step was cut short.
+- `step(plan: StepPlan | None = None)` — run an explicit plan (req_id -> tokens this step);
+  without one, `self.planner` (default `FcfsChunkedPlanner`: decodes, then FCFS prefill chunks
+  under a token budget) decides. `set_planner()` swaps it (TaiChi chunk sizes, HyGen budgets).
+  `schedulable()` lists what a planner may schedule.
+- `export_request(req_id, remove=True) -> bytes` / `import_request(data)` — a request's tokens,
+  sampling state (RNG included) and KV of all layers, so another engine continues it with
+  identical output (push/pull migration).
+- `swap_out(req_id)` / `swap_in(req_id)` — move a request's KV to host memory and back.
+- `free_kv_tokens()`, `check_integrity()`.
+
+Per-step `StepTelemetry` is in every `StepResult`; with `EngineConfig.step_log` each completed
+step is also appended as one JSON line: the `StepTelemetry` field names, plus the optional exact
+features `tidal.perf.steplog` reads (`num_prefill_reqs`, `decode_context_tokens`,
+`prefill_attn_pairs`, `prefill_sq_tokens`). Preempted steps are not logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from tidal.engine import kv_transfer as kvt
+from tidal.engine.api import (
+    EngineLoad,
+    EngineRequest,
+    RequestClass,
+    SeqSnapshot,
+    StepResult,
+    StepTelemetry,
+)
+from tidal.engine.core_share import CoreShare
+from tidal.engine.cpu_offload import CpuOffloadMixin
+from tidal.engine.dtype_choice import DtypeChoice
+from tidal.engine.engine_config import EngineConfig, default_dtype
+from tidal.engine.kv_cache import BlockAllocator, block_hashes
+from tidal.engine.llama import LlamaModel
+from tidal.engine.model_config import ModelConfig
+from tidal.engine.preemption import LayerPreemption
+from tidal.engine.runner import StepRunner
+from tidal.engine.sampling import Detokenizer, make_generator
+from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView, StepPlanner
+from tidal.engine.sequence import SeqStatus, Sequence
+from tidal.engine.tokenizer import TidalTokenizer
+from tidal.policy.plan import StepPlan
+
+__all__ = ["EngineConfig", "TorchEngine", "default_dtype", "load_torch_engine"]
+
+_DECODING = (SeqStatus.RUNNING, SeqStatus.OFFLOADED)  # counted as running in `load()`
+
+
+class TorchEngine(CpuOffloadMixin):
+    name = "torch"
+    is_emulated = False
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: TidalTokenizer,
+        model_name: str,
+        config: EngineConfig | None = None,
+        planner: StepPlanner | None = None,
+    ) -> None:
+        self.config = cfg = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.dtype_choice: DtypeChoice | None = None  # set by load_torch_engine when it chose
+        # cores shared with the other engines on this machine: threads follow who is busy
+        self.core_share: CoreShare | None = None
+        mc: ModelConfig = model.config
+        num_blocks = cfg.kv_cache_tokens // cfg.block_size
+        self.block_size = cfg.block_size
+        self.num_kv_blocks = num_blocks
+        # k and v of every layer, in the model's dtype
+        self.kv_bytes_per_token = float(
+            mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * model.dtype.itemsize
+        )
+        self.allocator = BlockAllocator(num_blocks, cfg.block_size, cfg.enable_prefix_cache)
+        # (L, 2, slots, Hk, D); torch.empty so the OS commits pages only as they are used
+        self.kv = torch.empty(
+            (
+                mc.num_hidden_layers,
+                2,
+                num_blocks * cfg.block_size,
+                mc.num_key_value_heads,
+                mc.head_dim,
+            ),
+            dtype=model.dtype,
+            device=model.device,
+        )
+        self.max_model_len = min(
+            cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        self.planner: StepPlanner = planner or FcfsChunkedPlanner(
+            cfg.token_budget, cfg.chunk_size, cfg.max_num_seqs
+        )
+        self.runner = StepRunner(
+            model, self.kv, cfg.block_size, tokenizer.eos_token_id, self.max_model_len
+        )
+        self.seqs: dict[str, Sequence] = {}  # insertion order = arrival order
+        self.preemption = LayerPreemption()
+        self.last_step_preempted = False
+        self.last_preempt_latency_s: float | None = None
+        self.num_recompute_preemptions = 0  # requests that lost their KV to memory pressure
+        self._last_step_s = 0.0
+        self._log: TextIO | None = None
+        if cfg.step_log:
+            Path(cfg.step_log).parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(cfg.step_log, "a")  # noqa: SIM115 - lives as long as the engine
+
+    # ---- Engine protocol -------------------------------------------------------------------
+    def add(self, request: EngineRequest) -> None:
+        n = len(request.prompt_token_ids)
+        if request.req_id in self.seqs:
+            raise ValueError(f"request id {request.req_id!r} is already in this engine")
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {n} tokens leaves no room under max_model_len {self.max_model_len}"
+            )
+        if -(-(n + 1) // self.block_size) > self.allocator.num_blocks:
+            raise ValueError(f"prompt of {n} tokens does not fit this instance's KV cache")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise ValueError(f"prompt holds token ids outside [0, {vocab})")
+        sp = request.sampling
+        self.seqs[request.req_id] = Sequence(
+            req=request,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt=n,
+            detok=Detokenizer(self.tokenizer, sp.stop),
+            generator=make_generator(sp),
+        )
+
+    def abort(self, req_id: str) -> bool:
+        seq = self.seqs.pop(req_id, None)
+        if seq is None:
+            return False
+        self._free(seq)
+        if self.core_share is not None and not self.has_work():
+            self.core_share.idle()  # the last request left (aborted, migrated): free the cores
+        return True
+
+    def has_work(self) -> bool:
+        return any(s.status != SeqStatus.SWAPPED for s in self.seqs.values())
+
+    def load(self) -> EngineLoad:
+        seqs = list(self.seqs.values())
+        return EngineLoad(
+            num_running=sum(s.status in _DECODING for s in seqs),
+            num_waiting=sum(s.status not in _DECODING for s in seqs),
+            num_kv_blocks_used=self.allocator.num_used,
+            num_kv_blocks_total=self.allocator.num_blocks,
+            num_online=sum(s.req.req_class == RequestClass.ONLINE for s in seqs),
+            num_offline=sum(s.req.req_class == RequestClass.OFFLINE for s in seqs),
+        )
+
+    def step(self, plan: StepPlan | None = None) -> StepResult:
+        t0 = time.perf_counter()
+        if self.core_share is not None:
+            self.core_share.apply(self._last_step_s)
+        try:
+            return self._step(plan, t0)
+        finally:
+            self._last_step_s = time.perf_counter() - t0
+            if self.core_share is not None:  # renew the stamp past a long step, or free it
+                if self.has_work():
+                    self.core_share.busy(self._last_step_s)
+                else:
+                    self.core_share.idle()
+
+    def _step(self, plan: StepPlan | None, t0: float) -> StepResult:
+        with self.preemption.step():
+            if plan is None:
+                plan = self.planner.plan(
+                    self.schedulable(), self.allocator.num_free, self.block_size
+                )
+            self._requeue_lost()
+            items, finished = self._prepare(plan)
+            events = [self.runner.finish_event(s, "length") for s in finished]
+            for s in finished:
+                self.seqs.pop(s.req_id, None)
+                self._free(s)
+            module_s: dict[str, float] | None = {} if self.config.profile_modules else None
+            piggy = self._piggyback(plan.cpu_decode, not items, self.preemption.is_set)
+            out = self.runner.run(items, self.preemption.is_set, module_s, piggy)
+            if piggy is not None:
+                self.piggy_steps.append((len(piggy.seqs), piggy.overhead_s))
+            self.last_step_preempted = out.preempted
+            if out.preempted:
+                self.last_preempt_latency_s = self.preemption.latency_s()
+            for seq in out.done:
+                self._register_blocks(seq)
+            for ev in out.events:
+                events.append(ev)
+                if ev.finish_reason is not None:
+                    self._free(self.seqs.pop(ev.req_id))
+            tel = StepTelemetry(
+                num_prefill_tokens=out.num_prefill_tokens,
+                num_decode_tokens=out.num_decode_tokens,
+                num_context_tokens=out.num_context_tokens,
+                num_requests=len(items),
+                step_s=time.perf_counter() - t0,
+                module_s=module_s or {},
+            )
+            if self._log is not None and items and not out.preempted:
+                extra = {
+                    "num_prefill_reqs": out.num_prefill_reqs,
+                    "decode_context_tokens": out.decode_context_tokens,
+                    "prefill_attn_pairs": out.prefill_attn_pairs,
+                    "prefill_sq_tokens": out.prefill_sq_tokens,
+                }
+                self._log.write(json.dumps(dataclasses.asdict(tel) | extra) + "\n")
+                self._log.flush()
+            return StepResult(events=events, telemetry=tel)
+
+    # ---- control beyond the protocol -------------------------------------------------------
+    def request_preempt(self) -> bool:
+        """Stop the running step after its current layer; False if no step is running."""
+        return self.preemption.request()
+
+    def set_planner(self, planner: StepPlanner) -> None:
+        self.planner = planner
+
+    def schedulable(self) -> list[SeqView]:
+        return [
+            SeqView(
+                req_id=s.req_id,
+                req_class=s.req.req_class,
+                arrival_s=s.req.arrival_s,
+                num_pending=s.num_pending,
+                is_decode=s.is_decode,
+                has_kv=bool(s.block_ids),
+                forced_tokens=s.partial.num_tokens if s.partial else 0,
+            )
+            for s in self.seqs.values()
+            if s.status not in (SeqStatus.SWAPPED, SeqStatus.OFFLOADED)
+        ]
+
+    def snapshot(self) -> list[SeqSnapshot]:
+        self._requeue_lost()  # the policy plans with what the workers still hold
+        return [
+            SeqSnapshot(
+                req_id=s.req_id,
+                req_class=s.req.req_class,
+                arrival_s=s.req.arrival_s,
+                num_prompt_tokens=s.num_prompt,
+                max_output_tokens=s.req.sampling.max_tokens,
+                num_computed_tokens=s.num_computed,
+                num_output_tokens=s.num_output,
+                num_blocks=len(s.block_ids),
+                status=str(s.status),
+                forced_tokens=s.partial.num_tokens if s.partial else 0,
+            )
+            for s in self.seqs.values()
+        ]
+
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def preempt(self, req_id: str) -> None:
+        """Preemption by recompute: drop the request's KV; it prefills prompt + output again."""
+        seq = self.seqs[req_id]
+        if seq.status == SeqStatus.SWAPPED:
+            raise ValueError(f"{req_id!r} is swapped out; swap it in or abort it")
+        if seq.status == SeqStatus.OFFLOADED:
+            self._drop_offloaded(seq)
+            seq.num_computed, seq.hashes, seq.status = 0, [], SeqStatus.WAITING
+            self.num_recompute_preemptions += 1
+        if seq.block_ids:
+            self._preempt_recompute(seq)
+
+    def free_kv_tokens(self) -> int:
+        return self.allocator.num_free * self.block_size
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity([s.block_ids for s in self.seqs.values()])
+        for s in self.seqs.values():
+            if s.status != SeqStatus.RUNNING:
+                assert not s.block_ids, f"{s.req_id}: {s.status} but holds KV blocks"
+            held = self._kv_tokens(s)
+            if s.status == SeqStatus.RUNNING:
+                assert len(s.block_ids) * self.block_size >= held, f"{s.req_id}: KV past blocks"
+            if s.status == SeqStatus.SWAPPED:
+                assert s.swapped_kv is not None and s.swapped_kv.shape[2] == held
+
+    # ---- KV movement -----------------------------------------------------------------------
+    def _kv_tokens(self, seq: Sequence) -> int:
+        return seq.num_computed + (seq.partial.num_tokens if seq.partial else 0)
+
+    def swap_out(self, req_id: str) -> None:
+        seq = self.seqs[req_id]
+        if seq.status != SeqStatus.RUNNING:
+            raise ValueError(f"{req_id!r} is {seq.status}, only a running request swaps out")
+        slots = kvt.token_slots(seq.block_ids, 0, self._kv_tokens(seq), self.block_size)
+        seq.swapped_kv = kvt.gather_kv(self.kv, slots)
+        if seq.partial is not None:
+            seq.partial.hidden = seq.partial.hidden.to("cpu")
+        self._release_blocks(seq)
+        seq.status = SeqStatus.SWAPPED
+
+    def swap_in(self, req_id: str) -> None:
+        seq = self.seqs[req_id]
+        if seq.status != SeqStatus.SWAPPED or seq.swapped_kv is None:
+            raise ValueError(f"{req_id!r} is not swapped out")
+        self._place_kv(seq, seq.swapped_kv)
+        seq.swapped_kv = None
+        if seq.partial is not None:
+            seq.partial.hidden = seq.partial.hidden.to(self.model.device)
+
+    def export_request(self, req_id: str, remove: bool = True) -> bytes:
+        """The request as bytes (tokens, sampling and RNG state, KV of all layers, any
+        preempted partial chunk); with `remove` it also leaves this engine."""
+        seq = self.seqs[req_id]
+        if seq.status == SeqStatus.OFFLOADED:
+            raise ValueError(f"{req_id!r} is offloaded to a CPU-attention worker; recall it first")
+        n = self._kv_tokens(seq)
+        kv = seq.swapped_kv
+        if seq.status == SeqStatus.RUNNING and n:
+            kv = kvt.gather_kv(self.kv, kvt.token_slots(seq.block_ids, 0, n, self.block_size))
+        data = kvt.export_seq(seq, kv, self.model_name, self._kv_shape())
+        if remove:
+            self.abort(req_id)
+        return data
+
+    def import_request(self, data: bytes) -> None:
+        """Continue a request exported by an engine of the same model."""
+        seq, kv = kvt.import_seq(data, self.tokenizer, self._kv_shape(), self.model.device)
+        if seq.req_id in self.seqs:
+            raise ValueError(f"request id {seq.req_id!r} is already in this engine")
+        if seq.partial is not None:
+            seq.partial.hidden = seq.partial.hidden.to(self.model.dtype)
+        if kv is not None:
+            self._place_kv(seq, kv)
+        self.seqs[seq.req_id] = seq
+
+    def _kv_shape(self) -> list[int]:
+        return list(self.kv.shape[:2]) + list(self.kv.shape[3:])  # (L, 2, Hk, D)
+
+    def _place_kv(self, seq: Sequence, kv: torch.Tensor) -> None:
+        n = kv.shape[2]
+        need = -(-n // self.block_size)
+        if not self.allocator.can_allocate(need):
+            raise MemoryError(
+                f"{seq.req_id!r} needs {need} KV blocks, {self.allocator.num_free} free"
+            )
+        seq.block_ids = self.allocator.allocate(need)
+        kvt.scatter_kv(self.kv, kvt.token_slots(seq.block_ids, 0, n, self.block_size), kv)
+        seq.status = SeqStatus.RUNNING
+        seq.num_registered = 0  # fresh blocks: register them again after the next step
+        self._register_blocks(seq)
+
+    # ---- scheduling internals --------------------------------------------------------------
+    def _prepare(self, plan: StepPlan) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
+        """Check the plan, admit and allocate KV; preempts (by recompute) the latest arrivals
+        when blocks run out. Returns (items to run, requests to end for a full KV cache)."""
+        items: list[tuple[Sequence, int]] = []
+        finished: list[Sequence] = []
+        if plan.offload or plan.recall:
+            raise ValueError("offload/recall are the executor's to carry out, before the step")
+        # Cut chunks first, then decodes, then prefill chunks: the order the runner batches
+        # rows in, which a chunk cut at a layer boundary resumes with.
+        merged = dict(plan.prefill) | dict.fromkeys(plan.decode, 1)
+        decodes = set(plan.decode)
+
+        def rank(rid: str) -> int:
+            seq = self.seqs.get(rid)
+            return 0 if seq is not None and seq.partial is not None else 1 + (rid not in decodes)
+
+        num_tokens = {rid: merged[rid] for rid in sorted(merged, key=rank)}
+        for rid, n in num_tokens.items():
+            seq = self.seqs.get(rid)
+            if seq is None or seq.status == SeqStatus.SWAPPED:
+                raise ValueError(f"plan schedules {rid!r}, which is unknown or swapped out")
+            if n < 1:
+                raise ValueError(f"plan gives {rid!r} {n} tokens; every entry needs >= 1")
+            if seq.partial is not None and n != seq.partial.num_tokens:
+                raise ValueError(
+                    f"{rid!r} must resume its preempted chunk of {seq.partial.num_tokens}"
+                )
+            if not seq.block_ids:
+                self._admit(seq)
+            n = min(n, seq.num_pending)
+            need = -(-(seq.num_computed + n) // self.block_size) - len(seq.block_ids)
+            while not self.allocator.can_allocate(need):
+                # the lowest-priority holder of KV (latest arrival) gives its blocks back
+                victim = next(s for s in reversed(self.seqs.values()) if s.block_ids)
+                if victim is seq:
+                    if self._alone(seq):
+                        finished.append(seq)  # the KV cache is full with this request alone
+                    else:
+                        self._preempt_recompute(seq)
+                    break
+                self._preempt_recompute(victim)
+                items = [(s, k) for s, k in items if s is not victim]
+            else:
+                seq.block_ids += self.allocator.allocate(need)
+                items.append((seq, n))
+        return items, finished
+
+    def _alone(self, seq: Sequence) -> bool:
+        return all(s is seq or not s.block_ids for s in self.seqs.values())
+
+    def _admit(self, seq: Sequence) -> None:
+        """First schedule of a request with no KV: take what the prefix cache holds."""
+        # keep at least the last token to compute: its logits give the next token
+        hashes = block_hashes(seq.token_ids[: len(seq.token_ids) - 1], self.block_size)
+        hit = self.allocator.lookup(hashes)
+        seq.block_ids = hit
+        seq.hashes = hashes[: len(hit)]
+        seq.num_registered = len(hit)
+        seq.num_computed = len(hit) * self.block_size
+        seq.num_cached_tokens = min(seq.num_computed, seq.num_prompt)
+        seq.status = SeqStatus.RUNNING
+
+    def _preempt_recompute(self, seq: Sequence) -> None:
+        self.num_recompute_preemptions += 1
+        self._release_blocks(seq)
+        seq.num_computed = 0
+        seq.partial = None
+        seq.hashes = []
+        seq.status = SeqStatus.WAITING
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        bs = self.block_size
+        full = seq.num_computed // bs
+        while len(seq.hashes) < full:
+            b = len(seq.hashes)
+            parent = seq.hashes[-1] if seq.hashes else 0
+            seq.hashes.append(hash((parent, tuple(seq.token_ids[b * bs : (b + 1) * bs]))))
+        for b in range(seq.num_registered, full):
+            self.allocator.register(seq.block_ids[b], seq.hashes[b])
+        seq.num_registered = max(seq.num_registered, full)
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_registered = 0
+
+    def _free(self, seq: Sequence) -> None:
+        self._drop_offloaded(seq)
+        if seq.block_ids:
+            self._release_blocks(seq)
+        seq.swapped_kv = None
+        seq.partial = None
+
+
+# NOTE: at the end: the loader builds a TorchEngine, so it imports this module first
+from tidal.engine.loader import load_torch_engine  # noqa: E402

@@ -1,0 +1,395 @@
+"""The `ooco` policy: OOCO's four scheduling points (papers/ooco.md §3.4) on the shared interface.
+
+* Latency-relaxed instances (§3.2.1): online prefill first and alone (offline work pauses — the
+  preemption of §3.4.1, at step rather than layer granularity, see `offline_step_cap_s`); with no
+  online prefill waiting, offline decodes plus gated offline prefill (§3.4.2).
+* Latency-strict instances (§3.2.2): mix decoding selection each step (Alg. 2); room for pushed
+  online requests is made by evicting offline decodes chosen by bottleneck (§3.4.1).
+* Migration (§3.4.3): online requests are pushed to a strict instance after prefill; strict
+  instances with slack pull offline decodes with the Alg. 1 length preference.
+* Offline requests wait in the cluster queue and are dispatched to relaxed instances by gating.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+
+from tidal.perf.api import BatchShape
+from tidal.policy.base import (
+    ClusterActions,
+    ClusterView,
+    InstanceRole,
+    InstanceState,
+    Migration,
+    Phase,
+    Policy,
+    PolicyContext,
+    ReqState,
+    Route,
+    StepPlan,
+    parse_params,
+)
+from tidal.policy.batch_shape import add_prefill, decode_shape
+from tidal.policy.ooco.config import OocoConfig
+from tidal.policy.ooco.eviction import choose_victims, is_compute_bound
+from tidal.policy.ooco.gating import gate_offline_prefill
+from tidal.policy.ooco.migration import (
+    StrictView,
+    choose_push_target,
+    length_preference,
+    select_for_pull,
+)
+from tidal.policy.ooco.mix_decode import DecodeCandidate, select_mix_decode
+from tidal.policy.plan_builder import PlanBuilder, split_running
+from tidal.policy.registry import register_policy
+
+MIN_CAP_STEPS = 2.0  # an offline step may always last this many of the smallest steps
+_EWMA_S = 10.0  # time constant of the online KV-inflow estimate used by gating, seconds
+
+# Hints a strict instance's `schedule` leaves for `tick` (`InstanceState.hints`), the §3.4.3 pull
+# trigger: PULL_SEQ counts the steps in which every decode fit (nothing swapped) with slack
+# under the TPOT SLO; PULL_SHAPE + a `BatchShape` field name holds that field of the latest such
+# step. `tick` pulls once per new count, as if the step had just asked for more work.
+PULL_SEQ = "ooco.pull_seq"
+PULL_SHAPE = "ooco.pull."
+_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(BatchShape))
+
+
+def ooco_config(ctx: PolicyContext, params: dict[str, object] | None = None) -> OocoConfig:
+    """OocoConfig from a YAML section; SLOs default to the cluster's online SLO."""
+    merged: dict[str, object] = {
+        "tpot_slo_s": ctx.online_slo.tpot_s,
+        "ttft_slo_s": ctx.online_slo.ttft_s,
+    }
+    merged.update(dict(ctx.params) if params is None else params)
+    return parse_params(OocoConfig, merged, "policy ooco")
+
+
+def ooco_roles(ctx: PolicyContext, cfg: OocoConfig) -> list[InstanceRole]:
+    """Relaxed/strict role per instance (§3.2)."""
+    roles = list(ctx.roles)
+    ours = all(r in (InstanceRole.RELAXED, InstanceRole.STRICT) for r in roles)
+    if cfg.num_relaxed < 0 and ours and InstanceRole.RELAXED in roles:
+        return roles
+    n_rel = (ctx.num_instances + 1) // 2 if cfg.num_relaxed < 0 else cfg.num_relaxed
+    n_rel = max(1, min(n_rel, ctx.num_instances - 1)) if ctx.num_instances > 1 else 1
+    return [InstanceRole.RELAXED if i < n_rel else InstanceRole.STRICT for i in range(len(roles))]
+
+
+class OocoPolicy(Policy):
+    """OOCO on relaxed + strict pools."""
+
+    def __init__(self, ctx: PolicyContext, cfg: OocoConfig) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(ctx.seed)
+        self.roles = ooco_roles(ctx, cfg)
+        self.relaxed = [i for i, r in enumerate(self.roles) if r is InstanceRole.RELAXED]
+        self.strict = [i for i, r in enumerate(self.roles) if r is InstanceRole.STRICT]
+        self._roles_sent = False
+        self._kv_rate = 0.0  # online prompt tokens per second (EWMA), for gating
+        self._kv_t = 0.0
+        self._pull_seen: dict[int, float] = {}  # strict id -> PULL_SEQ hint last acted on
+        self._asked: set[str] = set()  # req_ids whose migration was asked (may be deferred)
+
+    # ------------------------------------------------------------------ routing
+    def route(self, req: ReqState, cluster: ClusterView, now: float) -> Route:
+        if not req.is_online:
+            return Route.hold("offline: dispatched by gating")
+        dt = max(now - self._kv_t, 1e-6)
+        decay = min(1.0, dt / _EWMA_S)
+        self._kv_rate = (1 - decay) * self._kv_rate + req.num_prompt_tokens / _EWMA_S
+        self._kv_t = now
+        return Route.to(self.pick_prefill_instance(req, cluster, now))
+
+    def pick_prefill_instance(self, req: ReqState, cluster: ClusterView, now: float) -> int:
+        """Online prefill goes to the relaxed instance with the least online prefill queued."""
+        insts = cluster.instances
+        return min(self.relaxed, key=lambda i: (_online_waiting_tokens(insts[i]), i))
+
+    def place_decode(
+        self, req: ReqState, inst: InstanceState, cluster: ClusterView, now: float
+    ) -> int | None:
+        if not req.is_online or not self.strict:
+            return None  # offline decodes stay on the relaxed instance until pulled
+        # §3.4.3 push model (+ §3.4.1 eviction plan on the chosen strict instance).
+        views = [self._strict_view(cluster.instances[i]) for i in self.strict]
+        d = choose_push_target(req.num_computed_tokens + 1, views, self.cfg.saturation_batch_size)
+        if d is not None:
+            return int(d.instance_id)  # type: ignore[call-overload]
+        return min(self.strict, key=lambda i: cluster.instances[i].num_used_blocks)
+
+    def _strict_view(self, inst: InstanceState) -> StrictView:
+        off = [
+            DecodeCandidate(r.req_id, r.num_computed_tokens)
+            for r in inst.running
+            if not r.is_online and r.phase is Phase.RUNNING
+        ]
+        pending = sum(r.num_computed_tokens + 1 for r in inst.pending_in)
+        free = inst.num_free_blocks * inst.block_size - pending
+        return StrictView(inst.instance_id, free, off, len(inst.running))
+
+    # ------------------------------------------------------------------ cluster actions
+    def tick(self, cluster: ClusterView, now: float) -> ClusterActions:
+        set_role = {}
+        if not self._roles_sent:
+            self._roles_sent = True
+            set_role = {
+                i: r for i, r in enumerate(self.roles) if cluster.instances[i].role is not r
+            }
+        dispatch = self.dispatch_offline(cluster, now) if cluster.held else {}
+        ready = self.pull_ready(cluster)
+        migrate = self.pull_migrations(cluster, ready) if ready else ()
+        if not (set_role or dispatch or migrate):
+            return ClusterActions()
+        return ClusterActions(dispatch=dispatch, migrate=migrate, set_role=set_role)
+
+    def dispatch_offline(self, cluster: ClusterView, now: float) -> dict[str, int]:
+        """§3.4.2 gating: hand held offline requests to relaxed instances that should prefill."""
+        out: dict[str, int] = {}
+        held = cluster.held
+        k = 0
+        for i in self.relaxed:
+            inst = cluster.instances[i]
+            n_wait = sum(1 for r in inst.waiting if not r.is_online)
+            while n_wait < self.cfg.offline_buffer and k < len(held):
+                r = held[k]
+                if not self.admit_offline(inst, r):
+                    break
+                out[r.req_id] = i
+                k += 1
+                n_wait += 1
+        return out
+
+    def admit_offline(self, inst: InstanceState, r: ReqState) -> bool:
+        if not self.cfg.gating_enabled:
+            need = inst.blocks_for(r.num_prompt_tokens + 1)
+            return need <= inst.num_free_blocks
+        dec = [x.num_computed_tokens for x in inst.running if not x.is_online and x.is_decoding]
+        return gate_offline_prefill(
+            inst.step_model,
+            decode_shape(dec),
+            r.num_prompt_tokens,
+            self.cfg.gating_expected_output_tokens,
+            inst.num_free_blocks * inst.block_size,
+            self._kv_rate,
+        ).admit
+
+    def pull_ready(self, cluster: ClusterView) -> dict[int, BatchShape]:
+        """Strict instances whose `schedule` found room since the last look (their PULL_SEQ
+        hint moved), each with the batch it ran then; marks them seen."""
+        ready: dict[int, BatchShape] = {}
+        for sid in self.strict:
+            hints = cluster.instances[sid].hints
+            seq = hints.get(PULL_SEQ)
+            if seq is None or seq == self._pull_seen.get(sid):
+                continue
+            self._pull_seen[sid] = seq
+            ready[sid] = BatchShape(**{f: int(hints[PULL_SHAPE + f]) for f in _SHAPE_FIELDS})
+        return ready
+
+    def pull_migrations(
+        self, cluster: ClusterView, ready: dict[int, BatchShape]
+    ) -> tuple[Migration, ...]:
+        """§3.4.3 pull model with the Alg. 1 length preference, toward the `ready` strict
+        instances (id -> the batch of their last step that had room)."""
+        out: list[Migration] = []
+        if len(self._asked) > 4096:  # forget requests that have long since moved
+            self._asked = {
+                r.req_id
+                for i in self.relaxed
+                for r in cluster.instances[i].running
+                if r.req_id in self._asked
+            }
+        cands: list[DecodeCandidate] | None = None
+        taken: set[str] = set()
+        for sid, batch in ready.items():
+            inst = cluster.instances[sid]
+            if inst.num_incoming or inst.pending_in:
+                continue
+            if cands is None:
+                cands = [
+                    DecodeCandidate(r.req_id, r.num_computed_tokens)
+                    for i in self.relaxed
+                    for r in cluster.instances[i].running
+                    if not r.is_online
+                    and r.phase is Phase.RUNNING
+                    and r.is_decoding
+                    and r.req_id not in self._asked
+                    # NOTE: a migration deferred to the step boundary fails in the simulator if
+                    # the request finishes in that step; skip requests within a span of the end.
+                    and r.max_output_tokens - r.num_output_tokens > self.cfg.decode_repeat + 1
+                ]
+                if not cands:
+                    return ()
+            free = inst.num_free_blocks * inst.block_size
+            pref = length_preference(
+                inst.step_model,
+                batch,
+                True,
+                self.cfg.tpot_slo_s,
+                self.cfg.migration_margin,
+                self.cfg.saturation_batch_size,
+                free,
+                min(c.context_tokens for c in cands),
+                self.cfg.max_request_tokens,
+            )
+            if pref is None:
+                continue
+            pool = [c for c in cands if c.req_id not in taken]
+            room = inst.max_batch_reqs - batch.num_decode_reqs
+            got = select_for_pull(
+                inst.step_model,
+                pref,
+                pool,
+                batch,
+                self.cfg.migration_margin * self.cfg.tpot_slo_s,
+                free - inst.block_size * max(1, room // 4),
+                max(0, room),
+            )
+            taken.update(str(g) for g in got)
+            self._asked.update(str(g) for g in got)
+            out.extend(Migration(str(g), sid) for g in got)
+        return tuple(out)
+
+    # ------------------------------------------------------------------ steps
+    def schedule(self, inst: InstanceState, now: float) -> StepPlan:
+        if self.roles[inst.instance_id] is InstanceRole.STRICT:
+            return self.schedule_strict(inst, now)
+        return self.schedule_relaxed(inst, now)
+
+    def schedule_relaxed(self, inst: InstanceState, now: float) -> StepPlan:
+        dec, pre = split_running(inst)
+        online = [r for r in pre if r.is_online]
+        online += [r for r in inst.waiting if r.is_online]
+        if online:
+            return self.online_prefill_step(inst, online)
+        return self.offline_step(inst, dec, pre)
+
+    def online_prefill_step(self, inst: InstanceState, online: Sequence[ReqState]) -> StepPlan:
+        """§3.4.1: online prefill preempts offline work; offline decodes simply pause."""
+        b = PlanBuilder(inst)
+        for r in online:
+            if b.add_prefill(r) == 0:
+                break
+        if b.prefill:
+            return StepPlan(prefill=b.prefill)
+        # Out of KV: evict offline requests on this relaxed instance (victims by bottleneck).
+        off = [
+            DecodeCandidate(r.req_id, r.num_computed_tokens)
+            for r in inst.running
+            if not r.is_online and r.phase is Phase.RUNNING
+        ]
+        need = min(online[0].num_prefill_left, b.chunk_left) - b.budget.free * inst.block_size
+        victims = choose_victims(need, off, compute_bound=False) or [c.req_id for c in off]
+        return StepPlan(preempt=tuple(str(v) for v in victims))
+
+    def offline_step(
+        self, inst: InstanceState, dec: Sequence[ReqState], pre: Sequence[ReqState]
+    ) -> StepPlan:
+        """No online prefill waiting: offline decodes + gated offline prefill (§3.4.2)."""
+        b = PlanBuilder(inst)
+        for r in dec:
+            if r.phase is not Phase.RUNNING or r.is_online:
+                continue
+            if len(b.decode) >= inst.max_batch_reqs or not b.add_decode(r):
+                break
+        # NOTE: never below a few of the instance's own smallest steps: on a machine whose fixed
+        # step cost is over the cap (SmolLM2 on a CPU: ~50 ms) a cap alone admits no prefill at
+        # all, and the offline requests queued here would wait forever.
+        smallest = inst.step_model.step_s(add_prefill(decode_shape([]), 1, 0))
+        cap = max(self.cfg.offline_step_cap_s, MIN_CAP_STEPS * smallest)
+        for r in [*(x for x in pre if not x.is_online), *inst.waiting]:
+            if b.add_prefill(r, bound_s=cap) == 0:
+                break
+        if b.prefill or b.decode:
+            repeat = self.cfg.decode_repeat if not b.prefill else 1
+            return StepPlan(prefill=b.prefill, decode=tuple(b.decode), max_repeat=repeat)
+        stuck = [r for r in inst.running if r.phase is Phase.RUNNING and not r.is_online]
+        return StepPlan(preempt=(stuck[-1].req_id,)) if stuck else StepPlan()
+
+    def schedule_strict(self, inst: InstanceState, now: float) -> StepPlan:
+        """OOCO Alg. 2 on a latency-strict instance, after making room for pushed requests."""
+        cfg = self.cfg
+        running = [r for r in inst.running if r.phase is Phase.RUNNING and r.is_decoding]
+        swap_out: list[str] = []
+        if inst.pending_in:
+            need = sum(r.num_computed_tokens + 1 for r in inst.pending_in)
+            need -= inst.num_free_blocks * inst.block_size
+            if need > 0:
+                off = [
+                    DecodeCandidate(r.req_id, r.num_computed_tokens)
+                    for r in running
+                    if not r.is_online
+                ]
+                bound = is_compute_bound(len(running), cfg.saturation_batch_size)
+                victims = choose_victims(need, off, bound) or [c.req_id for c in off]
+                # NOTE: evicted offline decodes are swapped to host memory rather than
+                # recomputed: a strict instance may not prefill (Table 1) and the interface
+                # cannot send a waiting request back to a relaxed instance.
+                swap_out = [str(v) for v in victims]
+                gone = set(swap_out)
+                running = [r for r in running if r.req_id not in gone]
+        online = [DecodeCandidate(r.req_id, r.num_computed_tokens) for r in running if r.is_online]
+        offline = [
+            DecodeCandidate(r.req_id, r.num_computed_tokens) for r in running if not r.is_online
+        ]
+        sel = select_mix_decode(
+            inst.step_model,
+            online,
+            offline,
+            cfg.tpot_slo_s,
+            cfg.num_random_probes,
+            self.rng,
+            cfg.overload_mode,
+        )
+        b = PlanBuilder(inst)
+        for rs in swap_out:
+            b.budget.free += next(r.num_blocks for r in inst.running if r.req_id == rs)
+        by_id = {r.req_id: r for r in running}
+        for rid in [*sel.online, *sel.offline]:
+            b.add_decode(by_id[str(rid)])
+        swap_in: list[str] = []
+        all_in = len(b.decode) == len(running) and not inst.swapped and not swap_out
+        if not swap_out and not inst.pending_in and len(b.decode) == len(running):
+            # Swapped offline decodes come back when the step still has slack.
+            for r in inst.swapped:
+                if b.step_s() >= cfg.migration_margin * cfg.tpot_slo_s:
+                    break
+                if not b.budget.take(r, 1):
+                    break
+                swap_in.append(r.req_id)
+        if all_in and not swap_in and b.step_s() < cfg.migration_margin * cfg.tpot_slo_s:
+            hints = inst.hints
+            hints[PULL_SEQ] = hints.get(PULL_SEQ, 0.0) + 1.0
+            for f in _SHAPE_FIELDS:
+                hints[PULL_SHAPE + f] = float(getattr(b.shape, f))
+        repeat = 1
+        if b.decode and all_in and b.step_s() < 0.9 * cfg.tpot_slo_s:
+            repeat = cfg.decode_repeat
+        if not (b.decode or swap_out or swap_in):
+            return StepPlan()
+        return StepPlan(
+            decode=tuple(b.decode),
+            swap_out=tuple(swap_out),
+            swap_in=tuple(swap_in),
+            max_repeat=repeat if not (swap_out or swap_in) else 1,
+        )
+
+
+def _online_waiting_tokens(inst: InstanceState) -> int:
+    n = 0
+    for r in inst.waiting:
+        if r.is_online:
+            n += r.num_prefill_left
+    for r in inst.running:
+        if r.is_online and not r.is_decoding:
+            n += r.num_prefill_left
+    return n
+
+
+@register_policy("ooco")
+def make_ooco(ctx: PolicyContext) -> Policy:
+    """Factory of the `ooco` policy; YAML keys are the fields of `OocoConfig`."""
+    return OocoPolicy(ctx, ooco_config(ctx))

@@ -1,0 +1,55 @@
+"""Tidal's combination config: every borrowed mechanism is one flag (ablations are one flag)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TidalConfig:
+    """Switches of the `tidal` policy; OOCO's own knobs live in the `ooco` sub-section."""
+
+    pull_migration: bool = True
+    """OOCO §3.4.3 pull of offline decodes by strict instances (Alg. 1)."""
+    gating: bool = True
+    """OOCO §3.4.2 offline gating cost model on relaxed instances."""
+    prefix_order: bool = True
+    """HyGen App. A.2/A.3: offline dispatch order from the prefix trie + freshness."""
+    utility_ratio: float = 0.9
+    """HyGen App. A.3 u: chance to take the next offline request in trie order (else stalest)."""
+    length_aware_routing: bool = True
+    """TaiChi Alg. 2 over the relaxed instances for online prefill (TTFT-feasible, least queued)."""
+    admission_control: bool = True
+    """OmniServe §3.3.3: reject an online request whose prefill cannot meet its TTFT SLO."""
+    cpu_offload: bool = True
+    """OmniServe §3.3.5: offline decodes evicted for lack of KV decode on the CPU-attention
+    workers instead of being swapped/recomputed; piggybacked per §3.3.6."""
+
+    cpu_overflow: bool = True
+    """OmniServe §3.3.5 on latency-strict instances: "BE decoding requests that cannot be
+    scheduled on GPUs will be offloaded to CPUs for Attention computation" -- the offline decodes
+    OOCO Alg. 2 left out go first; then, Tidal's own rule, a planned offline decode may move so
+    its GPU time goes to offline prefill (OmniServe's order puts BE prefill before BE decode,
+    §3.3.2). One per step, longest context first, while one CPU step over the offloaded set
+    stays within the budget and its KV copy fits the step; token-wise layers are piggybacked
+    (§3.3.6). Needs `cpu_offload` and CPU workers; without it the host CPUs only take KV-evicted
+    decodes, which never happens while GPU KV is plentiful."""
+    strict_offline_prefill: bool = True
+    """HyGen §4.1 inside latency-strict instances: after OOCO Alg. 2 has picked the decodes,
+    offline prefill chunks fill what is left of the step's latency budget (OOCO's strict
+    instances only decode, so their steps run far below the TPOT SLO once every offline decode
+    the relaxed pool produces fits; that idle budget is where Tidal's extra offline work goes)."""
+    strict_prefill_budget: float = 0.8
+    """Latency budget of a strict step that carries offline prefill, as a fraction of the TPOT
+    SLO (HyGen's L of Alg. 2, with headroom for the online TPOT being a mean over tokens)."""
+    strict_kv_reserve: float = 0.2
+    """Fraction of a strict instance's KV blocks kept free of new offline prefills, for online
+    requests pushed after their prefill (OOCO §3.4.3 push)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.utility_ratio <= 1.0:
+            raise ValueError("utility_ratio must be in [0, 1]")
+        if not 0.0 < self.strict_prefill_budget <= 1.0:
+            raise ValueError("strict_prefill_budget must be in (0, 1] (fraction of TPOT SLO)")
+        if not 0.0 <= self.strict_kv_reserve < 1.0:
+            raise ValueError("strict_kv_reserve must be in [0, 1)")

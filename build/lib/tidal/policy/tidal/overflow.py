@@ -1,0 +1,131 @@
+"""Tidal's CPU-attention overflow on latency-strict instances: OmniServe §3.3.5-§3.3.6 inside
+OOCO's strict pool, with HyGen's budgeted offline prefill (§4.1) filling what the GPU has left.
+
+OmniServe §3.3.5 offloads "BE decoding requests that cannot be scheduled on GPUs"; here those
+are the offline decodes OOCO Alg. 2 left out of the step. Tidal adds one rule of its own: when
+none is left out, a planned offline decode may move to the CPU too, so that the GPU time it
+would take goes to offline prefill (OmniServe's order puts BE prefill before BE decode on the
+GPU, §3.3.2). Either way at most one request moves per step, because its KV copy to the host
+lengthens the step, and the copy is charged to the step's budget."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from tidal.policy.base import InstanceState, Phase, ReqState, StepPlan
+from tidal.policy.omniserve.control import oldest_first, piggyback_admission
+from tidal.policy.plan_builder import PlanBuilder
+
+if TYPE_CHECKING:
+    from tidal.policy.tidal.policy import TidalPolicy
+
+
+def host_room(inst: InstanceState) -> int | None:
+    """Host KV tokens still free for offloads, or None when host memory is unlimited."""
+    cpu = inst.cpu
+    if cpu is None or cpu.host_kv_capacity_tokens <= 0:
+        return None
+    return cpu.host_kv_capacity_tokens - cpu.host_kv_tokens
+
+
+def pick_offloads(
+    inst: InstanceState,
+    left_out: Sequence[ReqState],
+    planned: Sequence[ReqState],
+    bound_s: float,
+    room: int | None,
+) -> list[str]:
+    """§3.3.5: the offline decode to move to the CPU-attention workers: those Alg. 2 left out
+    first, then (Tidal's rule) planned ones; longest context first within each, skipping any
+    whose CPU step over everything offloaded would pass `bound_s` or whose KV (plus its next
+    token) does not fit the host's `room` (None: unlimited). At most one per step."""
+    cpu = inst.cpu
+    if cpu is None:
+        return []
+    n = len(inst.offloaded)
+    ctx = sum(r.num_computed_tokens for r in inst.offloaded)
+    for group in (left_out, planned):
+        for r in sorted(group, key=lambda x: -x.num_computed_tokens):
+            c = r.num_computed_tokens
+            if room is not None and c + 1 > room:
+                continue
+            if cpu.model.attn_s(n + 1, ctx + c + n + 1, cpu.num_workers) > bound_s:
+                continue
+            return [r.req_id]
+    return []
+
+
+def offline_prefill_candidates(inst: InstanceState) -> list[ReqState]:
+    """Offline prompts a strict step may prefill (HyGen §4.1 offline phase): partially
+    prefilled ones first, then the waiting queue."""
+    cands = [
+        r
+        for r in inst.running
+        if not r.is_online and r.phase is Phase.RUNNING and not r.is_decoding
+    ]
+    return cands + [r for r in inst.waiting if not r.is_online]
+
+
+def cpu_overflow_step(
+    pol: TidalPolicy, inst: InstanceState, plan: StepPlan, now: float
+) -> StepPlan:
+    """One strict step: the decodes OOCO Alg. 2 chose (online first) less the one moved to the
+    CPU, the piggybacked CPU-attention decodes whose attention is due (§3.3.6), the KV copy of
+    the moved request, then offline prefill in what is left of the latency budget (HyGen
+    §4.1). Everything but the Alg. 2 decodes stays within `strict_prefill_budget` x TPOT."""
+    budget = pol.tcfg.strict_prefill_budget * pol.cfg.tpot_slo_s
+    by_id = {r.req_id: r for r in inst.running}
+    dec = [by_id[x] for x in plan.decode if x in by_id]
+    chosen = set(plan.decode)
+    left_out = [
+        r
+        for r in inst.running
+        if not r.is_online and r.phase is Phase.RUNNING and r.is_decoding and r.req_id not in chosen
+    ]
+    cpu = inst.cpu
+    due = cpu is not None and bool(inst.offloaded) and cpu.busy_until_s <= now + 1e-12
+    raw_room = room = host_room(inst)
+    if room is not None and due:
+        room -= len(inst.offloaded)  # each CPU decode this step adds one host KV token
+    planned_off = [r for r in dec if not r.is_online]
+    off = pick_offloads(inst, left_out, planned_off, budget, room)
+
+    def build(moved: list[str]) -> tuple[PlanBuilder, tuple[str, ...], float]:
+        b = PlanBuilder(inst)
+        for r in dec:
+            if r.req_id not in moved:
+                b.add_decode(r)
+        for rid in moved:  # its blocks go back before the step (the plan's offload moves it)
+            b.budget.free += by_id[rid].num_blocks
+        moved_tokens = sum(by_id[rid].num_computed_tokens for rid in moved)
+        cpu_dec: tuple[str, ...] = ()
+        if due:
+            k = piggyback_admission(inst.step_model, b.shape, [len(inst.offloaded)], budget)[0]
+            if raw_room is not None:  # new host tokens must fit beside the moved KV
+                k = min(k, max(0, raw_room - moved_tokens))
+            if k > 0:
+                cpu_dec = oldest_first(inst.offloaded, k)
+                b.add_tokens(k)
+        per_token = inst.kv_bytes_per_token / inst.pcie_bytes_per_s
+        copy_s = moved_tokens * per_token
+        return b, cpu_dec, copy_s
+
+    b, cpu_dec, copy_s = build(off)
+    if off and b.step_s() + copy_s > budget:  # the copy does not fit this step: keep it on GPU
+        off = []
+        b, cpu_dec, copy_s = build(off)
+    if pol.tcfg.strict_offline_prefill:
+        for r in offline_prefill_candidates(inst):
+            if b.add_prefill(r, bound_s=budget - copy_s) == 0:
+                break
+    if not (b.decode or b.prefill or cpu_dec or off):
+        return StepPlan()
+    quiet = not (b.prefill or cpu_dec or off or inst.offloaded)
+    return StepPlan(
+        prefill=b.prefill,
+        decode=tuple(b.decode),
+        cpu_decode=cpu_dec,
+        offload=tuple(off),
+        max_repeat=plan.max_repeat if quiet else 1,
+    )

@@ -1,0 +1,211 @@
+"""The `tidal` policy: OOCO's pools and migration as the skeleton, with HyGen's prefix-aware
+offline order, TaiChi's length-aware routing, and OmniServe's admission control and
+CPU-attention overflow for offline decodes. Every part is one flag of `TidalConfig`; OOCO's own
+knobs (SLOs, K, bs_sat, step cap) come from the `ooco` sub-section of the params.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from tidal.policy.base import (
+    ClusterView,
+    InstanceState,
+    Policy,
+    PolicyContext,
+    ReqState,
+    Route,
+    StepPlan,
+    parse_params,
+)
+from tidal.policy.batch_shape import decode_shape
+from tidal.policy.hygen.prefix_order import OfflineOrder
+from tidal.policy.omniserve.config import OmniConfig
+from tidal.policy.omniserve.control import oldest_first, piggyback_admission
+from tidal.policy.omniserve.policy import ls_admissible
+from tidal.policy.ooco.policy import OocoPolicy, ooco_config
+from tidal.policy.plan_builder import PlanBuilder, parse_section
+from tidal.policy.registry import register_policy
+from tidal.policy.taichi.policy import queued_prefill
+from tidal.policy.taichi.routing import PrefillTarget, route_prefill
+from tidal.policy.tidal.config import TidalConfig
+from tidal.policy.tidal.overflow import cpu_overflow_step, offline_prefill_candidates
+
+
+class TidalPolicy(OocoPolicy):
+    def __init__(self, ctx: PolicyContext, cfg: TidalConfig, params: dict[str, object]) -> None:
+        ocfg = ooco_config(ctx, {"gating_enabled": cfg.gating, **params})
+        super().__init__(ctx, ocfg)
+        self.tcfg = cfg
+        self.omni = OmniConfig()
+        self.order = OfflineOrder(cfg.prefix_order, cfg.utility_ratio, random.Random(ctx.seed))
+        self._held: dict[str, ReqState] = {}
+
+    # ------------------------------------------------------------------ arrivals
+    def route(self, req: ReqState, cluster: ClusterView, now: float) -> Route:
+        if not req.is_online:
+            self.order.add(req.req_id, req.prefix_key, req.arrival_s)
+            self._held[req.req_id] = req
+            return Route.hold("offline: Tidal offline queue")
+        route = super().route(req, cluster, now)
+        if self.tcfg.admission_control:
+            inst = cluster.instances[route.instance_id]
+            ttft = req.slo.ttft_s if req.slo is not None else self.cfg.ttft_slo_s
+            if not ls_admissible(inst, req, ttft, self.omni):
+                return Route.reject("tidal: online prefill would miss its TTFT SLO")
+        return route
+
+    def pick_prefill_instance(self, req: ReqState, cluster: ClusterView, now: float) -> int:
+        if not self.tcfg.length_aware_routing or len(self.relaxed) < 2:
+            return super().pick_prefill_instance(req, cluster, now)
+        insts = cluster.instances
+        targets = [
+            PrefillTarget(
+                i,
+                True,
+                insts[i].chunk_size,
+                queued_prefill(insts[i], online_only=True),
+                decode_shape([]),  # offline work on relaxed instances yields to online (§3.4.1)
+                insts[i].step_model,
+            )
+            for i in self.relaxed
+        ]
+        kv = req.num_prompt_tokens * insts[self.relaxed[0]].kv_bytes_per_token
+        xfer = cluster.link_latency_s + kv / cluster.link_bytes_per_s
+        got = route_prefill(req.num_prompt_tokens, targets, self.cfg.ttft_slo_s, xfer)
+        return got if got is not None else super().pick_prefill_instance(req, cluster, now)
+
+    def dispatch_offline(self, cluster: ClusterView, now: float) -> dict[str, int]:
+        """OOCO gating decides when; HyGen's prefix order decides which."""
+        out: dict[str, int] = {}
+        for i in self.relaxed:
+            inst = cluster.instances[i]
+            n_wait = sum(1 for r in inst.waiting if not r.is_online)
+            while n_wait < self.cfg.offline_buffer and self._held:
+                rid = self.order.pick()
+                if rid is None:
+                    break
+                r = self._held[str(rid)]
+                if not self.admit_offline(inst, r):
+                    break
+                self.order.remove(rid)
+                del self._held[str(rid)]
+                out[r.req_id] = i
+                n_wait += 1
+        if self.tcfg.strict_offline_prefill:
+            self._dispatch_strict(cluster, out)
+        return out
+
+    def _dispatch_strict(self, cluster: ClusterView, out: dict[str, int]) -> None:
+        """Offline requests for the strict instances' prefill budget (HyGen's offline queue),
+        while their KV stays above the reserve kept for pushed online requests."""
+        for i in self.strict:
+            inst = cluster.instances[i]
+            n_wait = sum(1 for r in inst.waiting if not r.is_online)
+            free = inst.num_free_blocks - int(self.tcfg.strict_kv_reserve * inst.num_blocks)
+            while n_wait < self.cfg.offline_buffer and self._held:
+                rid = self.order.pick()
+                if rid is None:
+                    break
+                r = self._held[str(rid)]
+                need = inst.blocks_for(r.num_prompt_tokens + self.cfg.gating_expected_output_tokens)
+                if need > free:
+                    break
+                self.order.remove(rid)
+                del self._held[str(rid)]
+                out[r.req_id] = i
+                free -= need
+                n_wait += 1
+
+    # ------------------------------------------------------------------ steps
+    def _cpu(self, inst: InstanceState) -> bool:
+        return self.tcfg.cpu_offload and inst.cpu is not None and inst.cpu.num_workers > 0
+
+    def _cpu_batch(self, inst: InstanceState, plan: StepPlan, now: float, bound: float) -> StepPlan:
+        """OmniServe §3.3.6: piggyback offloaded decodes whose CPU attention is due."""
+        cpu = inst.cpu
+        if cpu is None or not inst.offloaded or cpu.busy_until_s > now + 1e-12:
+            return plan
+        by_id = {r.req_id: r for r in inst.running}
+        dec = [by_id[x] for x in plan.decode if x in by_id]
+        shape = decode_shape([r.num_computed_tokens for r in dec])
+        n = piggyback_admission(inst.step_model, shape, [len(inst.offloaded)], bound)[0]
+        if n <= 0:
+            return plan
+        return StepPlan(
+            prefill=plan.prefill,
+            decode=plan.decode,
+            cpu_decode=oldest_first(inst.offloaded, n),
+            preempt=plan.preempt,
+            swap_out=plan.swap_out,
+            swap_in=plan.swap_in,
+            offload=plan.offload,
+            recall=plan.recall,
+        )
+
+    def offline_step(
+        self, inst: InstanceState, dec: Sequence[ReqState], pre: Sequence[ReqState]
+    ) -> StepPlan:
+        plan = super().offline_step(inst, dec, pre)
+        if not self._cpu(inst):
+            return plan
+        if plan.preempt:  # out of KV: decode the victim on the CPU instead of recomputing it
+            by_id = {r.req_id: r for r in inst.running}
+            off = tuple(x for x in plan.preempt if by_id[x].is_decoding)
+            rest = tuple(x for x in plan.preempt if x not in off)
+            return StepPlan(preempt=rest, offload=off)
+        return self._cpu_batch(inst, plan, 0.0, self.cfg.offline_step_cap_s)
+
+    def schedule_strict(self, inst: InstanceState, now: float) -> StepPlan:
+        plan = super().schedule_strict(inst, now)
+        if self._cpu(inst) and plan.swap_out:
+            # Evicted offline decodes keep decoding with CPU attention (OmniServe §3.3.5).
+            return StepPlan(decode=plan.decode, offload=plan.swap_out)
+        if (
+            self._cpu(inst)
+            and self.tcfg.cpu_overflow
+            and not (plan.swap_in or plan.preempt or inst.pending_in)
+        ):
+            return cpu_overflow_step(self, inst, plan, now)
+        if self.tcfg.strict_offline_prefill:
+            plan = self._strict_prefill(inst, plan)
+        if not self._cpu(inst):
+            return plan
+        return self._cpu_batch(inst, plan, now, self.cfg.tpot_slo_s)
+
+    def _strict_prefill(self, inst: InstanceState, plan: StepPlan) -> StepPlan:
+        """HyGen Alg. 1 offline phase on a strict instance: the decodes OOCO Alg. 2 chose stay;
+        offline prefill chunks are added while the step stays within the latency budget."""
+        if plan.swap_out or plan.swap_in or plan.preempt or inst.pending_in:
+            return plan
+        cands = offline_prefill_candidates(inst)
+        if not cands:
+            return plan
+        b = PlanBuilder(inst)
+        by_id = {r.req_id: r for r in inst.running}
+        for rid in plan.decode:
+            b.add_decode(by_id[rid])
+        bound = self.tcfg.strict_prefill_budget * self.cfg.tpot_slo_s
+        for r in cands:
+            if b.add_prefill(r, bound_s=bound) == 0:
+                break
+        if not b.prefill:
+            return plan
+        return StepPlan(prefill=b.prefill, decode=plan.decode)
+
+    def schedule(self, inst: InstanceState, now: float) -> StepPlan:
+        plan = super().schedule(inst, now)
+        if not plan.is_empty or not self._cpu(inst):
+            return plan
+        # Idle GPU but offloaded work left: give it its CPU steps.
+        return self._cpu_batch(inst, plan, now, self.cfg.tpot_slo_s)
+
+
+@register_policy("tidal")
+def make_tidal(ctx: PolicyContext) -> Policy:
+    """Factory of `tidal`; YAML keys are the fields of `TidalConfig` plus an `ooco` section."""
+    params = dict(ctx.params)
+    ooco_params = parse_section(params, "ooco")
+    params.pop("ooco", None)
+    return TidalPolicy(ctx, parse_params(TidalConfig, params, "policy tidal"), ooco_params)

@@ -1,0 +1,131 @@
+"""From a `SimConfig` to a finished run: latency models, instances, policy, workload."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from tidal.perf.api import StepModel
+from tidal.policy.base import CpuPoolState, InstanceRole, PolicyContext
+from tidal.policy.registry import make_policy
+from tidal.sim.config import SimConfig, StreamConfig
+from tidal.sim.core import InstanceSetup, Simulator
+from tidal.sim.models import CpuAttnRoofline
+from tidal.sim.recorder import Recorder
+from tidal.workload.mix import SimRequest, build_workload
+
+_GB = 1e9
+
+
+@functools.lru_cache(maxsize=32)
+def _step_model(model: str, hardware: str, tp: int, kind: str, profile: str | None) -> StepModel:
+    from tidal.perf import make_step_model  # lazy: perf is a sibling package
+
+    return make_step_model(model, hardware, tp=tp, kind=kind, profile=profile)
+
+
+def kv_geometry(cfg: SimConfig) -> tuple[float, int]:
+    """(KV bytes per token on one GPU, KV blocks per instance)."""
+    from tidal.perf import hardware_spec, kv_bytes_per_token, kv_capacity_tokens, model_spec
+
+    m = model_spec(cfg.model)
+    kvb = kv_bytes_per_token(m, cfg.tp)
+    tokens = cfg.kv_capacity_tokens
+    if tokens is None:
+        tokens = kv_capacity_tokens(m, hardware_spec(cfg.hardware), cfg.tp, cfg.mem_fraction)
+    blocks = tokens // cfg.block_size
+    if blocks < 1:
+        raise ValueError(f"{cfg.model} on {cfg.tp}x {cfg.hardware}: no memory left for KV")
+    return kvb, blocks
+
+
+def instance_setups(
+    cfg: SimConfig, policy: str, step_model: StepModel | None = None
+) -> list[InstanceSetup]:
+    """One `InstanceSetup` per instance, for `policy` (its own instance list if it has one)."""
+    kvb, blocks = kv_geometry(cfg)
+    model = step_model or _step_model(
+        cfg.model, cfg.hardware, cfg.tp, cfg.latency_model, cfg.profile
+    )
+    out: list[InstanceSetup] = []
+    for g in cfg.groups_for(policy):
+        for _ in range(g.count):
+            out.append(
+                InstanceSetup(
+                    role=InstanceRole(g.role),
+                    chunk_size=g.chunk_size,
+                    num_blocks=blocks,
+                    step_model=model,
+                    kv_bytes_per_token=kvb,
+                    block_size=cfg.block_size,
+                    max_batch_reqs=g.max_batch_reqs,
+                    pcie_bytes_per_s=cfg.pcie_gb_per_s * _GB,
+                )
+            )
+    return out
+
+
+def workload(cfg: SimConfig) -> list[SimRequest]:
+    return build_workload(cfg.online, cfg.offline, cfg.duration_s, cfg.seed, cfg.slo)
+
+
+def with_offline_rate(cfg: SimConfig, rate: float) -> SimConfig:
+    """`cfg` with the offline stream at `rate` req/s (uniform QPS unless it says otherwise)."""
+    if cfg.offline is None:
+        raise ValueError("the config has no offline stream to vary")
+    off = cfg.offline
+    arrival = "uniform" if off.arrival == "trace" else off.arrival
+    return replace(cfg, offline=replace(off, arrival=arrival, rate=rate, scale=None))
+
+
+def with_online_rate(cfg: SimConfig, rate: float) -> SimConfig:
+    """`cfg` with the online stream at mean `rate` req/s (trace: OOCO scaling)."""
+    if cfg.online is None:
+        raise ValueError("the config has no online stream to vary")
+    return replace(cfg, online=replace(cfg.online, rate=rate, scale=None))
+
+
+def simulate(
+    cfg: SimConfig,
+    policy: str,
+    progress: Callable[[float], None] | None = None,
+    step_model: StepModel | None = None,
+    requests: Sequence[SimRequest] | None = None,
+    check: bool = False,
+) -> Recorder:
+    """Run `policy` on `cfg`'s cluster and workload; same config and seed, same result."""
+    setups = instance_setups(cfg, policy, step_model)
+    kvb = setups[0].kv_bytes_per_token
+    cpu = None
+    if cfg.cpu_workers.count > 0:
+        cw = cfg.cpu_workers
+        cpu = CpuPoolState(
+            num_workers=cw.count,
+            model=CpuAttnRoofline(
+                kvb * cfg.tp, cw.gb_per_s_per_worker * _GB, cw.overhead_ms / 1000
+            ),
+            host_kv_capacity_tokens=int(cw.host_kv_gb * _GB / (kvb * cfg.tp)),
+        )
+    ctx = PolicyContext(
+        num_instances=len(setups),
+        roles=tuple(s.role for s in setups),
+        online_slo=cfg.slo,
+        params=cfg.policy_params(policy),
+        seed=cfg.seed,
+    )
+    pol = make_policy(policy, ctx)
+    sim = Simulator(
+        setups,
+        pol,
+        link_bytes_per_s=cfg.link_gb_per_s * _GB,
+        link_latency_s=cfg.link_latency_ms / 1000,
+        cpu=cpu,
+        horizon_s=cfg.duration_s + cfg.drain_s,
+        bin_s=cfg.bin_s,
+        check=check,
+    )
+    return sim.run(workload(cfg) if requests is None else requests, progress)
+
+
+__all__ = ["StreamConfig", "simulate", "with_offline_rate", "with_online_rate", "workload"]

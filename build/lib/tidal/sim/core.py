@@ -1,0 +1,413 @@
+"""The discrete-event cluster simulator: the same `Policy` and `StepModel` code as the live system.
+
+Events sit on a heap keyed by (time, sequence number), so ties resolve in insertion order and a
+run is a pure function of (workload, policy, seed): the simulator never reads the wall clock.
+Each instance runs one *step* at a time; a policy's decode-only plan may ask to repeat
+(`StepPlan.max_repeat`), which the simulator runs as one *span* of steps, cut short at the next
+step boundary as soon as anything lands on that instance. Plans are applied and checked here
+(`tidal.sim.apply`); this module owns time, events, transfers and the cluster queue.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tidal.cluster.view import build_cluster_view, report_of
+from tidal.perf.api import StepModel
+from tidal.policy.base import (
+    ClusterActions,
+    ClusterView,
+    CpuPoolState,
+    InstanceRole,
+    InstanceState,
+    Phase,
+    Policy,
+    PolicyError,
+    ReqState,
+    RouteAction,
+)
+from tidal.schemas.enums import RequestClass
+from tidal.sim.apply import Span, finish_span, start_span
+from tidal.sim.recorder import Recorder
+from tidal.workload.mix import SimRequest
+
+_STEP, _LAND, _TICK = 0, 1, 2  # event kinds
+
+
+@dataclass(frozen=True)
+class InstanceSetup:
+    """Static description of one instance for the simulator."""
+
+    role: InstanceRole
+    chunk_size: int  # token budget of one step
+    num_blocks: int  # GPU KV blocks
+    step_model: StepModel
+    kv_bytes_per_token: float  # per GPU of the instance
+    block_size: int = 16
+    max_batch_reqs: int = 256
+    pcie_bytes_per_s: float = 25e9  # GPU <-> host copies (swap, offload)
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1 or self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError("chunk_size, num_blocks and block_size must be >= 1")
+        if self.max_batch_reqs < 1 or self.kv_bytes_per_token <= 0 or self.pcie_bytes_per_s <= 0:
+            raise ValueError("max_batch_reqs, kv_bytes_per_token and pcie_bytes_per_s must be > 0")
+
+
+class Simulator:
+    """One run: `Simulator(setups, policy, ...).run(requests)` -> `Recorder` with the results."""
+
+    def __init__(
+        self,
+        setups: Sequence[InstanceSetup],
+        policy: Policy,
+        *,
+        link_bytes_per_s: float = 25e9,
+        link_latency_s: float = 0.0,
+        cpu: CpuPoolState | None = None,
+        horizon_s: float = math.inf,
+        bin_s: float = 10.0,
+        check: bool = False,
+        via_reports: bool = False,
+    ) -> None:
+        self.policy = policy
+        self.instances = [
+            InstanceState(
+                instance_id=i,
+                role=s.role,
+                chunk_size=s.chunk_size,
+                max_batch_reqs=s.max_batch_reqs,
+                block_size=s.block_size,
+                num_blocks=s.num_blocks,
+                num_free_blocks=s.num_blocks,
+                step_model=s.step_model,
+                kv_bytes_per_token=s.kv_bytes_per_token,
+                pcie_bytes_per_s=s.pcie_bytes_per_s,
+                cpu=cpu,
+            )
+            for i, s in enumerate(setups)
+        ]
+        self.cluster = ClusterView(self.instances, [], link_bytes_per_s, link_latency_s, cpu)
+        self.horizon_s = horizon_s
+        self.rec = Recorder(len(setups), bin_s)
+        self.reqs: dict[str, ReqState] = {}
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._spans: list[Span | None] = [None] * len(setups)
+        self._pending_out: list[list[tuple[str, int]]] = [[] for _ in setups]
+        self._now = 0.0
+        self._num_open = 0  # requests arrived and not finished or rejected
+        self._reserved = [0] * len(setups)  # blocks reserved for KV in flight to each instance
+        self._check = check  # run check_integrity after every event (tests)
+        # `via_reports`: the cluster half sees a view rebuilt from instance reports, exactly as
+        # the live scheduler builds it (`tidal.cluster.view`). Same decisions (tests), but ~4x
+        # slower (34 one-minute runs of configs/*.yaml: 7.3 s -> 29.2 s), so off by default; the
+        # halves still share only `InstanceState.hints` either way.
+        self._via_reports = via_reports
+        self._models = {str(i): s.step_model for i, s in enumerate(setups)}
+        self._view_cache: dict[str, ReqState] = {}
+        self._num_reports = 0
+
+    def _view(self, now: float) -> ClusterView:
+        """What the cluster half may see now: the real state, or (`via_reports`) a view built
+        from each instance's report alone, exactly as the live scheduler builds it."""
+        if not self._via_reports:
+            return self.cluster
+        self._num_reports += 1
+        seq = self._num_reports
+        c = self.cluster
+        reports = [
+            report_of(i, str(i.instance_id), now, seq, step_model=str(i.instance_id))
+            for i in self.instances
+        ]
+        return build_cluster_view(
+            reports,
+            self._models,
+            c.link_bytes_per_s,
+            link_latency_s=c.link_latency_s,
+            held=c.held,
+            cache=self._view_cache,
+            num_incoming={i.instance_id: i.num_incoming for i in self.instances},
+            pcie_bytes_per_s=self.instances[0].pcie_bytes_per_s,
+            cpu=c.cpu,
+        )
+
+    # ---------------------------------------------------------------- events
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, payload))
+
+    def run(
+        self, requests: Sequence[SimRequest], progress: Callable[[float], None] | None = None
+    ) -> Recorder:
+        """Replay `requests` (sorted by arrival) until all finish or the horizon passes."""
+        n, i = len(requests), 0
+        heap = self._heap
+        last_progress = 0.0
+        while True:
+            t_arr = requests[i].arrival_s if i < n else math.inf
+            t_ev = heap[0][0] if heap else math.inf
+            t = t_arr if t_arr <= t_ev else t_ev
+            if t == math.inf or t > self.horizon_s:
+                break
+            if i >= n and self._num_open == 0:
+                break
+            if t < self._now:
+                raise AssertionError(f"time went back: {t} < {self._now}")
+            self._now = t
+            if t_arr <= t_ev:
+                self._arrive(requests[i], t)
+                i += 1
+            else:
+                _, _, kind, payload = heapq.heappop(heap)
+                if kind == _STEP:
+                    self._step_end(payload, t)  # type: ignore[arg-type]
+                elif kind == _LAND:
+                    self._land(payload, t)  # type: ignore[arg-type]
+            self._apply(self.policy.tick(self._view(t), t), t)
+            self._retry_transfers(t)
+            self._kick(t)
+            if self._check:
+                self.check_integrity()
+            if progress is not None and t - last_progress >= 1.0:
+                progress(t)
+                last_progress = t
+        self.rec.end_s = self._now
+        self.rec.requests = list(self.reqs.values())
+        return self.rec
+
+    # ---------------------------------------------------------------- arrivals and routing
+    def _arrive(self, sr: SimRequest, now: float) -> None:
+        if sr.req_id in self.reqs:
+            raise ValueError(f"duplicate request id {sr.req_id}")
+        r = ReqState(
+            sr.req_id, sr.req_class, sr.arrival_s, sr.input_tokens, sr.output_tokens, sr.slo
+        )
+        r.queued_s = now
+        self.reqs[sr.req_id] = r
+        self._num_open += 1
+        route = self.policy.route(r, self._view(now), now)
+        if route.action is RouteAction.QUEUE:
+            self._enqueue(r, route.instance_id, now)
+        elif route.action is RouteAction.HOLD:
+            r.phase = Phase.HELD
+            self.cluster.held.append(r)
+        else:
+            r.phase = Phase.REJECTED
+            r.finish_s = now
+            self._num_open -= 1
+            self.rec.rejections[route.reason or "rejected"] += 1
+
+    def _enqueue(self, r: ReqState, inst_id: int, now: float) -> None:
+        if not 0 <= inst_id < len(self.instances):
+            raise PolicyError(f"no instance {inst_id} for {r.req_id}")
+        inst = self.instances[inst_id]
+        r.phase = Phase.WAITING
+        r.instance_id = inst_id
+        r.queued_s = now
+        inst.waiting.append(r)
+        inst.num_waiting_tokens += r.num_prefill_left
+        self._interrupt(inst_id, now, r.is_online)
+
+    # ---------------------------------------------------------------- steps
+    def _kick(self, now: float) -> None:
+        for inst in self.instances:
+            if self._spans[inst.instance_id] is None and (
+                inst.waiting or inst.running or inst.swapped or inst.offloaded
+            ):
+                self._start(inst, now)
+
+    def _start(self, inst: InstanceState, now: float) -> None:
+        plan = self.policy.schedule(inst, now)
+        if plan.is_empty:
+            cpu = inst.cpu
+            if inst.offloaded and cpu is not None and cpu.busy_until_s > now:
+                self._push(cpu.busy_until_s, _TICK, None)  # wake up when the CPU is free
+            return
+        span = start_span(inst, plan, self.reqs, now, self.rec)
+        self._spans[inst.instance_id] = span
+        inst.busy_until_s = span.end_s
+        self._push(span.end_s, _STEP, (inst.instance_id, span.version))
+
+    def _interrupt(self, inst_id: int, now: float, online: bool = False) -> None:
+        """Something landed on `inst_id`: cut its span at the next step boundary, or for an
+        online request and a preemptible step, at the next layer boundary."""
+        span = self._spans[inst_id]
+        if span is None:
+            return
+        if (online and span.preempt_at_layer(now)) or span.truncate(now):
+            self.instances[inst_id].busy_until_s = span.end_s
+            self._push(span.end_s, _STEP, (inst_id, span.version))
+
+    def _step_end(self, payload: tuple[int, int], now: float) -> None:
+        inst_id, version = payload
+        span = self._spans[inst_id]
+        if span is None or span.version != version:
+            return  # superseded by a truncation
+        inst = self.instances[inst_id]
+        self._spans[inst_id] = None
+        done, first = finish_span(inst, span, now, self.rec)
+        self._num_open -= done
+        for r in first:  # prefill just finished: where does it decode?
+            if self._via_reports:
+                view = self._view(now)  # again for each: it sees the transfers just started
+                dst = self.policy.place_decode(
+                    self._view_cache[r.req_id], view.instances[inst_id], view, now
+                )
+            else:
+                dst = self.policy.place_decode(r, inst, self.cluster, now)
+            if dst is not None and dst != inst_id:
+                self._start_transfer(r, inst, dst, now, is_migration=False)
+        if self._pending_out[inst_id]:
+            pend, self._pending_out[inst_id] = self._pending_out[inst_id], []
+            for rid, dst in pend:
+                r = self.reqs[rid]
+                if r.phase is Phase.RUNNING and r.instance_id == inst_id and r.is_decoding:
+                    self._migrate(rid, dst, now)
+                else:  # it finished (or was preempted) in the step it was waiting for
+                    self.rec.num_migrations_refused += 1
+
+    # ---------------------------------------------------------------- KV transfers
+    def _start_transfer(
+        self, r: ReqState, src: InstanceState, dst_id: int, now: float, is_migration: bool
+    ) -> bool:
+        if not 0 <= dst_id < len(self.instances):
+            raise PolicyError(f"no instance {dst_id} to move {r.req_id} to")
+        dst = self.instances[dst_id]
+        need = dst.blocks_for(r.num_computed_tokens + 1)
+        if need > dst.num_free_blocks:
+            if is_migration:
+                self.rec.num_migrations_refused += 1
+                return False
+            if r.phase is not Phase.TRANSFER_WAIT:  # P/D hand-off: hold KV until dst has room
+                r.phase = Phase.TRANSFER_WAIT
+                dst.pending_in.append(r)
+            return False
+        if r.phase is Phase.TRANSFER_WAIT:
+            dst.pending_in.remove(r)
+        dst.num_free_blocks -= need
+        dst.num_incoming += 1
+        self._reserved[dst_id] += need
+        src.num_free_blocks += r.num_blocks
+        r.num_blocks = 0
+        src.running.remove(r)
+        r.phase = Phase.MIGRATING
+        dt = self.cluster.transfer_s(r, src)
+        if is_migration:
+            r.num_migrations += 1
+            self.rec.num_migrations += 1
+        else:
+            self.rec.num_kv_transfers += 1
+        self._push(now + dt, _LAND, (r, dst_id, need))
+        return True
+
+    def _land(self, payload: tuple[ReqState, int, int], now: float) -> None:
+        r, dst_id, need = payload
+        dst = self.instances[dst_id]
+        dst.num_incoming -= 1
+        self._reserved[dst_id] -= need
+        r.instance_id = dst_id
+        r.num_blocks = need
+        r.phase = Phase.RUNNING
+        r.queued_s = now
+        dst.running.append(r)
+        self._interrupt(dst_id, now, r.is_online)
+
+    def _retry_transfers(self, now: float) -> None:
+        for dst in self.instances:
+            while dst.pending_in:
+                r = dst.pending_in[0]
+                src = self.instances[r.instance_id]  # type: ignore[index]
+                if not self._start_transfer(r, src, dst.instance_id, now, is_migration=False):
+                    break
+
+    def _migrate(self, rid: str, dst: int, now: float) -> None:
+        r = self.reqs.get(rid)
+        if r is None or r.phase is not Phase.RUNNING or not r.is_decoding:
+            raise PolicyError(f"cannot migrate {rid}: not a running decode ({r and r.phase})")
+        src_id = r.instance_id
+        assert src_id is not None
+        if src_id == dst:
+            return
+        if self._spans[src_id] is not None:  # in a step now: move it at the step boundary
+            self._pending_out[src_id].append((rid, dst))
+            self._interrupt(src_id, now)
+            return
+        self._start_transfer(r, self.instances[src_id], dst, now, is_migration=True)
+
+    def check_integrity(self) -> None:
+        """Assert the invariants: every block accounted for, every request in one place."""
+        where: dict[str, str] = {}
+
+        def put(r: ReqState, place: str) -> None:
+            assert r.req_id not in where, f"{r.req_id} in {where.get(r.req_id)} and {place}"
+            where[r.req_id] = place
+
+        for inst in self.instances:
+            i = inst.instance_id
+            held = 0
+            for name, lst in (
+                ("waiting", inst.waiting),
+                ("running", inst.running),
+                ("swapped", inst.swapped),
+                ("offloaded", inst.offloaded),
+            ):
+                for r in lst:
+                    put(r, f"{name}@{i}")
+                    assert r.instance_id == i, f"{r.req_id} listed on {i}, says {r.instance_id}"
+                    held += r.num_blocks
+                    if name != "running":
+                        assert r.num_blocks == 0, f"{r.req_id} {name} but holds GPU blocks"
+                    else:
+                        need = inst.blocks_for(r.num_computed_tokens)
+                        assert r.num_blocks >= need, f"{r.req_id} holds too few blocks"
+            assert inst.num_free_blocks >= 0, f"instance {i}: free blocks < 0"
+            assert held + inst.num_free_blocks + self._reserved[i] == inst.num_blocks, (
+                f"instance {i}: {held} held + {inst.num_free_blocks} free + "
+                f"{self._reserved[i]} reserved != {inst.num_blocks}"
+            )
+            assert inst.num_waiting_tokens == sum(r.num_prefill_left for r in inst.waiting)
+        for r in self.cluster.held:
+            put(r, "held")
+        for r in self.reqs.values():
+            if r.phase in (Phase.FINISHED, Phase.REJECTED, Phase.MIGRATING):
+                put(r, str(r.phase))
+            assert r.num_output_tokens <= r.max_output_tokens, f"{r.req_id} overran"
+        assert len(where) == len(self.reqs), "a request is lost"
+
+    # ---------------------------------------------------------------- cluster actions
+    def _apply(self, act: ClusterActions, now: float) -> None:
+        if act.dispatch:
+            held = self.cluster.held
+            moved = set()
+            for rid, inst_id in act.dispatch.items():
+                r = self.reqs.get(rid)
+                if r is None or r.phase is not Phase.HELD:
+                    raise PolicyError(f"cannot dispatch {rid}: not held")
+                moved.add(rid)
+                self._enqueue(r, inst_id, now)
+            num = len(moved)
+            if all(r.req_id in moved for r in held[:num]):
+                del held[:num]  # the usual case: dispatched from the head, FIFO
+            else:
+                held[:] = [r for r in held if r.req_id not in moved]
+        for mig in act.migrate:
+            self._migrate(mig.req_id, mig.dst, now)
+        for inst_id, role in act.set_role.items():
+            self.instances[inst_id].role = role
+        for inst_id, size in act.set_chunk_size.items():
+            if size < 1:
+                raise PolicyError(f"chunk size must be >= 1, got {size}")
+            self.instances[inst_id].chunk_size = size
+        if act.next_tick_s is not None and act.next_tick_s > now:
+            self._push(act.next_tick_s, _TICK, None)
+
+
+def count_by_class(reqs: Sequence[ReqState]) -> dict[RequestClass, int]:
+    out = dict.fromkeys(RequestClass, 0)
+    for r in reqs:
+        out[r.req_class] += 1
+    return out
