@@ -1,11 +1,14 @@
 """The package as a user installs it: the wheel built from this checkout, installed with its
 control-plane dependencies only (no extras: no torch, no matplotlib, no openai) into a fresh
 virtualenv, serves a chat with `tidal up --engine sim` started from a directory outside the
-repository. Dependencies come through the machine's own pip configuration."""
+repository. Dependencies come through the machine's own pip configuration. Runs on this Python
+(3.11) and on every other supported one the machine has (3.12, 3.13)."""
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +23,30 @@ from services.cli import natsd
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 REPO = Path(__file__).resolve().parents[2]
+OTHER_PYTHONS = ("3.12", "3.13")
+
+
+def _python(version: str) -> str | None:
+    """An interpreter of `version` that runs: on PATH, or one pyenv has installed."""
+    candidates = [shutil.which(f"python{version}") or ""]
+    candidates += sorted(
+        glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python3"))
+    )
+    for c in candidates:
+        if c and subprocess.run([c, "-c", ""], capture_output=True).returncode == 0:
+            return c
+    return None
+
+
+PYTHONS = {"3.11": sys.executable} | {v: p for v in OTHER_PYTHONS if (p := _python(v))}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dist = tmp_path_factory.mktemp("dist")
+    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dist, REPO, cwd=dist)
+    (whl,) = dist.glob("tidal_serve-*.whl")
+    return whl
 
 
 def _run(*argv: str | Path, cwd: Path, timeout: float = 300) -> str:
@@ -38,13 +65,13 @@ def _ready(url: str) -> bool:
         return False
 
 
-def test_wheel_in_a_fresh_venv_serves_a_chat(tmp_path: Path) -> None:
-    dist, venv, outside = tmp_path / "dist", tmp_path / "venv", tmp_path / "somewhere"
+@pytest.mark.parametrize("version", sorted(PYTHONS))
+def test_wheel_in_a_fresh_venv_serves_a_chat(tmp_path: Path, wheel: Path, version: str) -> None:
+    venv, outside = tmp_path / "venv", tmp_path / "somewhere"
     outside.mkdir()
-    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dist, REPO, cwd=tmp_path)
-    (wheel,) = dist.glob("tidal_serve-*.whl")
-    _run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
+    _run(PYTHONS[version], "-m", "venv", venv, cwd=tmp_path)
     py = venv / "bin" / "python"
+    assert _run(py, "-c", "import sys; print(sys.version)", cwd=outside).startswith(version)
     _run(py, "-m", "pip", "install", "-q", wheel, cwd=outside, timeout=600)
     probe = "import importlib.util as u; print([m for m in {} if u.find_spec(m)])"
     extras = ("torch", "matplotlib", "openai", "transformers")
