@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.cli import natsd, state
+from services.cli.model_args import add_model_args, check_model_args, instance_model_argv
 from services.common import live_config
 from services.common.live_config import load_live_config
 from services.gateway.auth import API_KEYS_ENV, keys_from
@@ -134,8 +135,7 @@ class Supervisor:
                 str(threads),
                 *share,
             ]
-            if a.model:
-                extra += ["--model", a.model]
+            extra += instance_model_argv(a)
             if a.max_model_len:
                 extra += ["--max-model-len", str(a.max_model_len)]
             if a.kv_cache_tokens:
@@ -288,6 +288,7 @@ def num_cpu_attn(requested: int | None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        check_model_args(args)
         if not has_torch() and (args.engine == "torch" or (args.cpu_attn or 0) > 0):
             what = "the torch engine" if args.engine == "torch" else "--cpu-attn workers"
             raise ValueError(
@@ -329,12 +330,25 @@ def _http_ok(url: str, require_data: bool = False, api_key: str = "") -> bool:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    up = sub.add_parser(
         "up",
         help="start the embedded stack (nats + all services)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_args(up, model_required=False)
+    serve = sub.add_parser(
+        "serve",
+        help="serve MODEL (a local HF directory or GGUF file) with the whole stack, as "
+        "`vllm serve MODEL`: `tidal up MODEL`",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_args(serve, model_required=True)
+
+
+def _add_args(p: argparse.ArgumentParser, model_required: bool) -> None:
+    add_model_args(p, required=model_required)
     p.add_argument("--nats-url", default="", help="join this NATS server instead of starting one")
     p.add_argument(
         "--engine",
@@ -357,7 +371,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--sglang-args", default="", help="sglang: extra launch_server arguments")
     p.add_argument("--sglang-python", default="", help="sglang: the Python that has sglang")
-    p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
     p.add_argument(
         "--kv-cache-tokens", type=int, default=0, help="KV pool of each instance (0: default)"

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -146,8 +147,11 @@ def build_adapter(
     if not 0 <= args.index < len(slots):
         raise ValueError(f"--index {args.index}: the config has {len(slots)} instance slot(s)")
     group = slots[args.index]
+    # A torch engine serving a local model directory plans with that model's shape.
+    hf_dir = args.engine == "torch" and args.model and (Path(args.model) / "config.json").is_file()
+    model = args.model if hf_dir else live.cfg.model
     spec = args.policy_step_model or (
-        args.sim_step_model if engine.is_emulated else f"{live.cfg.model}@{live.cfg.hardware}"
+        args.sim_step_model if engine.is_emulated else f"{model}@{live.cfg.hardware}"
     )
     return PolicyAdapter.build(
         policy=make_policy(live.policy, live.context()),
@@ -269,7 +273,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", default="sim", choices=ENGINES, help="engine to host")
     p.add_argument("--model", default="", help="model path (torch, sglang) or served name (sim)")
     p.add_argument("--tokenizer", default="", help="sim engine: tokenizer (default SmolLM2's)")
-    p.add_argument("--device", default="cpu", help="torch device (torch engine)")
+    p.add_argument("--device", default="cpu", help="torch device (torch engine): cpu, cuda[:N]")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="torch engine dtype (auto: measured fastest here, or $TIDAL_DTYPE)",
+    )
+    p.add_argument(
+        "--served-model-name", default="", help="the model name clients send (default: MODEL's)"
+    )
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's)")
     p.add_argument(
         "--core-share",
