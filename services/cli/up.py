@@ -355,7 +355,7 @@ def _add_args(p: argparse.ArgumentParser, model_required: bool) -> None:
         default="torch",
         choices=("sim", "torch", "sglang"),
         help="instance engine: torch (real model), sim (emulated timings) or sglang (a real "
-        "SGLang server per instance; README, SGLang backend)",
+        "SGLang server per instance; docs/sglang.md)",
     )
     p.add_argument(
         "--sglang-urls",
