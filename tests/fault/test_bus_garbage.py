@@ -117,7 +117,6 @@ def _subjects(pids: dict[str, int]) -> list[str]:
         out += [
             subjects.instance_submit(iid),
             subjects.instance_state(iid),
-            subjects.instance_preempt(iid),
             subjects.instance_migrate(iid),
             subjects.instance_control(iid),
             subjects.migrate_offer(iid),

@@ -7,7 +7,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from services.cli import natsd
-from services.common.bus import BusUnavailable, connect, subscribe
+from services.common.bus import BusUnavailable, connect, redact, seed_urls, subscribe
 from tidal.schemas import codec
 from tidal.schemas.messages import CancelRequest
 
@@ -43,3 +43,21 @@ async def test_unreachable_bus_fails_fast_with_one_line_reason() -> None:
     with pytest.raises(BusUnavailable, match="cannot reach NATS"):
         await connect(url, "test", timeout_s=1.5)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_comma_separated_url_is_a_list_of_seeds_with_the_first_credentials() -> None:
+    servers, auth = seed_urls("nats://tidal:p%40ss@n1:4222, nats://tidal:p%40ss@n2:4222,")
+    assert servers == ["nats://tidal:p%40ss@n1:4222", "nats://tidal:p%40ss@n2:4222"]
+    assert auth == {"user": "tidal", "password": "p@ss"}  # also for the servers announced
+    assert seed_urls("nats://tok@127.0.0.1:1")[1] == {"token": "tok"}
+    assert seed_urls("nats://127.0.0.1:1")[1] == {}
+    assert redact("nats://u:p@a:1,nats://tok@b:2") == "nats://a:1,nats://b:2"
+    with pytest.raises(ValueError, match="names no server"):
+        seed_urls(" , ")
+
+
+async def test_joins_a_cluster_through_any_seed(nats_url: str) -> None:
+    dead = f"nats://127.0.0.1:{natsd.free_port()}"
+    nc = await connect(f"{dead},{nats_url}", "test", timeout_s=10)
+    assert nc.is_connected
+    await nc.close()

@@ -13,7 +13,7 @@ from services.instance.cpu_attn_link import CpuAttnPool
 from tests.services.cpu_attn.conftest import WorkerFactory
 from tidal.engine.api import EngineRequest, OffloadRefused, SamplingParams
 from tidal.engine.torch_engine import TorchEngine
-from tidal.policy.plan import StepPlan
+from tidal.plan import StepPlan
 
 PROMPT = [ord(c) for c in "The tide comes in and the tide goes out; "]
 

@@ -28,7 +28,7 @@ def test_every_integer_of_a_request_body_is_bounded_to_what_msgpack_carries() ->
     seed = _field(schema, "ChatCompletionRequest", "seed")
     # NOTE: FastAPI writes the bounds as floats: int64's maximum reads as 2**63 there.
     assert float(seed["minimum"]) == -(2**63) and float(seed["maximum"]) == 2**63
-    assert _field(schema, "ChatCompletionRequest", "n")["maximum"] == 1
+    assert _field(schema, "ChatCompletionRequest", "n")["maximum"] == 16  # MAX_CHOICES
     assert _field(schema, "ChatCompletionRequest", "slo_ttft_ms")["minimum"] > 0
     assert _field(schema, "CompletionRequest", "echo")["enum"] == [False]
     assert _field(schema, "CreateBatch", "endpoint")["enum"] == [

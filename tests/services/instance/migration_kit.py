@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 from services.common.bus import connect
 from services.instance import main as instance_main
 from tidal.schemas import codec, subjects
+from tidal.schemas.kv_wire import Hello
 from tidal.schemas.messages import (
     GenerateAck,
     GenerateRequest,
@@ -147,3 +148,31 @@ async def served_text(
         await asyncio.wait_for(gw.done.wait(), 60)
         await nc.drain()
     return "".join(c.text for c in gw.tokens)
+
+
+@dataclass
+class CountingSink:
+    req_id: str
+    num_tokens: int
+    bytes_per_token: int
+    num_bytes: int = 0
+
+    def write(self, start: int, data: bytes | bytearray | memoryview) -> None:
+        self.num_bytes += len(data)
+
+
+@dataclass
+class CountingReceiver:
+    """A data-plane `Receiver` of a target that keeps nothing: what arrived, per ticket."""
+
+    received: dict[str, int] = field(default_factory=dict)  # ticket -> KV bytes, when complete
+    states: list[bytes] = field(default_factory=list)
+
+    def open_transfer(self, hello: Hello, state: bytes) -> CountingSink:
+        self.states.append(state)
+        self._sink = CountingSink(hello.ticket, hello.num_tokens, hello.bytes_per_token)
+        return self._sink
+
+    def end_transfer(self, ticket: str, error: str) -> None:
+        if not error:
+            self.received[ticket] = self._sink.num_bytes

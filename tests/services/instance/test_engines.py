@@ -58,3 +58,20 @@ def test_sim_engine_stands_in_for_a_model_directory_with_its_tokenizer(tmp_path:
     assert eng.tokenizer.encode("the tide") == load_tokenizer(model).encode("the tide")
     args.served_model_name = "served"
     assert build_engine(args).model_name == "served"
+
+
+def test_a_sim_engine_emulating_a_7b_model_carries_its_kv_geometry() -> None:
+    from services.instance.engines import build_engine, emulated_geometry
+    from services.instance.main import parse_args
+
+    geo = emulated_geometry("qwen2.5-7b@a100-80gb")
+    # 28 layers * (k, v) * 4 KV heads * 128 dims * 2 bytes (bf16)
+    assert geo["kv_bytes_per_token"] == 57_344 and geo["num_layers"] == 28
+    # 0.9 * 80 GB less ~15 GB of weights, in blocks of 16 tokens: ~1M tokens of KV
+    assert 900_000 < geo["num_kv_blocks"] * 16 < 1_200_000
+    args = parse_args(
+        ["--id", "i", "--sim-step-model", "qwen2.5-7b@a100-80gb", "--tokenizer", "bytes"]
+    )
+    engine = build_engine(args)
+    assert engine.kv_bytes_per_token == 57_344
+    assert emulated_geometry("linear") == {}

@@ -20,6 +20,7 @@ from services.instance import migration
 from services.instance.dataplane import DataPlaneServer
 from tests.services.instance.migration_kit import (
     GW,
+    CountingReceiver,
     EngineKind,
     Gateway,
     migrate,
@@ -137,14 +138,9 @@ async def test_commit_without_an_answer_is_aborted_and_the_source_keeps_running(
     async with running(nats_url, "src", 0, engine_kind):
         nc = await connect(nats_url, "client")
         await wait_report(nc, "src")
-        received: list[bytes] = []
+        receiver = CountingReceiver()
         aborts: list[MigrateAbort] = []
-
-        async def keep(ticket: str, data: bytes) -> str:
-            received.append(data)
-            return ""
-
-        plane = DataPlaneServer(keep, 1 << 30)
+        plane = DataPlaneServer(receiver)
         url = await plane.start()
 
         async def accept(msg: Msg) -> None:
@@ -163,7 +159,7 @@ async def test_commit_without_an_answer_is_aborted_and_the_source_keeps_running(
         await start_request(nc, "src", gw, engine_kind)
         res = await migrate(nc, "src", "mute")
         assert res.outcome == "failed" and "commit" in res.message
-        assert len(received) == 1 and len(received[0]) == res.num_bytes
+        assert receiver.received == {"t2": res.num_bytes} and res.num_bytes > 0
         await asyncio.wait_for(gw.done.wait(), 60)
         gw.assert_complete_once(engine_kind.num_tokens)
         assert {c.instance_id for c in gw.tokens} == {"src"}
@@ -182,13 +178,14 @@ async def test_commit_answered_too_late_runs_the_request_on_the_source_only(
         from tidal.engine.sim import SimEngine as cls
     else:
         from tidal.engine.torch_engine import TorchEngine as cls
-    fast_import = cls.import_request
+    fast_end = cls.end_import
 
-    def import_slowly(self: object, data: bytes) -> None:
-        time.sleep(0.5)  # in the import's worker thread, while the commit waits 0.1 s
-        fast_import(self, data)
+    def end_import_slowly(self: object, req_id: str, commit: bool) -> None:
+        if commit:
+            time.sleep(0.5)  # in the import's worker thread, while the commit waits 0.1 s
+        fast_end(self, req_id, commit)
 
-    monkeypatch.setattr(cls, "import_request", import_slowly)
+    monkeypatch.setattr(cls, "end_import", end_import_slowly)
     monkeypatch.setattr(migration, "COMMIT_TIMEOUT_S", 0.1)
     async with running(nats_url, "src", 0, engine_kind), running(nats_url, "dst", 1, engine_kind):
         nc = await connect(nats_url, "client")

@@ -6,14 +6,22 @@ from its prompt and the tokens already streamed, on exactly one instance."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from services.common.bus import connect
+from services.instance import main as instance_main
 from services.instance import migration
-from services.instance.dataplane import checksum, send_payload
-from tests.services.instance.migration_kit import GW, EngineKind, Gateway, running, wait_report
+from services.instance.dataplane import send_kv
+from services.instance.engines import build_engine
+from tests.services.instance.migration_kit import (
+    GW,
+    EngineKind,
+    Gateway,
+    instance_args,
+    running,
+    wait_report,
+)
+from tidal.engine.api import EngineRequest, SamplingParams
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import MigrateCommit, MigrateOffer, MigrateOfferReply
 
@@ -29,14 +37,19 @@ async def test_reservation_of_a_dead_source_expires_and_a_late_commit_is_refused
         gw = Gateway()
         await nc.subscribe(GW, cb=gw.on_chunk)
         await wait_report(nc, "dst")
-        data = os.urandom(4096)  # never imported: the commit that would import it never comes
+        # the dying source: an engine like the target's, holding a request with some KV
+        args = instance_main.parse_args(instance_args(nats_url, "gone", 0, engine_kind))
+        src = build_engine(args)
+        src.add(EngineRequest("ghost", list(range(1, 41)), SamplingParams(max_tokens=20)))
+        while not src.step().events:
+            pass
+        source = src.begin_export("ghost")
         offer = MigrateOffer(
             req_id="ghost",
             src_instance_id="src-that-dies",
             kind="pull",
-            num_kv_tokens=100,
-            num_bytes=len(data),
-            checksum=checksum(data),
+            num_kv_tokens=source.num_tokens,
+            num_bytes=source.num_tokens * source.bytes_per_token,
             reply_subject=GW,
             next_seq=5,
             req_class="offline",
@@ -44,7 +57,7 @@ async def test_reservation_of_a_dead_source_expires_and_a_late_commit_is_refused
         msg = await nc.request(subjects.migrate_offer("dst"), codec.encode(offer), timeout=10)
         reply = codec.decode(msg.data, MigrateOfferReply)
         assert reply.ok, reply
-        await send_payload(reply.data_url, reply.ticket, data, checksum(data))
+        await send_kv(reply.data_url, reply.ticket, source)  # its KV lands in reserved blocks
         # The source is gone now. The target held room for the request ...
         await wait_report(nc, "dst", lambda r: r.num_free_blocks < r.num_blocks)
         # ... and gives it back once the reservation expires, with no other offer to trigger it.

@@ -7,8 +7,9 @@ import time
 import msgspec
 
 from services.common.live_config import load_live_config
-from services.scheduler.live import LiveCluster
+from services.scheduler.live import SLOT_DOWN, LiveCluster
 from tests.services.scheduler.test_scheduler import make_report
+from tidal.policy.base import InstanceRole, RouteAction
 from tidal.policy.registry import make_policy
 from tidal.schemas.messages import ReqReport, RouteRequest
 
@@ -103,3 +104,60 @@ def test_the_held_queue_is_bounded_in_requests_and_in_tokens() -> None:
     c.max_held_tokens = 0  # no token bound: only the count
     c.max_held = 8
     assert c.room_to_hold(c.new_request(ask("huge", 4 * 10**6, 100), now)) == ""
+
+
+def _relaxed_strict_cluster() -> LiveCluster:
+    live = load_live_config("", "tidal", "relaxed,strict,strict")
+    return LiveCluster(
+        policy=make_policy(live.policy, live.context()),
+        default_slo=live.cfg.slo,
+        max_held=8,
+        max_hold_s=60.0,
+        slots=live.slots,
+    )
+
+
+def test_when_the_relaxed_host_is_lost_a_strict_instance_prefills_online_requests() -> None:
+    # Issue 26: every process of the relaxed instance's host killed; the strict survivors
+    # never prefilled, and every new online request got 503 for good.
+    c = _relaxed_strict_cluster()
+    c.healer.heal_after_s = 1.0  # within the reports' freshness (REPORT_STALE_S)
+    now = time.time()
+    for i in (1, 2):
+        c.on_report(make_report(f"inst-{i}", i, "strict"))
+    ask = RouteRequest(req_id="chat", model="m", req_class="online", max_tokens=4,
+                       num_prompt_chars=40)  # fmt: skip
+    action, _, reason = c.route(c.new_request(ask, now), now, ask)
+    assert (action, reason) == (RouteAction.HOLD, SLOT_DOWN)  # it may come back within seconds
+    assert c.heal(now) == {}
+    heal = c.heal(now + c.healer.heal_after_s)
+    assert heal == {1: InstanceRole.AGGREGATED, 2: InstanceRole.AGGREGATED}
+    for i in (1, 2):  # the survivors report their new role
+        c.on_report(make_report(f"inst-{i}", i, "aggregated", seq=2))
+    action, idx, _ = c.route(c.new_request(ask, now), now, ask)
+    assert action is RouteAction.QUEUE and idx in (1, 2)
+    assert c.num_stand_in_routes == 1
+    # The relaxed instance is back: the survivors return to strict, online prefill to it.
+    c.on_report(make_report("inst-0", 0, "relaxed"))
+    assert c.heal(now + 2) == {1: InstanceRole.STRICT, 2: InstanceRole.STRICT}
+    action, idx, _ = c.route(c.new_request(ask, now), now, ask)
+    assert (action, idx) == (RouteAction.QUEUE, 0)
+
+
+def test_a_push_toward_a_backed_off_target_waits_and_the_request_stays() -> None:
+    c = _relaxed_strict_cluster()
+    now = time.time()
+    prefilled = ReqReport("q1", "online", "running", now, 37, 32, 37, 1, 3, 3.0, 0.25)
+    c.on_report(make_report("inst-0", 0, "relaxed", requests=[prefilled]))
+    c.on_report(make_report("inst-1", 1, "strict"))
+    until = c.backoff.failed("inst-1", now)  # its data plane could not be reached
+    assert c.decode_placements(c.view(now), now) == []  # no attempt while backed off
+    assert c.retry_at["q1"] == until
+    assert c.decode_placements(c.view(until), until) == [("q1", 0, 1)]
+    # A restarted target process starts with a clean slate.
+    c.backoff.failed("inst-1", until)
+    restarted = msgspec.structs.replace(
+        make_report("inst-1", 1, "strict", seq=1), started_unix_s=now + 1
+    )
+    assert c.on_report(restarted)
+    assert not c.backoff.is_backed_off("inst-1", until)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from tidal.cluster.view import PENDING_IN, build_cluster_view, report_of, sync_instance
+from tidal.cluster.view import (
+    PENDING_IN,
+    SUBMITTED,
+    build_cluster_view,
+    report_of,
+    sync_instance,
+)
 from tidal.engine.api import SeqSnapshot
 from tidal.perf.linear import LinearStepModel
 from tidal.policy.base import InstanceRole, InstanceState, Phase, ReqState, Slo
@@ -228,3 +234,19 @@ def test_sync_instance_mirrors_the_engine() -> None:
     assert set(reqs) == {"b", "o"} and inst.waiting == [] and inst.swapped == []
     with pytest.raises(ValueError, match="status"):
         sync_instance(inst, [snap("x", "lost")], reqs, 50)
+
+
+def test_submitted_and_migrating_requests_are_known_but_only_submitted_ones_queue() -> None:
+    a, b = two_instances()
+    rep = report_of(a, "inst-0", T0 + 5, 7, step_model="m")
+    extra = [
+        msgspec.structs.replace(rep.requests[0], req_id="sub", phase=SUBMITTED),
+        msgspec.structs.replace(rep.requests[0], req_id="mig", phase=Phase.MIGRATING.value),
+    ]
+    rep = msgspec.structs.replace(rep, requests=[*rep.requests, *extra])
+    other = report_of(b, "inst-1", T0 + 5, 7, step_model="m")
+    view = build_cluster_view([rep, other], {"m": MODEL}, 10e9)
+    waiting = {r.req_id: r for r in view.instances[0].waiting}
+    assert waiting["sub"].phase is Phase.WAITING  # queued at its instance, not yet in its engine
+    listed = {r.req_id for i in view.instances for lst in (i.waiting, i.running) for r in lst}
+    assert "mig" not in listed  # leaving now: in no queue a policy acts on

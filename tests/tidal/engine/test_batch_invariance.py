@@ -20,7 +20,7 @@ import torch
 
 from tidal.engine.api import EngineRequest, RequestClass, SamplingParams
 from tidal.engine.torch_engine import TorchEngine
-from tidal.policy.plan import StepPlan
+from tidal.plan import StepPlan
 
 from .test_torch_engine import prompt
 
@@ -101,7 +101,7 @@ def colocated(
             prefill = prefill | {"C": seqs["C"].partial.num_tokens}
         live = tuple(r for r in decode if r in seqs and seqs[r].is_decode)
         if cut_c and "C" in prefill and seqs["C"].partial is None and "C" not in run.tokens:
-            src.model.layer_hook = lambda layer, n: layer == 1 and src.request_preempt()
+            src.model.layer_hook = lambda layer, n: layer == 1 and src.request_layer_cut()
             run.step(StepPlan(prefill=prefill, decode=live))
             src.model.layer_hook = None
             assert src.last_step_preempted and src.seqs["C"].partial is not None

@@ -95,7 +95,7 @@ def test_engine_random_admit_finish_preempt_keeps_kv_consistent(
                 e.swap_in(rid)
                 event("swap in")
         elif op == "preempt" and e.has_work():
-            e.model.layer_hook = lambda layer, n: layer == 1 and e.request_preempt()
+            e.model.layer_hook = lambda layer, n: layer == 1 and e.request_layer_cut()
             e.step()
             e.model.layer_hook = None
             if e.last_step_preempted:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tidal.engine.api import SamplingParams
@@ -54,3 +55,39 @@ def test_top_k_top_p_and_seed() -> None:
     greedy = SamplingParams(temperature=0)
     assert make_generator(greedy) is None
     assert sample(logits[:1], [greedy], [None], False)[0] == [3]
+
+
+def test_penalties_and_logit_bias_arithmetic() -> None:
+    from tidal.engine.sampling import apply_penalties
+
+    logits = torch.zeros(2, 5)
+    sp = SamplingParams(frequency_penalty=0.5, presence_penalty=1.0, logit_bias=((4, 3.0),))
+    out = apply_penalties(logits, [sp, SamplingParams()], [[1, 1, 2], [1]])
+    # token 1 twice: -(0.5 * 2 + 1.0) = -2; token 2 once: -(0.5 + 1.0) = -1.5; token 4: +3
+    assert out[0].tolist() == [0.0, -2.0, -1.5, 0.0, 3.0]
+    assert out[1].tolist() == [0.0] * 5  # no penalties asked: untouched
+    assert logits.abs().sum() == 0  # a new tensor
+
+
+def test_logprobs_of_lists_the_top_alternatives_most_likely_first() -> None:
+    from tidal.engine.sampling import logprobs_of
+
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 0.0]])
+    chosen, tops = logprobs_of(logits, [2, 0], [2, 0])
+    lp = torch.log_softmax(logits, -1)
+    assert chosen == pytest.approx([lp[0, 2].item(), lp[1, 0].item()])
+    assert [t for t, _ in tops[0]] == [1, 2] and tops[1] == ()
+    assert tops[0][0][1] == pytest.approx(lp[0, 1].item())
+
+
+def test_penalties_and_bias_survive_a_migration() -> None:
+    from tidal.engine import kv_transfer as kvt
+    from tidal.engine.api import EngineRequest
+    from tidal.engine.sglang_api import RecomputePayload
+
+    sp = SamplingParams(frequency_penalty=0.5, presence_penalty=-1.0, logit_bias=((7, -100.0),))
+    req = EngineRequest("r", [1, 2], sp)
+    moved = kvt.request_from_dict(kvt.unpack(kvt.pack(kvt.request_to_dict(req))))
+    assert moved.sampling == sp
+    payload = RecomputePayload("m", req, [3], [], "")
+    assert RecomputePayload.decode(payload.encode()).req.sampling == sp

@@ -7,9 +7,9 @@ import pytest
 
 from tests.tidal.engine.test_sim_engine import make_engine, make_request, run_to_end
 from tidal.engine.sim import SimEngine, SimEngineConfig
-from tidal.engine.sim_seq import kv_blob
+from tidal.engine.sim_seq import kv_digest, kv_slice
 from tidal.perf.api import BatchShape
-from tidal.policy.plan import StepPlan
+from tidal.plan import StepPlan
 
 
 def reference(prompt_len: int = 20, max_tokens: int = 8) -> list[int]:
@@ -29,7 +29,7 @@ def test_preempt_by_recompute_resumes_with_identical_output() -> None:
     for _ in range(5):  # 3 prefill steps (8 + 8 + 4), 2 decodes: 3 tokens out
         out += step_tokens(eng)
     assert len(out) == 3
-    eng.preempt("a")
+    eng.recompute("a")
     (snap,) = eng.snapshot()
     assert (snap.status, snap.num_computed_tokens, snap.num_blocks) == ("waiting", 0, 0)
     assert eng.num_free_blocks() == eng.num_kv_blocks
@@ -83,7 +83,7 @@ def test_export_import_continues_identically_with_a_real_size_kv_blob() -> None:
     payload = msgspec.msgpack.decode(data)
     # 21 KV tokens * 30 layers * (k, v) * 3 heads * 64 dims * 2 bytes
     assert len(payload["kv"]) == 21 * 23_040
-    assert payload["output_token_ids"] == out
+    assert msgspec.msgpack.decode(payload["state"])["output_token_ids"] == out
     dst.import_request(data)
     (snap,) = dst.snapshot()
     assert (snap.status, snap.num_computed_tokens, snap.num_blocks) == ("running", 21, 3)
@@ -104,7 +104,7 @@ def test_export_with_a_smaller_kv_payload_still_reports_the_full_kv_size() -> No
     dst.import_request(data)
     out += run_to_end(dst)["a"]
     assert out == reference()
-    with pytest.raises(ValueError, match="KV blob"):  # a full-size importer refuses it
+    with pytest.raises(ValueError, match="KV of 0 bytes"):  # a full-size importer refuses it
         make_engine().import_request(data)
 
 
@@ -115,7 +115,7 @@ class PreemptingStepModel:
         self.engine: SimEngine | None = None
 
     def step_s(self, batch: BatchShape) -> float:
-        assert self.engine is not None and self.engine.request_preempt()
+        assert self.engine is not None and self.engine.request_layer_cut()
         return 0.3
 
 
@@ -130,9 +130,9 @@ def test_export_keeps_a_layer_preempted_chunk() -> None:
     (snap,) = src.snapshot()
     assert (snap.forced_tokens, snap.num_computed_tokens, snap.num_blocks) == (12, 0, 1)
     data = src.export_request("a")
-    payload = msgspec.msgpack.decode(data)
+    payload = msgspec.msgpack.decode(msgspec.msgpack.decode(data)["state"])
     assert (payload["partial_tokens"], payload["partial_layer"]) == (12, 1)
-    assert len(payload["kv"]) == 12 * 23_040
+    assert len(msgspec.msgpack.decode(data)["kv"]) == 12 * 23_040
     dst = make_engine(max_batch_tokens=8)  # its own planner resumes the chunk over budget
     dst.import_request(data)
     assert dst.snapshot()[0].forced_tokens == 12
@@ -152,9 +152,12 @@ def test_corrupt_foreign_or_duplicate_payloads_are_refused_without_changes() -> 
     dst.add(make_request("b", prompt_len=8))
     dst.step()  # b takes one of the two blocks
     before = (dst.snapshot(), dst.num_free_blocks())
+    roomy = make_engine()
     for bad in (bytes(flipped), data[:-5], b"\x00not msgpack", msgspec.msgpack.encode({"a": 1})):
         with pytest.raises(ValueError):
-            dst.import_request(bad)
+            roomy.import_request(bad)
+    assert (roomy.snapshot(), roomy.num_free_blocks()) == ([], roomy.num_kv_blocks)
+    roomy.check_integrity()
     with pytest.raises(MemoryError):  # 20 KV tokens need 2 blocks of 16; 1 is free
         dst.import_request(data)
     assert (dst.snapshot(), dst.num_free_blocks()) == before
@@ -165,6 +168,9 @@ def test_corrupt_foreign_or_duplicate_payloads_are_refused_without_changes() -> 
         src.import_request(data)
 
 
-def test_kv_blob_depends_on_the_tokens() -> None:
-    assert kv_blob([1, 2, 3], 3, 10) != kv_blob([1, 2, 4], 3, 10)
-    assert len(kv_blob([1, 2, 3], 2, 1000)) == 2000
+def test_emulated_kv_depends_on_the_tokens_and_slices_consistently() -> None:
+    a, b = kv_digest([1, 2, 3], 3), kv_digest([1, 2, 4], 3)
+    assert kv_slice(a, 0, 30) != kv_slice(b, 0, 30)
+    whole = kv_slice(a, 0, 2000)
+    assert len(whole) == 2000
+    assert kv_slice(a, 130, 1999) == whole[130:1999]  # a chunk is the same bytes as in the whole

@@ -21,7 +21,7 @@ from tidal.engine.sim_tokens import SIM_WORDS, prompt_key, sim_token
 from tidal.engine.tokenizer import embedded_model_path, load_tokenizer
 from tidal.perf.api import BatchShape
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.plan import StepPlan
+from tidal.plan import StepPlan
 
 # 0.01 s a step, 1 ms a token, 1 ms more a decode, 0.1 ms a decode context token
 STEP_MODEL = LinearStepModel(

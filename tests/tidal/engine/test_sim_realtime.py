@@ -12,7 +12,7 @@ from tests.tidal.engine.test_sim_control import reference
 from tests.tidal.engine.test_sim_engine import make_engine, make_request, run_to_end
 from tidal.engine.sim import SimEngine, SimEngineConfig
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.plan import StepPlan
+from tidal.plan import StepPlan
 
 STEP_S = 0.2  # every non-empty step: 10 layers of 20 ms
 LAYER_S = STEP_S / 10
@@ -26,7 +26,7 @@ def make_realtime_engine() -> SimEngine:
 def preempt_after(eng: SimEngine, delay_s: float) -> threading.Thread:
     def signal() -> None:
         time.sleep(delay_s)
-        assert eng.request_preempt()
+        assert eng.request_layer_cut()
 
     t = threading.Thread(target=signal)
     t.start()
@@ -35,7 +35,7 @@ def preempt_after(eng: SimEngine, delay_s: float) -> threading.Thread:
 
 def test_step_waits_its_emulated_time() -> None:
     eng = make_realtime_engine()
-    assert not eng.request_preempt()  # no step running
+    assert not eng.request_layer_cut()  # no step running
     eng.add(make_request("a", prompt_len=20, max_tokens=8))
     t0 = time.perf_counter()
     res = eng.step()

@@ -11,7 +11,7 @@ import torch
 
 from tidal.engine.api import EngineRequest, FinishReason, RequestClass, SamplingParams
 from tidal.engine.torch_engine import TorchEngine
-from tidal.policy.plan import StepPlan
+from tidal.plan import StepPlan
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -61,7 +61,7 @@ def test_preemption_mid_prefill_resumes_from_the_layer(make_engine: Any) -> None
     def hook(layer: int, rows: int) -> None:
         rows_per_layer.append((layer, rows))
         if layer == 1 and len(rows_per_layer) == 2:
-            assert e.request_preempt()
+            assert e.request_layer_cut()
 
     e.model.layer_hook = hook
     res = e.step()  # b decodes, a and c prefill: cut after layer 2 of 4
@@ -76,14 +76,14 @@ def test_preemption_mid_prefill_resumes_from_the_layer(make_engine: Any) -> None
     e.model.layer_hook = None
     assert a.partial is None and a.num_computed == 32
     assert drain(e, out) == ref
-    assert not e.request_preempt()  # no step running: nothing to stop
+    assert not e.request_layer_cut()  # no step running: nothing to stop
 
 
 def test_preempted_chunk_resumes_beside_fresh_work(make_engine: Any) -> None:
     ref = reference(make_engine, REQS)
     e = make_engine(chunk_size=16, token_budget=32)
     e.add(EngineRequest("a", *REQS["a"]))
-    e.model.layer_hook = lambda layer, rows: layer == 0 and e.request_preempt()
+    e.model.layer_hook = lambda layer, rows: layer == 0 and e.request_layer_cut()
     e.step()
     e.model.layer_hook = None
     assert e.seqs["a"].partial is not None and e.seqs["a"].partial.layer == 1
@@ -107,7 +107,7 @@ def run_with_export(make_engine: Any, at_step: int, preempt: bool) -> dict[str, 
         src.add(EngineRequest(rid, p, sp))
     for i in range(at_step):
         if preempt and i == at_step - 1:
-            src.model.layer_hook = lambda layer, n: layer == 1 and src.request_preempt()
+            src.model.layer_hook = lambda layer, n: layer == 1 and src.request_layer_cut()
         for ev in src.step().events:
             out.setdefault(ev.req_id, []).extend(ev.token_ids)
     src.model.layer_hook = None

@@ -75,13 +75,21 @@ def test_decode_only_plan_may_repeat() -> None:
     assert plan.decode == ("d1",) and plan.max_repeat == MAX_REPEAT
 
 
-def test_out_of_blocks_preempts_the_latest() -> None:
+def test_out_of_blocks_preempts_the_latest_offline() -> None:
     inst = make_instance(blocks=5)
     make_request("a", inst, done=48, out=17)  # 3 blocks, full: the next token needs a 4th
-    make_request("b", inst, done=32, out=1)  # 2 blocks, full
+    make_request("b", inst, done=32, out=1, online=False)  # 2 blocks, full
     plan = chunked_plan(inst)
-    # No free block: b (latest) is preempted, a gets b's blocks.
-    assert plan.preempt == ("b",) and plan.decode == ("a",)
+    # No free block: b (latest, offline) is preempted, a gets b's blocks.
+    assert plan.recompute == ("b",) and plan.decode == ("a",)
+
+
+def test_out_of_blocks_with_only_online_work_ends_the_newest_never_evicts_it() -> None:
+    inst = make_instance(blocks=5)
+    make_request("a", inst, done=48, out=17)  # 3 blocks, full: the next token needs a 4th
+    make_request("b", inst, done=32, out=1)  # 2 blocks, full; online too
+    plan = chunked_plan(inst)
+    assert plan.abort_no_kv == ("b",) and not plan.evicts
 
 
 def test_online_first_protects_online() -> None:
@@ -89,7 +97,7 @@ def test_online_first_protects_online() -> None:
     make_request("off", inst, done=48, out=17, online=False)
     make_request("on", inst, done=32, out=1)
     plan = chunked_plan(inst, online_first=True, swap_victims=True)
-    assert plan.swap_out == ("off",) and plan.decode == ("on",) and not plan.preempt
+    assert plan.swap_out == ("off",) and plan.decode == ("on",) and not plan.recompute
 
 
 def test_offline_decode_cap() -> None:

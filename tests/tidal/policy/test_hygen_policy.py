@@ -30,12 +30,13 @@ def _decoding(rid: str, online: bool, ctx: int, inst: InstanceState) -> ReqState
     return r
 
 
-def test_online_decodes_that_outgrow_kv_preempt_the_newest_online() -> None:
+def test_online_decodes_that_outgrow_kv_end_the_newest_online_never_evict_it() -> None:
     inst = _inst(8)
     _decoding("on-a", True, 64, inst)  # 4 blocks
     _decoding("on-b", True, 64, inst)  # 4 blocks: no block left for either next token
     plan = _policy().schedule(inst, 0.0)
-    assert plan.preempt == ("on-b",)  # vLLM's choice: the newest online request, recomputed
+    # vLLM would recompute on-b; Tidal's plan contract never evicts online work: it ends.
+    assert plan.abort_no_kv == ("on-b",) and not plan.evicts
     assert not plan.decode
 
 
@@ -45,7 +46,7 @@ def test_offline_kv_goes_first_and_is_swapped_not_dropped() -> None:
     _decoding("off-a", False, 64, inst)
     plan = _policy().schedule(inst, 0.0)
     assert plan.swap_out == ("off-a",)  # state retained (§4.1)
-    assert not plan.preempt
+    assert not plan.recompute
 
 
 def test_no_new_offline_prompt_while_offline_kv_is_swapped_out() -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tidal.perf.linear import LinearStepModel
 from tidal.policy import InstanceRole, PolicyContext, Slo, make_policy
-from tidal.policy.base import InstanceState, Policy, StepPlan
+from tidal.policy.base import InstanceState, Phase, Policy, StepPlan
 from tidal.schemas.enums import RequestClass
 from tidal.sim.core import InstanceSetup, Simulator
 from tidal.workload.mix import SimRequest
@@ -75,18 +77,7 @@ class NoRepeat(Policy):
         return self.inner.tick(cluster, now)
 
     def schedule(self, inst: InstanceState, now: float) -> StepPlan:
-        p = self.inner.schedule(inst, now)
-        return StepPlan(
-            p.prefill,
-            p.decode,
-            p.cpu_decode,
-            p.preempt,
-            p.swap_out,
-            p.swap_in,
-            p.offload,
-            p.recall,
-            max_repeat=1,
-        )
+        return dataclasses.replace(self.inner.schedule(inst, now), max_repeat=1)
 
 
 def _mixed_workload(n: int = 60) -> list[SimRequest]:
@@ -128,11 +119,19 @@ def test_invariants_under_memory_pressure(policy: str) -> None:
     assert sorted(ids) == sorted(r.req_id for r in reqs)  # none lost, none duplicated
     assert all(r.finish_s is not None for r in rec.requests)
     by_id = {r.req_id: r for r in rec.requests}
+    # The plan contract: online work is never evicted; an online request that cannot get KV
+    # while no offline work is left to evict ends, counted as rejected for "out_of_kv".
+    ended = [r for r in rec.requests if r.phase is Phase.REJECTED]
+    assert all(r.is_online for r in ended)
+    assert len(ended) == rec.rejections["out_of_kv"]
+    assert all(r.num_preemptions == 0 for r in rec.requests if r.is_online)
     for sr in reqs:
         r = by_id[sr.req_id]
-        assert r.num_output_tokens == sr.output_tokens
-        assert r.arrival_s <= (r.first_token_s or 0) <= (r.finish_s or 0)
-    assert rec.num_preemptions + rec.num_swaps > 0
+        if r.phase is not Phase.REJECTED:
+            assert r.num_output_tokens == sr.output_tokens
+            assert r.arrival_s <= (r.first_token_s or 0) <= (r.finish_s or 0)
+    if policy != "pd-disagg":  # its online work now waits for hand-off room, never evicted
+        assert rec.num_preemptions + rec.num_swaps + rec.rejections["out_of_kv"] > 0
 
 
 def test_same_seed_same_result() -> None:

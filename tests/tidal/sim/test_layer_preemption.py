@@ -23,12 +23,12 @@ class OnlineFirstPrefill(Policy):
             return StepPlan(prefill={online[0].req_id: online[0].num_prefill_left})
         if todo:
             r = todo[0]
-            return StepPlan(prefill={r.req_id: r.num_prefill_left}, preemptible_layers=10)
+            return StepPlan(prefill={r.req_id: r.num_prefill_left}, layer_cut=True)
         return StepPlan()
 
 
 def test_online_arrival_cuts_offline_step_at_next_layer() -> None:
-    setup = InstanceSetup(InstanceRole.RELAXED, 4096, 200, LINEAR, 1.0)
+    setup = InstanceSetup(InstanceRole.RELAXED, 4096, 200, LINEAR, 1.0, num_layers=10)
     sim = Simulator([setup], OnlineFirstPrefill(), check=True)
     rec = sim.run(
         [
@@ -48,7 +48,7 @@ def test_online_arrival_cuts_offline_step_at_next_layer() -> None:
 
 
 def test_offline_arrival_does_not_cut() -> None:
-    setup = InstanceSetup(InstanceRole.RELAXED, 4096, 200, LINEAR, 1.0)
+    setup = InstanceSetup(InstanceRole.RELAXED, 4096, 200, LINEAR, 1.0, num_layers=10)
     sim = Simulator([setup], OnlineFirstPrefill(), check=True)
     rec = sim.run(
         [

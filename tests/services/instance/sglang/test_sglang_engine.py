@@ -158,7 +158,7 @@ def test_preemption_aborts_in_sglang_and_resumes_from_the_generated_tokens(
     events: list[TokenEvent] = []
     while len(tokens_of(events, "x")) < 5:
         events += engine.step(None).events
-    engine.preempt("x")
+    engine.recompute("x")
     wait_for(lambda: fake.aborts == [fake.bodies[0]["rid"]], "the abort to reach SGLang")
     assert [s.status for s in engine.snapshot()] == ["waiting"]
     events += run(engine)
@@ -247,7 +247,7 @@ def test_bad_requests_are_clear_errors(engine: SglangEngine) -> None:
     with pytest.raises(ValueError, match="context length"):
         engine.add(EngineRequest("long", [5] * 4000, SamplingParams(max_tokens=200)))
     with pytest.raises(ValueError, match="unknown request"):
-        engine.preempt("nobody")
+        engine.recompute("nobody")
 
 
 def test_build_engine_attaches_to_a_server_and_needs_a_model(fake: FakeSglang, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -313,13 +313,14 @@ def test_the_policy_never_preempts_a_request_sglang_has_not_answered_yet(
             slo = Slo(1.0, 0.25)
             policy = make_policy("tidal", PolicyContext(2, (role, role), slo, {}, seed=0))
             inst = InstanceState(0, role, 256, 8, 1, 20000, 20000, LinearStepModel(), 1, 1e9)
+            inst.num_layers = 1  # as the worker sets it: SGLang cannot cut a step at a layer
             reqs: dict[str, ReqState] = {}
             for _ in range(5):
                 sync_instance(inst, eng.snapshot(), reqs, eng.num_free_blocks())
                 (r,) = reqs.values()
                 assert r.num_prefill_left == 1 and not r.is_decoding
                 plan = policy.schedule(inst, 0.0)
-                assert "off" not in plan.preempt and "off" not in plan.swap_out
+                assert "off" not in plan.recompute and "off" not in plan.swap_out
                 execute(eng, plan, {})
             assert len(slow.bodies) == 1 and not slow.aborts
         finally:

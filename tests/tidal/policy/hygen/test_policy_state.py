@@ -52,7 +52,7 @@ def test_offline_victim_of_online_decode_growth_is_recomputed_not_swapped() -> N
     _decoding("on-a", True, 64, inst)
     _decoding("off-a", False, 64, inst)
     plan = _policy(SARATHI).schedule(inst, 0.0)
-    assert plan.preempt == ("off-a",)  # Sarathi-Serve `_preempt`: blocks freed, request requeued
+    assert plan.recompute == ("off-a",)  # Sarathi-Serve `_preempt`: blocks freed, request requeued
     assert not plan.swap_out
 
 
@@ -65,7 +65,7 @@ def test_online_prompt_takes_offline_memory_by_recompute_preemption() -> None:
     _waiting("on", True, 400, inst)  # needs 25 blocks; 20 are free
     plan = _policy(SARATHI).schedule(inst, 0.0)
     assert plan.prefill.get("on") == 400
-    assert plan.preempt == ("off-p",) and not plan.swap_out
+    assert plan.recompute == ("off-p",) and not plan.swap_out
 
 
 def test_offline_prompt_starts_only_when_its_whole_prompt_fits() -> None:
@@ -98,5 +98,5 @@ def test_offline_decodes_that_fill_the_pool_preempt_the_newest_offline() -> None
     _decoding("off-old", False, 64, inst)  # 4 blocks
     _decoding("off-new", False, 64, inst)  # 4 blocks: no block left for either next token
     plan = _policy(SARATHI).schedule(inst, 0.0)
-    assert plan.preempt == ("off-new",)  # Sarathi-Serve: the newest request gives way
+    assert plan.recompute == ("off-new",)  # Sarathi-Serve: the newest request gives way
     assert not plan.is_empty

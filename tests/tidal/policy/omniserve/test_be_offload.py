@@ -65,9 +65,9 @@ def test_out_of_kv_be_decodes_offloaded_with_cpu_workers_preempted_without() -> 
             _be_decode(f"be{i}", inst, 32, 2)
         plan = _policy().schedule(inst, 0.0)
         if cpu is not None:
-            assert set(plan.offload) == {"be3", "be2"} and plan.preempt == ()
+            assert set(plan.offload) == {"be3", "be2"} and plan.recompute == ()
         else:
-            assert set(plan.preempt) == {"be3", "be2"} and plan.offload == ()
+            assert set(plan.recompute) == {"be3", "be2"} and plan.offload == ()
         assert not plan.decode and not plan.prefill
 
 

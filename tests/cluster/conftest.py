@@ -1,0 +1,182 @@
+"""A Tidal cluster over network namespaces: NATS, scheduler, batch and gateway on host 0, a
+relaxed instance on host 1 and a strict one on host 2 (sim engine), each started with
+`ip netns exec` and the bus URL of host 0 — no address given by hand: every data plane binds
+0.0.0.0 and advertises the interface that routes to NATS. Skipped (with the reason printed)
+when not root or `ip netns` is unavailable."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from services.cli import natsd
+from tests.cluster.netns import Hosts, unavailable_reason
+
+NATS_PORT = 4222
+API_PORT = 8000
+ROLES = "relaxed,strict"
+STEP_MODEL = "linear:0.01,0,0,0"  # 10 ms per emulated step: streams last seconds
+HEARTBEAT_S = "0.2"
+
+
+SKIPPED: list[str] = []  # why tests/cluster did not run here, for the session's summary
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    mine = [item for item in items if "tests/cluster/" in str(item.fspath)]
+    if not mine:
+        return
+    reason = unavailable_reason()
+    if not reason:
+        return
+    SKIPPED.append(reason)
+    for item in mine:
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@dataclass
+class Cluster:
+    hosts: Hosts
+    tmp: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    host_of: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://{self.hosts.addrs[0]}:{NATS_PORT}"
+
+    @property
+    def api(self) -> str:
+        return f"http://{self.hosts.addrs[0]}:{API_PORT}"
+
+    def start(self, name: str, host: int, *argv: str) -> None:
+        env = {
+            **os.environ,
+            "TIDAL_NATS_URL": self.nats_url,
+            "TIDAL_HEARTBEAT_S": HEARTBEAT_S,
+            "TIDAL_LOG_LEVEL": "INFO",
+            "NO_PROXY": "*",
+        }
+        env.pop("TIDAL_ADVERTISE_HOST", None)
+        with open(self.tmp / f"{name}.log", "a") as log:
+            self.procs[name] = subprocess.Popen(
+                self.hosts.argv(host, *argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        self.host_of[name] = host
+
+    def service(self, name: str, host: int, module: str, *extra: str) -> None:
+        self.start(name, host, sys.executable, "-m", module, "--id", name, *extra)
+
+    def instance(self, index: int, host: int) -> None:
+        self.service(
+            f"instance-{index}",
+            host,
+            "services.instance",
+            "--index",
+            str(index),
+            "--engine",
+            "sim",
+            "--policy",
+            "tidal",
+            "--roles",
+            ROLES,
+            "--sim-step-model",
+            STEP_MODEL,
+        )
+
+    def log(self, name: str) -> str:
+        path = self.tmp / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def logs_tail(self, n: int = 30) -> str:
+        out = []
+        for name in self.procs:
+            lines = self.log(name).splitlines()[-n:]
+            out.append(f"--- {name} ---\n" + "\n".join(lines))
+        return "\n".join(out)
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.api + path, timeout=2) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+        except OSError:
+            return 0, b""
+
+    def wait_ready(self, num_instances: int, timeout_s: float = 60.0) -> float:
+        """Seconds until the gateway is ready with `num_instances` instances heard from."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            status, body = self.get("/ready")
+            if status == 200 and body.count(b'"instance-') >= num_instances:
+                return time.monotonic() - t0
+            time.sleep(0.2)
+        raise AssertionError(f"cluster not ready in {timeout_s:.0f} s\n{self.logs_tail()}")
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    hosts = Hosts(3)
+    tmp = Path(tempfile.mkdtemp(prefix="tidal-cluster-"))
+    c = Cluster(hosts, tmp)
+    try:
+        hosts.create()
+        store = tmp / "jetstream"
+        store.mkdir()
+        c.start("nats-server", 0, *natsd.nats_server_argv(NATS_PORT, str(store), host="0.0.0.0"))
+        if not natsd.wait_for_port(hosts.addrs[0], NATS_PORT, 10):
+            raise AssertionError(f"nats-server did not start\n{c.logs_tail()}")
+        c.service("scheduler-0", 0, "services.scheduler", "--policy", "tidal", "--roles", ROLES)
+        c.service("batch-0", 0, "services.batch")
+        c.service("gateway-0", 0, "services.gateway", "--host", "0.0.0.0", "--port", str(API_PORT))
+        c.instance(0, 1)
+        c.instance(1, 2)
+        c.wait_ready(2)
+        yield c
+    finally:
+        for i in range(len(hosts.names)):
+            hosts.kill_host(i)
+        for p in c.procs.values():
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        hosts.destroy()
+        if os.environ.get("TIDAL_KEEP_CLUSTER_LOGS"):
+            print(f"cluster logs kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    from tests.cluster.kit import RESULTS
+
+    tr = terminalreporter
+    if SKIPPED:
+        tr.section("multi-host cases (network namespaces)")
+        tr.write_line(f"tests/cluster skipped: {SKIPPED[0]}")
+    if not RESULTS:
+        return
+    tr.section("multi-host cases (network namespaces)")
+    tr.write_line("case | hosts | load | lost | duplicated | recovery_s | note")
+    for r in RESULTS:
+        tr.write_line(
+            f"{r['case']} | {r['hosts']} | {r['load']} | {r['lost']} | {r['duplicated']} | "
+            f"{r['recovery_s']} | {r.get('note', '')}"
+        )

@@ -1,0 +1,193 @@
+"""The one interpreter of a `StepPlan`: the simulator, the sim engine and the torch engine (and
+SGLang's adapter) carry a plan out through `carry_out`, each behind a `PlanKernel` that does
+the work of one stage for one request. The checks, the stage order, eviction by class, the
+capability refusals and the undo on failure live here only, so no field can be honoured by one
+side and ignored by another (the contract: `tidal.plan.step`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from tidal.plan.capabilities import EngineCapabilities
+from tidal.plan.errors import PlanRefused, RefusalReason
+from tidal.plan.step import StepPlan
+
+__all__ = ["STAGES", "Outcome", "PlanKernel", "carry_out", "check_plan"]
+
+log = logging.getLogger("tidal.plan")
+
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+# The stages in the order they run; the compute stage ("step") is last.
+STAGES = ("abort_no_kv", "recompute", "swap_out", "offload", "swap_in", "recall", "step")
+
+
+class PlanKernel(Protocol[R_co]):
+    """The work of each stage on one side (simulator records, an engine). Each call either
+    does all of its work or raises and changes nothing; `run` is the compute stage."""
+
+    @property
+    def capabilities(self) -> EngineCapabilities: ...
+
+    def is_online(self, req_id: str) -> bool:
+        """KeyError when the request is unknown here."""
+        ...
+
+    def abort_no_kv(self, req_id: str) -> None:
+        """End the request: it cannot get KV memory (`StepPlan.abort_no_kv`)."""
+        ...
+
+    def recompute(self, req_id: str) -> None: ...
+
+    def swap_out(self, req_id: str) -> None: ...
+
+    def swap_in(self, req_id: str) -> None: ...
+
+    def offload(self, req_id: str) -> None: ...
+
+    def recall(self, req_id: str) -> None: ...
+
+    def run(self, plan: StepPlan) -> R_co:
+        """One step over `plan.prefill`, `plan.decode` and `plan.cpu_decode`."""
+        ...
+
+
+@dataclass
+class Outcome(Generic[R]):
+    """What carrying out one plan did."""
+
+    result: R | None  # the compute stage's result; None when the plan computes nothing
+    aborted: list[str] = field(default_factory=list)  # ended for lack of KV memory
+    num_recomputed: int = 0  # evicted by recompute (swaps of a `swap_is_recompute` engine too)
+    num_swapped_out: int = 0
+    num_swapped_in: int = 0
+    num_offloaded: int = 0
+    num_recalled: int = 0
+
+
+def check_plan(plan: StepPlan, caps: EngineCapabilities, is_online: Callable[[str], bool]) -> None:
+    """Refuse, before anything runs, a plan that no engine state could make valid here."""
+    cpu = [*plan.offload, *plan.recall, *plan.cpu_decode]
+    if cpu and not caps.cpu_attention:
+        raise PlanRefused(
+            RefusalReason.NO_CPU_ATTENTION,
+            f"offload/recall/cpu_decode of {_names(cpu)}: no CPU-attention workers here",
+        )
+    if plan.layer_cut and not caps.layer_cut:
+        raise PlanRefused(RefusalReason.NO_LAYER_CUT, "this engine cannot cut a step at a layer")
+    moves = [
+        *plan.abort_no_kv,
+        *plan.recompute,
+        *plan.swap_out,
+        *plan.offload,
+        *plan.swap_in,
+        *plan.recall,
+    ]
+    computes = [*plan.prefill, *plan.decode, *plan.cpu_decode]
+    for group in (moves, computes):
+        if len(set(group)) != len(group):
+            seen: set[str] = set()
+            twice = [r for r in group if r in seen or seen.add(r)]  # type: ignore[func-returns-value]
+            raise PlanRefused(RefusalReason.DUPLICATE, f"{_names(twice)} named twice")
+    for rid in plan.evicts:
+        try:
+            online = is_online(rid)
+        except KeyError:
+            raise PlanRefused(RefusalReason.UNKNOWN_REQUEST, f"{rid} is not here") from None
+        if online:
+            raise PlanRefused(
+                RefusalReason.ONLINE_EVICTION,
+                f"{rid} is online: online work is never recomputed, swapped or offloaded",
+            )
+    for rid, n in plan.prefill.items():
+        if n < 1:
+            raise PlanRefused(RefusalReason.BAD_CHUNK, f"prefill of {n} tokens for {rid}")
+
+
+def carry_out(kernel: PlanKernel[R], plan: StepPlan) -> Outcome[R]:
+    """Carry out `plan` on `kernel`, all of it or nothing (see the module docstring of
+    `tidal.plan.step`). Raises `PlanRefused`; by then every stage already run is undone, and a
+    request whose undo failed has been recomputed (counted in `num_recomputed`)."""
+    caps = kernel.capabilities
+    check_plan(plan, caps, kernel.is_online)
+    out: Outcome[R] = Outcome(result=None)
+    undo: list[tuple[Callable[[str], None], str]] = []  # (inverse, req_id), in order done
+    stage = "abort_no_kv"
+    try:
+        for rid in plan.abort_no_kv:  # NOTE: no undo: an ended request stays ended
+            kernel.abort_no_kv(rid)
+            out.aborted.append(rid)
+        stage = "recompute"
+        for rid in plan.recompute:
+            kernel.recompute(rid)
+            out.num_recomputed += 1
+        stage = "swap_out"
+        for rid in plan.swap_out:
+            kernel.swap_out(rid)
+            if caps.swap_is_recompute:
+                out.num_recomputed += 1
+            else:
+                out.num_swapped_out += 1
+                undo.append((kernel.swap_in, rid))
+        stage = "offload"
+        for rid in plan.offload:
+            kernel.offload(rid)
+            out.num_offloaded += 1
+            undo.append((kernel.recall, rid))
+        stage = "swap_in"
+        for rid in plan.swap_in:
+            kernel.swap_in(rid)
+            out.num_swapped_in += 1
+            undo.append((kernel.swap_out, rid))
+        stage = "recall"
+        for rid in plan.recall:
+            kernel.recall(rid)
+            out.num_recalled += 1
+            undo.append((kernel.offload, rid))
+        stage = "step"
+        if plan.computes or caps.self_driven:
+            out.result = kernel.run(plan)
+    except Exception as exc:
+        out.num_recomputed += _undo(kernel, undo)
+        raise _refusal(exc, stage) from exc
+    return out
+
+
+def _undo(kernel: PlanKernel[R], undo: list[tuple[Callable[[str], None], str]]) -> int:
+    """Run the inverses newest first; a request whose inverse fails is recomputed. Returns
+    how many were recomputed."""
+    num = 0
+    for inverse, rid in reversed(undo):
+        try:
+            inverse(rid)
+        except Exception:
+            try:
+                kernel.recompute(rid)
+                num += 1
+            except Exception:  # it stays where the failed stage left it (swapped, offloaded)
+                log.exception("%s could neither be restored nor recomputed", rid)
+    return num
+
+
+def _refusal(exc: BaseException, stage: str) -> PlanRefused:
+    if isinstance(exc, PlanRefused):
+        if not exc.stage:
+            exc = PlanRefused(exc.reason, exc.detail, stage)
+        return exc
+    if isinstance(exc, MemoryError):
+        return PlanRefused(RefusalReason.OUT_OF_KV, str(exc), stage)
+    if isinstance(exc, KeyError):
+        return PlanRefused(RefusalReason.UNKNOWN_REQUEST, f"{exc} is not here", stage)
+    if isinstance(exc, ValueError):
+        return PlanRefused(RefusalReason.WRONG_STATE, str(exc), stage)
+    return PlanRefused(RefusalReason.ENGINE_FAILURE, f"{type(exc).__name__}: {exc}", stage)
+
+
+def _names(rids: Iterable[str]) -> str:
+    r = list(rids)
+    return ", ".join(r[:4]) + ("..." if len(r) > 4 else "")

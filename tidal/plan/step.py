@@ -1,0 +1,108 @@
+"""`StepPlan`: one step of one instance, as a policy decides it and an engine carries it out.
+
+The contract (the page for people is `docs/plan-contract.md`)
+=============================================================
+A `StepPlan` belongs to neither side: policies (`tidal.policy`) build it, the simulator
+(`tidal.sim`) and the live engines (`tidal.engine`) carry it out, all through one interpreter
+(`tidal.plan.interpreter.carry_out`). Every field is carried out as written below, or the whole
+plan is refused with a typed `PlanRefused` (`tidal.plan.errors`) naming a `RefusalReason`; the
+live instance logs and counts each refusal (`tidal_plan_refusals_total{reason=...}`). No field
+is ever silently dropped.
+
+Stages run in this order; a request may appear in at most one list of a plan:
+
+0. ``abort_no_kv`` req_ids (online ones included) that cannot get KV memory while no offline
+                   work is left to evict: they end with finish_reason "error" and the message
+                   "out of KV memory" (simulator: rejected, reason "out_of_kv").  all engines
+1. ``recompute``   running/offloaded req_ids lose their KV, wait at the head of the queue and
+                   prefill prompt + output again later.                       all engines
+2. ``swap_out``    running req_ids: KV to host memory, paused (an engine that cannot move KV
+                   declares ``swap_is_recompute`` and recomputes instead).     all engines
+3. ``offload``     running, decoding req_ids: KV to host, decode attention on CPU workers
+                   (OmniServe §3.2).                                     `cpu_attention` only
+4. ``swap_in``     swapped req_ids: KV back to the GPU.                        all engines
+5. ``recall``      offloaded req_ids: KV back to the GPU.                 `cpu_attention` only
+6. one step over ``prefill`` (req_id -> tokens), ``decode`` (one token each, GPU attention)
+   and ``cpu_decode`` (one token each, attention on CPU workers; `cpu_attention` only),
+   repeated up to ``max_repeat`` times when the plan is decode-only, and cut at a layer
+   boundary when ``layer_cut`` is set and an online request arrives.
+
+Eviction by class: ``recompute``, ``swap_out`` and ``offload`` may name offline requests only;
+a plan that evicts an online request is refused (`RefusalReason.ONLINE_EVICTION`). When KV runs
+out for an online request and no offline work is left to evict, the online request waits for
+memory or, when nothing can free any, ends with `finish_reason` "error" and a message saying
+why; it never ends as a silent "length".
+
+Atomicity: when any stage fails, every request is put back as it was before the plan (a swap or
+an offload is undone by moving the KV back); a request that cannot be put back is recomputed
+and counted (`Outcome.num_recomputed_on_failure`). Then the refusal is raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["IDLE", "StepPlan"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step of one instance: everything the batch scheduler decided."""
+
+    prefill: Mapping[str, int] = field(default_factory=dict)  # req_id -> prompt tokens this step
+    decode: tuple[str, ...] = ()  # req_ids decoding one token, attention on the GPU
+    cpu_decode: tuple[str, ...] = ()  # offloaded req_ids decoding one token, attention on CPU
+    abort_no_kv: tuple[str, ...] = ()  # req_ids that cannot get KV memory and that nothing else
+    # can free it for: end them now with finish_reason "error" and a message saying so
+    recompute: tuple[str, ...] = ()  # offline req_ids: drop KV, requeue at head, recompute later
+    swap_out: tuple[str, ...] = ()  # offline running req_ids: KV to host memory, paused
+    swap_in: tuple[str, ...] = ()  # swapped req_ids: KV back to the GPU
+    offload: tuple[str, ...] = ()  # offline decoding req_ids: KV to host, decode on CPU workers
+    recall: tuple[str, ...] = ()  # offloaded req_ids: KV back to the GPU
+    max_repeat: int = 1  # decode-only plans: most steps the same batch may run back to back
+    # before the policy is asked again (ending early when a request finishes or anything
+    # arrives). A permission: re-planning every step decides the same (the live instance does;
+    # the simulator runs the steps as one span)
+    layer_cut: bool = False  # True: an online request arriving at this instance during the step
+    # cuts it at the next layer boundary (OOCO §3.4.1); set it only on offline-only steps
+
+    def __post_init__(self) -> None:
+        if self.max_repeat < 1:
+            raise ValueError(f"max_repeat must be >= 1, got {self.max_repeat}")
+
+    @property
+    def num_tokens(self) -> dict[str, int]:
+        """req_id -> tokens computed this step (a decode computes 1)."""
+        return dict(self.prefill) | dict.fromkeys(self.decode, 1)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.prefill.values()) + len(self.decode)
+
+    @property
+    def evicts(self) -> tuple[str, ...]:
+        """req_ids this plan takes KV away from (recompute, swap out, offload)."""
+        return (*self.recompute, *self.swap_out, *self.offload)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.abort_no_kv
+            or self.prefill
+            or self.decode
+            or self.cpu_decode
+            or self.recompute
+            or self.swap_out
+            or self.swap_in
+            or self.offload
+            or self.recall
+        )
+
+    @property
+    def computes(self) -> bool:
+        """The plan runs a step (prefill, GPU or CPU decodes)."""
+        return bool(self.prefill or self.decode or self.cpu_decode)
+
+
+IDLE = StepPlan()
