@@ -19,7 +19,18 @@ class EnvVar:
 
 NATS_URL = EnvVar("TIDAL_NATS_URL", "nats://127.0.0.1:4222", "NATS server the services join")
 LOG_LEVEL = EnvVar("TIDAL_LOG_LEVEL", "INFO", "log level of every service")
+ADVERTISE_HOST = EnvVar(
+    "TIDAL_ADVERTISE_HOST",
+    "",
+    "address other hosts reach this host's data planes on (default: the interface that routes "
+    "to the NATS server)",
+)
 HEARTBEAT_S = EnvVar("TIDAL_HEARTBEAT_S", "0.5", "seconds between service heartbeats")
+MAX_HOLD_S = EnvVar(
+    "TIDAL_MAX_HOLD_S",
+    "600",
+    "longest a request waits for room (the scheduler's hold; the gateway waits a little longer)",
+)
 CACHE_DIR = EnvVar(
     "TIDAL_CACHE_DIR", str(Path.home() / ".cache" / "tidal"), "converted model weights"
 )
@@ -30,6 +41,12 @@ DTYPE = EnvVar(
     "TIDAL_DTYPE", "", "torch engine dtype (float32 | bfloat16); default: measured fastest"
 )
 
+NATS_REPLICAS = EnvVar(
+    "TIDAL_NATS_REPLICAS",
+    "1",
+    "replicas of the Batch API's JetStream streams and buckets: 1 on one nats-server, 3 on a "
+    "3-node cluster (survives the loss of one node)",
+)
 SIM_KV_PAYLOAD_BYTES_PER_TOKEN = EnvVar(
     "TIDAL_SIM_KV_PAYLOAD_BYTES_PER_TOKEN",
     "",
@@ -39,10 +56,13 @@ SIM_KV_PAYLOAD_BYTES_PER_TOKEN = EnvVar(
 ALL = (
     NATS_URL,
     LOG_LEVEL,
+    ADVERTISE_HOST,
     HEARTBEAT_S,
+    MAX_HOLD_S,
     CACHE_DIR,
     DATA_DIR,
     DTYPE,
+    NATS_REPLICAS,
     SIM_KV_PAYLOAD_BYTES_PER_TOKEN,
 )
 
@@ -56,3 +76,27 @@ def heartbeat_s() -> float:
     if not 0.05 <= seconds <= 60:
         raise ValueError(f"{HEARTBEAT_S.name}={seconds} must be in [0.05, 60] seconds")
     return seconds
+
+
+def max_hold_s() -> float:
+    value = MAX_HOLD_S.get()
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{MAX_HOLD_S.name}={value!r} is not a number of seconds") from None
+    if not 1 <= seconds <= 86_400:
+        raise ValueError(f"{MAX_HOLD_S.name}={seconds} must be in [1, 86400] seconds")
+    return seconds
+
+
+def nats_replicas() -> int:
+    value = NATS_REPLICAS.get()
+    try:
+        replicas = int(value)
+    except ValueError:
+        raise ValueError(f"{NATS_REPLICAS.name}={value!r} is not a whole number") from None
+    if not 1 <= replicas <= 5:  # JetStream's own bound
+        raise ValueError(
+            f"{NATS_REPLICAS.name}={replicas} must be in [1, 5] (3 on a 3-node cluster)"
+        )
+    return replicas

@@ -23,6 +23,7 @@ from services.cli import (
     bench_batch,
     bench_colocation,
     bench_cpu_attn,
+    bench_dataplane,
     bench_faults,
     bench_migration,
     bench_overload,
@@ -129,6 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     gw.add_argument("--json", default="", help="also write the figures here as JSON")
     gw.set_defaults(func=run_gateway)
     bench_migration.register(bench)
+    bench_dataplane.register(bench)
     bench_colocation.register(bench)
     bench_replay.register(bench)
     bench_serve.register(bench)

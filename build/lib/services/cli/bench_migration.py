@@ -1,12 +1,12 @@
 """`tidal bench migration`: what moving a request between instances costs on the real engine.
 
 For each context length, one request of that many prompt tokens is prefilled on a torch engine
-(the embedded SmolLM2 unless `--model`), then exported (KV of all layers), sent over the KV data
-plane (`services.instance.dataplane`, a TCP connection on loopback) and imported into a second
-engine, which decodes its next token; that token must equal the one the source (which keeps
-its copy) decodes. Also the layer-boundary preemption latency of a prefill beside one layer's
-time. Figures are medians of `--runs` runs, measured on this machine's CPU (the "GPU" of an
-instance here).
+(the embedded SmolLM2 unless `--model`), then its KV is streamed block by block over the KV data
+plane (`services.instance.dataplane`, a TCP connection on loopback) into a second engine's
+blocks, which decodes its next token; that token must equal the one the source (which keeps its
+copy) decodes. Also the layer-boundary preemption latency of a prefill beside one layer's time.
+Figures are medians of `--runs` runs, measured on this machine's CPU (the "GPU" of an instance
+here).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from services.cli.benchkit import save_json
 def _bench(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from services.instance.dataplane import DataPlaneServer, checksum, send_payload
+    from services.instance.dataplane import DataPlaneServer, EngineReceiver, send_kv
     from tidal.engine.api import EngineRequest, SamplingParams
     from tidal.engine.bench_lib import preempt_latency
     from tidal.engine.torch_engine import load_torch_engine
@@ -44,23 +44,23 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
         )
     out: dict[str, Any] = {"model": src.model_name, "dtype": str(src.model.dtype), "sizes": []}
 
-    async def transfer(data: bytes) -> tuple[bytes, float]:
-        got: list[bytes] = []
-
-        async def keep(ticket: str, payload: bytes) -> str:
-            got.append(payload)
-            return ""
-
-        plane = DataPlaneServer(keep, len(data) + 1)
+    async def transfer(rid: str) -> tuple[int, float]:
+        """Stream the request's KV from src's blocks into dst's; the source keeps its copy."""
+        receiver = EngineReceiver(dst)
+        plane = DataPlaneServer(receiver)
         url = await plane.start()
+        source = src.begin_export(rid)
         try:
-            secs = await send_payload(url, "bench", data, checksum(data))
+            secs = await send_kv(url, "bench", source)
         finally:
+            src.end_export(rid, moved=False)  # the source goes on, as a reference
             await plane.close()
-        return got[0], secs
+        if receiver.committed != [rid]:
+            raise AssertionError(f"{rid}: the transfer did not land: {receiver.errors}")
+        return source.num_tokens * source.bytes_per_token, secs
 
     for n in args.tokens:
-        runs: dict[str, list[float]] = {"export_ms": [], "transfer_ms": [], "import_ms": []}
+        runs: dict[str, list[float]] = {"transfer_ms": [], "end_to_end_ms": []}
         nbytes = 0
         for r in range(args.runs):
             g = torch.Generator().manual_seed(n * 100 + r)
@@ -70,24 +70,16 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
             while not src.step().events:  # the prefill, in the engine's own chunks
                 pass
             t0 = time.perf_counter()
-            data = src.export_request(rid, remove=False)  # the source goes on, as a reference
+            nbytes, transfer_s = asyncio.run(transfer(rid))
             t1 = time.perf_counter()
-            landed, transfer_s = asyncio.run(transfer(data))
-            t2 = time.perf_counter()
-            dst.import_request(landed)
-            t3 = time.perf_counter()
             moved, ref = dst.step().events, src.step().events
             if [e.token_ids for e in moved] != [e.token_ids for e in ref]:
                 raise AssertionError(f"{n} tokens: the migrated request decoded differently")
-            nbytes = len(data)
-            runs["export_ms"].append((t1 - t0) * 1e3)
             runs["transfer_ms"].append(transfer_s * 1e3)
-            runs["import_ms"].append((t3 - t2) * 1e3)
+            runs["end_to_end_ms"].append((t1 - t0) * 1e3)
         row: dict[str, Any] = {"tokens": n, "payload_mb": nbytes / 1e6}
         row |= {k: statistics.median(v) for k, v in runs.items()}
-        row["total_ms"] = row["export_ms"] + row["transfer_ms"] + row["import_ms"]
         row["transfer_mb_per_s"] = nbytes / 1e6 / (row["transfer_ms"] / 1e3)
-        row["end_to_end_mb_per_s"] = nbytes / 1e6 / (row["total_ms"] / 1e3)
         out["sizes"].append(row)
     layers = src.model.config.num_hidden_layers
     pre = preempt_latency(src, args.preempt_tokens, reps=args.runs)
@@ -101,12 +93,11 @@ def run(args: argparse.Namespace) -> int:
         f"Migration on the torch engine ({report['model']}, {report['dtype']}, this CPU; "
         f"median of {args.runs} runs; data plane on loopback TCP):"
     )
-    print("  tokens  payload MB  export ms  transfer ms  import ms  total ms  transfer MB/s")
+    print("  tokens  payload MB  transfer ms  end-to-end ms  transfer MB/s")
     for r in report["sizes"]:
         print(
-            f"  {r['tokens']:6d}  {r['payload_mb']:10.1f}  {r['export_ms']:9.1f}  "
-            f"{r['transfer_ms']:11.1f}  {r['import_ms']:9.1f}  {r['total_ms']:8.1f}  "
-            f"{r['transfer_mb_per_s']:13.0f}"
+            f"  {r['tokens']:6d}  {r['payload_mb']:10.1f}  {r['transfer_ms']:11.1f}  "
+            f"{r['end_to_end_ms']:13.1f}  {r['transfer_mb_per_s']:13.0f}"
         )
     p = report["preemption"]
     print(f"Layer-boundary preemption of a {p['prefill_tokens']}-token prefill: " + json.dumps(p))

@@ -17,7 +17,7 @@ from services.cpu_attn.server import ThreadedWorker
 from services.instance.cpu_attn_link import CpuAttnPool
 from tidal.engine.api import EngineRequest, SamplingParams
 from tidal.engine.torch_engine import load_torch_engine
-from tidal.policy.plan import StepPlan
+from tidal.plan import StepPlan
 
 STEPS = 6
 

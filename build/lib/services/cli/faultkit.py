@@ -88,14 +88,18 @@ class Stack:
     def pid_of(self, service_id: str) -> int:
         if service_id == "nats-server":
             return self.nats_pid()
+        if service_id.startswith("nats-"):  # a node of `tidal up --nats-cluster`
+            return self.nats_pid(service_id)
         services = self.status()["services"]
         for s in services:
             if s["id"] == service_id:
                 return int(s["pid"])
         raise AssertionError(f"{service_id} not in status: {services}")
 
-    def nats_pid(self) -> int:
-        out = subprocess.run(["pgrep", "-f", f"nats-server.*{self.tmp / 'js'}"],
+    def nats_pid(self, node: str = "") -> int:
+        """The nats-server's pid; with `--nats-cluster`, that of `node` (nats-1, nats-2, ...)."""
+        where = self.tmp / "js" / node if node else self.tmp / "js"
+        out = subprocess.run(["pgrep", "-f", f"nats-server.*{where}( |$)"],
                              capture_output=True, text=True)  # fmt: skip
         return int(out.stdout.split()[0])
 

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -79,6 +81,7 @@ def nats_server_argv(
     host: str = "127.0.0.1",
     sync_always: bool = False,
     auth_token: str = "",
+    extra: Sequence[str] = (),
 ) -> list[str]:
     """JetStream on (`-js`), storing under `store_dir`; loopback only. `sync_always` fsyncs
     every JetStream write (survives a machine crash, not only a killed server; slower).
@@ -97,7 +100,40 @@ def nats_server_argv(
         conf.chmod(0o600)
         conf.write_text("\n".join(lines) + "\n")
         argv += ["-c", str(conf)]
-    return [*argv, "-l", log_file]
+    return [*argv, *extra, "-l", log_file]
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of a local NATS cluster."""
+
+    name: str  # nats-1, nats-2, ...
+    argv: list[str]
+    port: int  # clients
+    monitor_port: int  # /healthz: 200 once the node's JetStream assets are current
+    store_dir: str
+
+
+def cluster_nodes(
+    num_nodes: int, store_dir: str, sync_always: bool = False, auth_token: str = ""
+) -> list[Node]:
+    """`num_nodes` nats-servers on loopback, each with JetStream in `store_dir/nats-N` and routes
+    to all the others (a full mesh on free ports): a JetStream cluster, where streams with
+    R=3 survive the loss of any one node."""
+    route_ports = [free_port() for _ in range(num_nodes)]
+    routes = ",".join(f"nats://127.0.0.1:{p}" for p in route_ports)
+    nodes = []
+    for i in range(num_nodes):
+        name = f"nats-{i + 1}"
+        port, monitor = free_port(), free_port()
+        node_dir = str(Path(store_dir) / name)
+        Path(node_dir).mkdir(parents=True, exist_ok=True)
+        cluster = ["--server_name", name, "--cluster_name", "tidal",
+                   "--cluster", f"nats://127.0.0.1:{route_ports[i]}", "--routes", routes,
+                   "-m", str(monitor)]  # fmt: skip
+        argv = nats_server_argv(port, node_dir, "127.0.0.1", sync_always, auth_token, cluster)
+        nodes.append(Node(name, argv, port, monitor, node_dir))
+    return nodes
 
 
 def start_nats_server(port: int, store_dir: str, timeout_s: float = 10.0) -> subprocess.Popen:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.cli import natsd, state
+from services.cli.model_args import add_model_args, check_model_args, instance_model_argv
 from services.common import live_config
 from services.common.live_config import load_live_config
 from services.gateway.auth import API_KEYS_ENV, keys_from
@@ -82,7 +83,7 @@ class Supervisor:
         self.args = args
         self.stopping = asyncio.Event()
         self.services: list[Child] = []
-        self.nats: Child | None = None
+        self.nats: list[Child] = []  # one nats-server, or the nodes of --nats-cluster
         self.store_dir = ""
         self.core_share_path: Path | None = None
         self.nats_url_shown = args.nats_url.split("@")[-1]
@@ -94,6 +95,8 @@ class Supervisor:
         # user of the machine can read with `ps`.
         argv = [sys.executable, "-m", module, "--id", name, *extra]
         env = {"TIDAL_LOG_LEVEL": self.args.log_level, "TIDAL_NATS_URL": self.nats_url}
+        if self.nats:  # the bus is ours: streams get a copy on each node, up to 3
+            env[envs.NATS_REPLICAS.name] = str(min(len(self.nats), 3))
         if name.startswith("gateway") and self.api_keys:
             env[API_KEYS_ENV] = ",".join(self.api_keys)
         return Child(name, argv, env=env)
@@ -104,7 +107,9 @@ class Supervisor:
         if a.instances:  # the same roles for the scheduler's policy and every instance's
             policy_args += ["--roles", ",".join(parse_roles(a.instances))]
         children = [self._service("scheduler-0", "services.scheduler", *policy_args)]
-        gib = ["--capacity-gib", str(a.cpu_attn_gib)]
+        addr = ["--advertise-host", a.advertise_host] if a.advertise_host else []
+        gib = ["--capacity-gib", str(a.cpu_attn_gib), *addr]
+        gib += ["--host", a.data_host] if a.data_host else []
         children += [
             self._service(f"cpu-attn-{i}", "services.cpu_attn", *gib)
             for i in range(num_cpu_attn(a.cpu_attn))
@@ -133,9 +138,11 @@ class Supervisor:
                 "--num-threads",
                 str(threads),
                 *share,
+                *addr,
             ]
-            if a.model:
-                extra += ["--model", a.model]
+            if a.data_host:
+                extra += ["--data-host", a.data_host]
+            extra += instance_model_argv(a)
             if a.max_model_len:
                 extra += ["--max-model-len", str(a.max_model_len)]
             if a.kv_cache_tokens:
@@ -164,9 +171,7 @@ class Supervisor:
             self.services = self.plan()
             for child in self.services:
                 await child.start()
-            watchers = [asyncio.create_task(self._watch(c)) for c in self.services]
-            if self.nats is not None:
-                watchers.append(asyncio.create_task(self._watch(self.nats)))
+            watchers = [asyncio.create_task(self._watch(c)) for c in self.services + self.nats]
             api = f"http://{self.args.host}:{self.args.port}/v1"
             ready = asyncio.create_task(self._announce_when_ready(api))
             await self.stopping.wait()
@@ -190,18 +195,39 @@ class Supervisor:
         # A token of this run's own: nothing on the machine joins the bus anonymously. `tidal
         # ctl` reads it from the state file (mode 0600).
         token = secrets.token_urlsafe(24)
+        if self.args.nats_cluster > 1:
+            return await self._start_nats_cluster(token)
         argv = natsd.nats_server_argv(
             port, self.store_dir, sync_always=self.args.sync_always, auth_token=token
         )
-        self.nats = Child("nats-server", argv)
+        self.nats = [Child("nats-server", argv)]
         self.nats_url = f"nats://{token}@127.0.0.1:{port}"
         self.nats_url_shown = f"nats://127.0.0.1:{port}"
-        await self.nats.start()
+        await self.nats[0].start()
         ok = await asyncio.to_thread(natsd.wait_for_port, "127.0.0.1", port, 10.0)
         if not ok:
             say(f"nats-server did not start on port {port}")
             return False
         say(f"nats-server (JetStream) on {self.nats_url_shown}, store {self.store_dir}")
+        return True
+
+    async def _start_nats_cluster(self, token: str) -> bool:
+        nodes = natsd.cluster_nodes(
+            self.args.nats_cluster, self.store_dir, self.args.sync_always, token
+        )
+        self.nats = [Child(n.name, n.argv) for n in nodes]
+        self.nats_url = ",".join(f"nats://{token}@127.0.0.1:{n.port}" for n in nodes)
+        self.nats_url_shown = ",".join(f"nats://127.0.0.1:{n.port}" for n in nodes)
+        for child in self.nats:
+            await child.start()
+        for n in nodes:
+            if not await asyncio.to_thread(natsd.wait_for_port, "127.0.0.1", n.port, 10.0):
+                say(f"{n.name} did not start on port {n.port}")
+                return False
+        say(
+            f"NATS cluster of {len(nodes)} nodes (JetStream, streams R={min(len(nodes), 3)}) on "
+            f"{self.nats_url_shown}, stores under {self.store_dir}"
+        )
         return True
 
     async def _announce_when_ready(self, api: str) -> None:
@@ -248,8 +274,7 @@ class Supervisor:
 
     async def _stop_all(self, watchers: list[asyncio.Task[None]]) -> None:
         await _terminate([c for c in self.services if c.proc is not None])
-        if self.nats is not None:
-            await _terminate([self.nats])
+        await _terminate(self.nats)
         for w in watchers:
             w.cancel()
 
@@ -288,6 +313,7 @@ def num_cpu_attn(requested: int | None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        check_model_args(args)
         if not has_torch() and (args.engine == "torch" or (args.cpu_attn or 0) > 0):
             what = "the torch engine" if args.engine == "torch" else "--cpu-attn workers"
             raise ValueError(
@@ -306,6 +332,8 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--cpu-attn must be >= 0")
         if args.cpu_attn_gib <= 0:
             raise ValueError("--cpu-attn-gib must be > 0")
+        if args.nats_cluster not in (0, 1) and not 3 <= args.nats_cluster <= 7:
+            raise ValueError("--nats-cluster takes 3 to 7 nodes (a JetStream cluster needs 3)")
         if args.max_offline_backlog < 0:
             raise ValueError("--max-offline-backlog must be >= 0")
         if args.rate_limit:
@@ -329,19 +357,32 @@ def _http_ok(url: str, require_data: bool = False, api_key: str = "") -> bool:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    up = sub.add_parser(
         "up",
         help="start the embedded stack (nats + all services)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_args(up, model_required=False)
+    serve = sub.add_parser(
+        "serve",
+        help="serve MODEL (a local HF directory or GGUF file) with the whole stack, as "
+        "`vllm serve MODEL`: `tidal up MODEL`",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_args(serve, model_required=True)
+
+
+def _add_args(p: argparse.ArgumentParser, model_required: bool) -> None:
+    add_model_args(p, required=model_required)
     p.add_argument("--nats-url", default="", help="join this NATS server instead of starting one")
     p.add_argument(
         "--engine",
         default="torch",
         choices=("sim", "torch", "sglang"),
         help="instance engine: torch (real model), sim (emulated timings) or sglang (a real "
-        "SGLang server per instance; README, SGLang backend)",
+        "SGLang server per instance; docs/sglang.md)",
     )
     p.add_argument(
         "--sglang-urls",
@@ -357,7 +398,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--sglang-args", default="", help="sglang: extra launch_server arguments")
     p.add_argument("--sglang-python", default="", help="sglang: the Python that has sglang")
-    p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
     p.add_argument(
         "--kv-cache-tokens", type=int, default=0, help="KV pool of each instance (0: default)"
@@ -410,11 +450,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default: $TIDAL_CACHE_DIR/jetstream-PORT)",
     )
     p.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N nats-server nodes clustered with routes (3: streams and buckets R=3, "
+        "any one node can be lost) instead of one",
+    )
+    p.add_argument(
         "--sync-always",
         action="store_true",
         help="fsync every JetStream write (batches survive a machine crash too; slower)",
     )
     p.add_argument("--host", default="127.0.0.1", help="gateway address")
+    p.add_argument(
+        "--data-host",
+        default="",
+        help="address the instances' KV data planes and the CPU-attention workers listen on "
+        "(default: 127.0.0.1 when the bus is on loopback, else 0.0.0.0)",
+    )
+    p.add_argument(
+        "--advertise-host",
+        default="",
+        help="address other hosts reach this host's data planes on (default: "
+        "$TIDAL_ADVERTISE_HOST, else the interface that routes to NATS; docs/cluster.md)",
+    )
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument(
         "--sim-step-model",

@@ -9,7 +9,9 @@
 * results: one KV entry per line in `tidal-batch-results`, written first-writer-wins
   (`kv.create`), so a job that runs twice stores one result.
 
-Everything is on file storage (`tidal up` keeps the store across restarts).
+Everything is on file storage (`tidal up` keeps the store across restarts), with
+$TIDAL_NATS_REPLICAS copies: 1 on one nats-server, 3 on a 3-node cluster (`tidal up
+--nats-cluster 3`, compose, Kubernetes), where any one node can be lost.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
+from tidal import envs
 from tidal.batch.lines import result_key
 from tidal.batch.objects import Batch, FileObject
 from tidal.schemas import subjects
@@ -45,6 +48,7 @@ DEDUP_WINDOW_S = 24 * 3600.0  # a re-publish within a day of the first is droppe
 ACK_WAIT_S = 15.0  # a job not acknowledged (nor marked in progress) within this is redelivered
 MAX_DELIVER = 5  # deliveries before a line is given up and goes to the error file
 UPDATE_ATTEMPTS = 20
+KV_BUCKETS = (FILE_META_BUCKET, BATCHES_BUCKET, RESULTS_BUCKET)
 
 
 class Conflict(RuntimeError):
@@ -54,45 +58,70 @@ class Conflict(RuntimeError):
 class BatchStore:
     """Typed access to the buckets and the jobs stream; `open` creates whatever is missing."""
 
-    def __init__(self, js: JetStreamContext) -> None:
+    def __init__(self, js: JetStreamContext, replicas: int = 1) -> None:
         self.js = js
+        self.replicas = replicas  # copies of every stream and bucket (NATS cluster nodes)
         self.files: ObjectStore
         self.file_meta: KeyValue
         self.batches: KeyValue
         self.results: KeyValue
 
     @classmethod
-    async def open(cls, nc: NATS) -> BatchStore:
-        store = cls(nc.jetstream(timeout=10.0))
+    async def open(cls, nc: NATS, replicas: int | None = None) -> BatchStore:
+        """`replicas` defaults to $TIDAL_NATS_REPLICAS (1; 3 on a 3-node cluster)."""
+        store = cls(
+            nc.jetstream(timeout=10.0), envs.nats_replicas() if replicas is None else replicas
+        )
         await store._ensure()
         return store
 
     async def _ensure(self) -> None:
-        js = self.js
+        js, r = self.js, self.replicas
         file_storage = api.StorageType.FILE
-        self.files = await js.create_object_store(
-            FILES_BUCKET, config=api.ObjectStoreConfig(bucket=FILES_BUCKET, storage=file_storage)
-        )
-        self.file_meta = await js.create_key_value(
-            api.KeyValueConfig(bucket=FILE_META_BUCKET, storage=file_storage, history=1)
-        )
-        self.batches = await js.create_key_value(
-            api.KeyValueConfig(bucket=BATCHES_BUCKET, storage=file_storage, history=1)
-        )
-        self.results = await js.create_key_value(
-            api.KeyValueConfig(bucket=RESULTS_BUCKET, storage=file_storage, history=1)
-        )
+        files_config = api.ObjectStoreConfig(bucket=FILES_BUCKET, storage=file_storage, replicas=r)
+        try:
+            self.files = await js.create_object_store(FILES_BUCKET, config=files_config)
+        except nats.js.errors.BadRequestError:  # exists with other settings (replicas)
+            self.files = await js.object_store(FILES_BUCKET)
+        self.file_meta = await self._kv(FILE_META_BUCKET)
+        self.batches = await self._kv(BATCHES_BUCKET)
+        self.results = await self._kv(RESULTS_BUCKET)
         config = api.StreamConfig(
             name=JOBS_STREAM,
             subjects=[JOBS_SUBJECT + ".>"],
             retention=api.RetentionPolicy.WORK_QUEUE,
             storage=file_storage,
             duplicate_window=DEDUP_WINDOW_S,
+            num_replicas=r,
         )
         try:
             await js.add_stream(config)
-        except nats.js.errors.BadRequestError:  # exists (maybe with other settings): keep it
+        except nats.js.errors.BadRequestError:  # exists with other settings: take ours
+            existing = (await js.stream_info(JOBS_STREAM)).config.num_replicas or 1
+            config.num_replicas = max(r, existing)  # never fewer copies (_set_replicas)
             await js.update_stream(config)
+        # A store made before with fewer copies (say on one node, R=1) gets the ones asked for.
+        for stream in (f"OBJ_{FILES_BUCKET}", *(f"KV_{b}" for b in KV_BUCKETS)):
+            await self._set_replicas(stream)
+
+    async def _kv(self, bucket: str) -> KeyValue:
+        config = api.KeyValueConfig(
+            bucket=bucket, storage=api.StorageType.FILE, history=1, replicas=self.replicas
+        )
+        try:
+            return await self.js.create_key_value(config)
+        except nats.js.errors.BadRequestError:  # exists with other settings (replicas)
+            return await self.js.key_value(bucket)
+
+    async def _set_replicas(self, stream: str) -> None:
+        """Raise the stream's replicas to those asked for; never lower them (a service started
+        by hand without $TIDAL_NATS_REPLICAS must not take a cluster's copies away)."""
+        info = await self.js.stream_info(stream)
+        current = info.config.num_replicas or 1
+        if current < self.replicas:
+            log.info("stream %s: %d -> %d replicas", stream, current, self.replicas)
+            info.config.num_replicas = self.replicas
+            await self.js.update_stream(info.config)
 
     # -- files --------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import msgspec
 import nats
@@ -20,10 +21,34 @@ T = TypeVar("T")
 
 
 def redact(url: object) -> str:
-    """A NATS URL fit for a log line: any token or user:password dropped."""
+    """A NATS URL (or comma-separated list of them) fit for a log line: tokens and
+    user:password dropped."""
     text = url.geturl() if hasattr(url, "geturl") else str(url)
-    scheme, sep, rest = text.rpartition("://")
-    return f"{scheme}{sep}{rest.split('@')[-1]}"
+    out = []
+    for part in text.split(","):
+        scheme, sep, rest = part.strip().rpartition("://")
+        out.append(f"{scheme}{sep}{rest.split('@')[-1]}")
+    return ",".join(out)
+
+
+def seed_urls(url: str) -> tuple[list[str], dict[str, str]]:
+    """The servers of `nats://a:4222,nats://b:4222` (seeds: the client learns the rest of the
+    cluster from any one) and the credentials the first URL carries, as connect options, so
+    that the servers the cluster announces (which come without credentials) accept us too."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError("the NATS URL names no server")
+    auth: dict[str, str] = {}
+    for server in servers:
+        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        if parts.username is None:
+            continue
+        if parts.password is None:
+            auth = {"token": unquote(parts.username)}
+        else:
+            auth = {"user": unquote(parts.username), "password": unquote(parts.password)}
+        break
+    return servers, auth
 
 
 class BusUnavailable(RuntimeError):
@@ -33,8 +58,11 @@ class BusUnavailable(RuntimeError):
 async def connect(url: str, name: str, timeout_s: float = 10.0) -> NATS:
     """Connect within `timeout_s` or raise `BusUnavailable` with a one-line reason.
 
-    Once connected, the client reconnects without limit: a restarted nats-server is rejoined.
+    `url` may list several servers, comma-separated (the nodes of a NATS cluster). Once
+    connected, the client reconnects without limit, to any node of the cluster: a restarted
+    nats-server, or another node, is rejoined.
     """
+    servers, auth = seed_urls(url)
 
     async def _quiet_error(exc: Exception) -> None:
         log.warning("nats: %s", exc)
@@ -48,8 +76,9 @@ async def connect(url: str, name: str, timeout_s: float = 10.0) -> NATS:
     try:
         return await asyncio.wait_for(
             nats.connect(
-                url,
+                servers,
                 name=name,
+                **auth,  # type: ignore[arg-type]
                 connect_timeout=2,
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,

@@ -16,7 +16,8 @@ from tidal.policy.base import InstanceRole, PolicyContext
 from tidal.policy.registry import available_policies
 from tidal.sim.config import InstanceGroup, SimConfig, load_config
 
-DEFAULT_CONFIG = "embedded.yaml"  # shipped in the package (`tidal.configs`)
+DEFAULT_CONFIG = config_path("embedded.yaml")  # shipped in the package (`tidal.configs`)
+CONFIG_DIR = DEFAULT_CONFIG.parent
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from services.common import net
 from services.common.bus import connect
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
@@ -43,10 +44,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         torch.set_num_threads(args.num_threads)
     store = KvStore(int(args.capacity_gib * 2**30))
     server = AttnServer(store)
-    await server.start(args.host, args.port)
+    bind = args.host or net.default_bind_host(args.nats_url)
+    await server.start(bind, args.port)
     nc = await connect(args.nats_url, f"cpu_attn-{args.id}", args.connect_timeout_s)
     started = time.time()
-    advertise = args.advertise_host or ("127.0.0.1" if args.host in ("", "0.0.0.0") else args.host)
+    advertise = net.resolve_advertise_host(bind, args.advertise_host, args.nats_url)
 
     def beat(status: str = "ok") -> Heartbeat:
         st = store.stats()
@@ -101,9 +103,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nats-url", default=envs.NATS_URL.get(), help="NATS server to join")
     p.add_argument("--id", default="cpu-attn-0", help="worker id (letters, digits, _ -)")
     p.add_argument("--num-threads", type=int, default=0, help="attention threads (0: all)")
-    p.add_argument("--host", default="127.0.0.1", help="data-plane address to listen on")
+    p.add_argument(
+        "--host",
+        default="",
+        help="data-plane address to listen on (default: 127.0.0.1 when the bus is on loopback, "
+        "else 0.0.0.0)",
+    )
     p.add_argument("--port", type=int, default=0, help="data-plane port (0: any free one)")
-    p.add_argument("--advertise-host", default="", help="address instances reach (default: --host)")
+    p.add_argument(
+        "--advertise-host",
+        default=envs.ADVERTISE_HOST.get(),
+        help="address instances reach this worker on (also $TIDAL_ADVERTISE_HOST; default: "
+        "--host, or when that is 0.0.0.0 the interface that routes to NATS)",
+    )
     p.add_argument(
         "--capacity-gib", type=float, default=4.0, help="host memory for offloaded KV, GiB"
     )

@@ -3,9 +3,9 @@
 Keys come from `--api-key` (repeatable) and `TIDAL_API_KEYS` (comma-separated); with none the
 gateway is open, as before. A request to `/v1/*` must carry `Authorization: Bearer <key>`,
 compared in constant time with every configured key; otherwise 401 in OpenAI's error body.
-`/health` is always open, `/metrics` unless `--metrics-need-key`. The key's owner id (a hash,
-never the key) is put on the request scope: files and batches are visible only to the key that
-made them (another key's id answers 404, so their existence is not disclosed).
+`/health` and `/ready` are always open, `/metrics` unless `--metrics-need-key`. The key's owner
+id (a hash, never the key) is put on the request scope: files and batches are visible only to the
+key that made them (another key's id answers 404, so their existence is not disclosed).
 
 Bodies over the limit answer 413 before they are read: by `Content-Length`, and for a chunked
 body by counting as it streams in. With `--rate-limit`, each key's `/v1/*` requests go through
@@ -29,7 +29,7 @@ from services.gateway.ratelimit import RateLimiter, retry_after_header
 API_KEYS_ENV = "TIDAL_API_KEYS"
 MAX_JSON_BODY_BYTES = 16 * 1024 * 1024  # a chat request with a long context fits easily
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024 + 64 * 1024  # OpenAI's batch file limit, plus form framing
-_OPEN_PATHS = ("/health",)
+_OPEN_PATHS = ("/health", "/ready")
 
 
 def keys_from(flags: Iterable[str], env: str | None = None) -> list[str]:

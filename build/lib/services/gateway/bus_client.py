@@ -24,6 +24,8 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError
 from services.gateway.resync import StreamResync
 from services.gateway.stream import RequestHandle, _Down
+from tidal import envs
+from tidal.cluster.membership import Membership
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     BatchStats,
@@ -42,8 +44,10 @@ log = logging.getLogger("tidal.gateway")
 
 MAX_ROUTE_ATTEMPTS = 3
 ROUTE_TIMEOUT_S = 2.0  # models and other quick questions
-# A route may be held by the policy until it has room (Route.hold); the scheduler answers late.
-HELD_ROUTE_TIMEOUT_S = {"online": 30.0, "offline": 600.0}
+# A route may be held by the policy until it has room (Route.hold); the scheduler answers late,
+# within its max hold (`TIDAL_MAX_HOLD_S`, one setting for both): the gateway waits that long and
+# a little more, so the scheduler's own answer (429 "held longer than ...") arrives first.
+HOLD_MARGIN_S = 5.0
 SUBMIT_TIMEOUT_S = 5.0
 ROUTE_RECHECK_S = 0.5  # a held route checks this often whether its scheduler was replaced
 
@@ -73,6 +77,9 @@ class GatewayBus:
         self.schedulers_seen: set[tuple[str, float]] = set()  # (id, started) of each process
         self.scheduler_epoch = 0  # +1 each time a new scheduler process appears
         self.resync = StreamResync(nc, self.handles, self._cut)
+        # Instances and schedulers heard from lately, for `/ready` (as the scheduler counts a
+        # service gone after 4 missed beats).
+        self.presence = Membership(timeout_s=4 * envs.heartbeat_s())
 
     async def start(self) -> None:
         await subscribe(self.nc, self.reply_subject, TokenChunk, self._on_chunk)
@@ -86,8 +93,12 @@ class GatewayBus:
             await subscribe(self.nc, subjects.BATCH_STATS, BatchStats, self._on_batch_stats)
             workers = f"{subjects.PREFIX}.hb.cpu_attn.*"
             await subscribe(self.nc, workers, Heartbeat, self._on_worker_beat)
-            instances = f"{subjects.PREFIX}.hb.instance.*"  # as the cpu_attn beats above
-            await subscribe(self.nc, instances, Heartbeat, self._on_instance_beat)
+        instances = f"{subjects.PREFIX}.hb.instance.*"  # as the cpu_attn beats above
+        await subscribe(self.nc, instances, Heartbeat, self._on_instance_beat)
+        if self.metrics is not None:
+            await subscribe(self.nc, subjects.HEARTBEAT_ALL, Heartbeat, self._on_any_beat)
+            gateways = f"{subjects.PREFIX}.hb.gateway.*"  # which gateway exports the cluster's
+            await subscribe(self.nc, gateways, Heartbeat, self._on_gateway_beat)
 
     async def _on_mig(self, ev: MigrationEvent, _: Msg) -> None:
         assert self.metrics is not None
@@ -102,9 +113,51 @@ class GatewayBus:
         assert self.metrics is not None
         self.metrics.cpu_attn.on_heartbeat(hb)
 
-    async def _on_instance_beat(self, hb: Heartbeat, _: Msg) -> None:
+    async def _on_any_beat(self, hb: Heartbeat, _: Msg) -> None:
         assert self.metrics is not None
-        self.metrics.on_instance_beat(hb)
+        self.metrics.loop_lag.on_heartbeat(hb)
+
+    async def _on_instance_beat(self, hb: Heartbeat, _: Msg) -> None:
+        self._observe(hb)
+        if self.metrics is not None:
+            self.metrics.on_instance_beat(hb)
+
+    def _observe(self, hb: Heartbeat) -> None:
+        if hb.status == "stopped":
+            self.presence.forget(hb.kind, hb.service_id)
+        else:
+            self.presence.observe(hb, time.monotonic())
+
+    def readiness(self) -> tuple[list[str], dict[str, object]]:
+        """(why this gateway cannot serve now — empty when it can, what it sees)."""
+        now = time.monotonic()
+        if not self.nc.is_connected:
+            # Cut off from the bus: missing beats say nothing, keep what was known.
+            self.presence.extend(now)
+        self.presence.expire(now)
+        members = self.presence.members.values()
+        instances = sorted(m.heartbeat.service_id for m in members if m.is_instance)
+        taking = [
+            m.heartbeat.service_id for m in members if m.is_instance and m.heartbeat.status == "ok"
+        ]
+        schedulers = sorted(
+            m.heartbeat.service_id for m in members if m.heartbeat.kind == "scheduler"
+        )
+        reasons = []
+        if not self.nc.is_connected:
+            reasons.append("not connected to the NATS bus")
+        if not schedulers:
+            reasons.append("no scheduler heard from")
+        if not instances:
+            reasons.append("no instance heard from")
+        elif not taking:
+            reasons.append(f"no instance takes work ({len(instances)} draining)")
+        seen = {"instances": instances, "schedulers": schedulers}
+        return reasons, {"nats_connected": self.nc.is_connected, **seen}
+
+    async def _on_gateway_beat(self, hb: Heartbeat, _: Msg) -> None:
+        assert self.metrics is not None
+        self.metrics.exporter.on_gateway_beat(hb)
 
     async def _on_batch_stats(self, st: BatchStats, _: Msg) -> None:
         assert self.metrics is not None
@@ -116,6 +169,8 @@ class GatewayBus:
             handle.queue.put_nowait(chunk)
 
     async def _on_down(self, event: InstanceDown, _: Msg) -> None:
+        if self.metrics is not None:
+            self.metrics.vllm.forget(event.instance_id)
         for handle in list(self.handles.values()):
             if handle.instance_id == event.instance_id:
                 handle.queue.put_nowait(_Down(event.instance_id, event.reason, time.monotonic()))
@@ -175,6 +230,7 @@ class GatewayBus:
         for _ in range(MAX_ROUTE_ATTEMPTS):
             route = await self._route(req, tried, failed_at)
             handle.instance_id = route.instance_id
+            handle.default_slo_ms = (route.default_ttft_slo_s * 1e3, route.default_tpot_slo_s * 1e3)
             # NOTE: the process the scheduler routed to is the one that fails it (its start time,
             # else the time it was sent), not the time the failure shows: the instance's process
             # restarted meanwhile (`tidal up` restarts it in seconds; the submit times out in 5)
@@ -202,13 +258,20 @@ class GatewayBus:
                 handle.progress_unix_s = time.time()
                 handle.reconnects_at_place = self.nc.stats.get("reconnects", 0)
                 return
-            if ack.error_code == "draining":
+            if ack.error_code not in _ACK_ERRORS:
+                # draining, a duplicate of a re-placement, anything not the client's fault:
+                # another instance, then 503 with Retry-After below (never a 400)
+                log.warning(
+                    "instance %s refused %s: %s %s",
+                    route.instance_id,
+                    req.req_id,
+                    ack.error_code,
+                    ack.message,
+                )
                 tried.append(route.instance_id)
                 failed_at = max(failed_at, incarnation)
                 continue
-            raise ApiError(
-                _ACK_ERRORS.get(ack.error_code, 400), ack.message, code=ack.error_code or None
-            )
+            raise ApiError(_ACK_ERRORS[ack.error_code], ack.message, code=ack.error_code)
         raise ApiError(
             503,
             "no instance accepted the request; try again shortly",
@@ -232,7 +295,7 @@ class GatewayBus:
             ttft_slo_ms=req.ttft_slo_ms,
             tpot_slo_ms=req.tpot_slo_ms,
         )
-        msg = await self._ask_route(ask, HELD_ROUTE_TIMEOUT_S.get(req.req_class, ROUTE_TIMEOUT_S))
+        msg = await self._ask_route(ask, envs.max_hold_s() + HOLD_MARGIN_S)
         route = codec.decode(msg.data, RouteReply)
         if route.error_code:
             status = _ROUTE_ERRORS.get(route.error_code, 503)
@@ -299,6 +362,9 @@ class GatewayBus:
                 await sub.unsubscribe()
 
     async def _on_scheduler_beat(self, hb: Heartbeat, _: Msg) -> None:
+        self._observe(hb)
+        if self.metrics is not None:
+            self.metrics.healing.on_scheduler_beat(hb)
         key = (hb.service_id, hb.started_unix_s)
         if key not in self.schedulers_seen and hb.status != "stopped":
             if self.schedulers_seen:

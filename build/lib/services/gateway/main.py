@@ -87,6 +87,7 @@ def create_app(
         await bus.start()
         app.state.nc, app.state.bus = nc, bus
         started = time.time()
+        app.state.metrics.exporter.me = (started, gateway_id)
         stop = asyncio.Event()
 
         def beat() -> Heartbeat:
@@ -123,7 +124,8 @@ def create_app(
     install_openapi(app)  # errors as the gateway answers them: 400 etc. in OpenAI's body
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        _log_error(request, exc.status, exc.message)
         headers = {}
         if exc.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
@@ -134,16 +136,24 @@ def create_app(
         )
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
+        _log_error(request, 400, message)
         return JSONResponse(_error_body(message, "invalid_request_error", None, param), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        _log_error(request, exc.status_code, str(exc.detail))
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(_error_body(str(exc.detail), type_, None, None), exc.status_code)
 
     return app
+
+
+def _log_error(request: Request, status: int, message: str) -> None:
+    """Every error answer is logged with its reason (5xx as warnings: the server's side)."""
+    level = logging.WARNING if status >= 500 else logging.INFO
+    log.log(level, "%s %s -> %d: %s", request.method, request.url.path, status, message)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,4 +1,9 @@
-"""Prometheus metrics of the gateway. `emulated="true"` marks timings from the sim engine."""
+"""Prometheus metrics of the gateway. `emulated="true"` marks timings from the sim engine.
+
+Two kinds: the requests this gateway served (its own, in `registry`), and the cluster's state
+heard on the bus (instances, migrations, batches, CPU-attention workers: in `cluster`, exported
+by one gateway only, `ClusterExporter`). vLLM's names are exported beside ours (`VllmMetrics`).
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,40 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway.batch_metrics import BatchMetrics
+from services.gateway.cluster_export import ClusterExporter, WhenExporter
 from services.gateway.cpu_attn_metrics import CpuAttnMetrics
+from services.gateway.healing_metrics import HealingMetrics
+from services.gateway.loop_metrics import LoopLagMetrics
+from services.gateway.vllm_metrics import TTFT_BUCKETS_S, VllmMetrics
+from tidal import envs
 from tidal.engine.sglang_api import PD_MIGRATION_MODE
 from tidal.schemas.messages import Heartbeat, InstanceReport, MigrationEvent
 
 log = logging.getLogger("tidal.gateway")
 
-_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_LATENCY_BUCKETS_S = TTFT_BUCKETS_S  # to ~20 min: long prompts' TTFT, long migrations
+
+
+def slo_attained(
+    ttft_s: float, tpot_s: float, ttft_slo_ms: float | None, tpot_slo_ms: float | None
+) -> str:
+    """The `attained` label of a finished online request: "true" / "false" against the targets
+    it is held to, or "no_slo" when it has none (never counted as met: an attainment that
+    cannot fail says nothing)."""
+    if ttft_slo_ms is None and tpot_slo_ms is None:
+        return "no_slo"
+    ttft_ok = ttft_slo_ms is None or ttft_s * 1e3 <= ttft_slo_ms
+    tpot_ok = tpot_slo_ms is None or tpot_s * 1e3 <= tpot_slo_ms
+    return "true" if ttft_ok and tpot_ok else "false"
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, heartbeat_s: float | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.cluster = CollectorRegistry()
+        self.exporter = ClusterExporter(heartbeat_s or envs.heartbeat_s())
+        self.registry.register(WhenExporter(self.cluster, self.exporter))
+        self.vllm = VllmMetrics(self.registry, self.cluster)
         self.requests = Counter(
             "tidal_gateway_requests",
             "Requests answered, by class, endpoint and HTTP status",
@@ -60,8 +87,9 @@ class GatewayMetrics:
 
         self.slo = Counter(
             "tidal_slo_requests",
-            "Finished online requests by whether they met their TTFT and TPOT SLO "
-            '(attainment = attained="true" / all)',
+            "Finished online requests by whether they met their TTFT and TPOT SLO: the request's "
+            'own (X-Tidal-* headers or body), else the scheduler\'s default; attained="no_slo" '
+            'when neither exists (attainment = attained="true" / (true + false))',
             ["req_class", "attained", "emulated"],
             registry=self.registry,
         )
@@ -70,6 +98,13 @@ class GatewayMetrics:
             "tidal_preemptions",
             "Offline steps cut at a layer boundary for an online arrival (OOCO §3.4.1)",
             ["instance"],
+            registry=self.cluster,
+        )
+        self.plan_refusals = Counter(
+            "tidal_plan_refusals",
+            "Step plans an instance refused, by reason (`tidal.plan.RefusalReason`; nothing of a "
+            "refused plan is carried out, docs/plan-contract.md)",
+            ["instance", "reason"],
             registry=self.registry,
         )
         self.migrations = Counter(
@@ -79,51 +114,56 @@ class GatewayMetrics:
             "pd_transfer: SGLang pushed a request's KV from its prefill to its decode server, "
             "sglang engine over a PD pair)",
             ["kind", "outcome", "mode"],
-            registry=self.registry,
+            registry=self.cluster,
         )
         self.sglang_retractions = Counter(
             "tidal_sglang_retractions",
             "Running requests SGLang's own scheduler sent back to waiting (priority preemption "
             "of offline work by online work; they keep their tokens), sglang engine",
             ["instance"],
-            registry=self.registry,
+            registry=self.cluster,
         )
         self.recomputes = Counter(
             "tidal_recomputes",
             "Requests run again from their prompt plus the tokens already streamed, after their "
             "instance died or their chunks were lost in a bus outage",
             ["req_class"],
-            registry=self.registry,
+            registry=self.cluster,
         )
         self.migration_seconds = Histogram(
             "tidal_migration_seconds",
             "Whole migration handshake, KV transfer included, successful ones",
             ["kind"],
             buckets=_LATENCY_BUCKETS_S,
-            registry=self.registry,
+            registry=self.cluster,
         )
         self.kv_transfer_bytes = Counter(
             "tidal_kv_transfer_bytes",
             "KV bytes moved between instances on the data plane",
-            registry=self.registry,
+            registry=self.cluster,
         )
         self.queue_depth = Gauge(
             "tidal_queue_depth",
             "Requests waiting (no KV yet) on each instance, by class",
             ["instance", "req_class"],
-            registry=self.registry,
+            registry=self.cluster,
         )
         self.kv_usage = Gauge(
             "tidal_kv_cache_usage_perc",
             "Share of each instance's KV blocks in use (0-1)",
             ["instance"],
-            registry=self.registry,
+            registry=self.cluster,
         )
         self._preempt_seen: dict[str, int] = {}  # instance -> count in its last report
+        self._refusals_seen: dict[str, dict[str, int]] = {}  # instance -> reason -> count
         # instance -> (its start, {info key: count}) from its last heartbeat (sglang engine)
         self._sglang_seen: dict[str, tuple[float, dict[str, int]]] = {}
         self.batch = BatchMetrics(self.registry)
         self.cpu_attn = CpuAttnMetrics(self.registry)
+        self.loop_lag = LoopLagMetrics(self.registry)
+        self.healing = HealingMetrics(self.registry)
+        self.batch = BatchMetrics(self.cluster)
+        self.cpu_attn = CpuAttnMetrics(self.cluster)
 
     def on_migration(self, ev: MigrationEvent) -> None:
         self.migrations.labels(ev.kind, ev.outcome, ev.mode).inc()
@@ -141,6 +181,7 @@ class GatewayMetrics:
             "pd_transfer_failures_total": (self.migrations, ("push", "failed", PD_MIGRATION_MODE)),
             "sglang_retractions_total": (self.sglang_retractions, (hb.service_id,)),
         }
+        self.vllm.on_instance_beat(hb)
         if not counters.keys() & hb.info.keys():
             return
         started, seen = self._sglang_seen.get(hb.service_id, (hb.started_unix_s, {}))
@@ -169,6 +210,13 @@ class GatewayMetrics:
         if rep.num_preemptions > seen:
             self.preemptions.labels(iid).inc(rep.num_preemptions - seen)
         self._preempt_seen[iid] = rep.num_preemptions
+        seen_r = self._refusals_seen.get(iid, {})
+        if any(n < seen_r.get(why, 0) for why, n in rep.plan_refusals.items()):
+            seen_r = {}  # the instance restarted
+        for why, n in rep.plan_refusals.items():
+            if n > seen_r.get(why, 0):
+                self.plan_refusals.labels(iid, why).inc(n - seen_r.get(why, 0))
+        self._refusals_seen[iid] = dict(rep.plan_refusals)
         waiting = {"online": 0, "offline": 0}
         for r in rep.requests:
             if r.phase == "waiting":

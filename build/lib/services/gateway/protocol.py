@@ -5,6 +5,9 @@ Tidal's extensions (body field, or the equivalent header; the body wins when bot
   slo_ttft_ms    / X-Tidal-TTFT-Ms   this request's time-to-first-token target, ms
   slo_tpot_ms    / X-Tidal-TPOT-Ms   this request's time-per-output-token target, ms
   top_k, ignore_eos                  sampling extensions, as in vLLM
+
+A field the server would accept but not honour is refused with a 400 naming it (`param`), never
+silently ignored: see `unsupported()` and docs/api.md.
 """
 
 from __future__ import annotations
@@ -26,6 +29,18 @@ TOP_K_LIMIT = 2**31 - 1  # larger than any vocabulary: the same as no top-k
 # SLO targets: 1 µs to one day. Below 1e-3 ms, ms -> s could underflow to 0 on the way.
 SLO_MIN_MS, SLO_MAX_MS = 1e-3, 86_400_000.0
 MAX_STOP_SEQUENCES = 4
+MAX_CHOICES = 16  # n: each choice is a request of its own on the instances
+LOGIT_BIAS_MAX = 100.0  # OpenAI's range, [-100, 100]
+# Fields the endpoints accept without honouring them because they do not change the answer.
+_HARMLESS = {
+    "user": None,  # an end-user id, for abuse monitoring
+    "metadata": None,  # tags for stored completions (nothing is stored)
+    "safety_identifier": None,
+    "prompt_cache_key": None,  # a cache hint (the prefix cache keys on tokens)
+    "store": (False,),  # only "do not store"
+    "service_tier": ("auto", "default"),
+    "parallel_tool_calls": (True,),  # the default; meaningless without tools
+}
 
 
 class ApiError(Exception):
@@ -81,9 +96,18 @@ _Seed = Annotated[
 ]
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+
+
+_Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
 class _Common(BaseModel):
     # NaN and ±Infinity (which Python's JSON parser reads) are refused in every float field.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Unknown fields are kept (extra="allow") so that `unsupported()` can refuse them by name.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str = Field(min_length=1)
     stream: bool = False
@@ -91,20 +115,55 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=TOP_K_LIMIT, description="0: no top-k")
-    n: int = Field(1, ge=1, json_schema_extra={"maximum": 1}, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     seed: _Seed | None = None
+    frequency_penalty: _Penalty = 0.0
+    presence_penalty: _Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]] | None = (
+        None
+    )
+    response_format: ResponseFormat | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     ignore_eos: bool = False
     request_class: Literal["online", "offline"] | None = None
     slo_ttft_ms: _SloMs | None = None
     slo_tpot_ms: _SloMs | None = None
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+        return bias
+
+    def bias_pairs(self) -> list[tuple[int, float]]:
+        return [(int(k), v) for k, v in (self.logit_bias or {}).items()]
+
+    def unsupported(self) -> ApiError | None:
+        """A 400 naming the first field this server would not honour, else None."""
+        for name, value in (self.model_extra or {}).items():
+            if value is None or value == [] or value == {}:
+                continue  # unset, as a client writes a field it does not use
+            allowed = _HARMLESS.get(name, ())
+            if name in _HARMLESS and (allowed is None or value in allowed):
+                continue
+            return ApiError(
+                400,
+                f"{name} is not supported by this server",
+                code="unsupported_parameter",
+                param=name,
+            )
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            return ApiError(
+                400,
+                f"response_format type {fmt.type!r} is not supported (no constrained decoding "
+                "here); only 'text'",
+                code="unsupported_parameter",
+                param="response_format",
+            )
+        return None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -134,7 +193,17 @@ class ChatCompletionRequest(_Common):
             stop=self.stop_list(),
             ignore_eos=self.ignore_eos,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            logit_bias=self.bias_pairs(),
         )
+
+    def unsupported(self) -> ApiError | None:
+        if self.top_logprobs and not self.logprobs:
+            return ApiError(
+                400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs"
+            )
+        return super().unsupported()
 
 
 class CompletionRequest(_Common):
@@ -165,6 +234,9 @@ class CompletionRequest(_Common):
             stop=self.stop_list(),
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            logit_bias=self.bias_pairs(),
         )
 
 

@@ -57,6 +57,7 @@ class RequestHandle:
     progress_unix_s: float = 0.0  # when it was last placed or last delivered a chunk
     reconnects_at_place: int = 0  # the bus's reconnect count when an instance accepted it
     client_req_id: str = ""  # the id the client knows (a re-run copy may have another)
+    default_slo_ms: tuple[float, float] = (0.0, 0.0)  # the scheduler's (TTFT, TPOT); 0: none
 
     def __post_init__(self) -> None:
         self.client_req_id = self.client_req_id or self.request.req_id

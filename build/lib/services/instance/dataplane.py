@@ -1,38 +1,57 @@
-"""The KV data plane: request payloads (KV of all layers) move instance to instance over a direct
-TCP connection, never over NATS (which caps messages at 1 MB and is the control plane).
+"""The KV data plane: a request's KV moves instance to instance over a direct TCP connection,
+never over NATS (the control plane), streamed in bounded chunks from the source's KV blocks into
+the target's reserved blocks (`tidal.engine.migrate`), framed and checksummed per chunk
+(`tidal.schemas.kv_wire`).
 
-One connection per transfer. The sender writes one JSON header line
-``{"ticket", "num_bytes", "checksum"}`` and then the payload in chunks; the receiver checks the
-size and the blake2b checksum the migration offer announced, hands the bytes to its callback, and
-answers one line: ``ok`` or ``error <reason>``. asyncio streams only: no extra dependency.
+Everything here runs on threads with blocking sockets, never on the asyncio loop: a gigabyte of
+KV is copied, checksummed and written without the loop noticing (heartbeats, offers and tokens
+keep flowing). The receiver holds one frame buffer per transfer, so its memory is bounded by
+``max_transfers * MAX_FRAME_BYTES`` whatever the request's size; beyond ``max_transfers`` it
+refuses at once (the source keeps the request and may try again). Every socket has a timeout: a
+transfer whose peer stalls fails alone, and the handshake (`services/instance/migration.py`)
+leaves the request where it was.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
+import socket
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from tidal.engine.migrate import KvSink, KvSource, MovableEngine, chunk_ranges
+from tidal.schemas import kv_wire as wire
 
 log = logging.getLogger("tidal.dataplane")
 
-CHUNK_BYTES = 1 << 20  # write size: bounded memory per write, and progress for the reader
-MAX_HEADER_BYTES = 4096
-IO_TIMEOUT_S = 30.0  # a stalled peer fails the transfer instead of hanging it
-
-# (ticket, payload) -> "" when accepted, else the reason it was refused
-PayloadHandler = Callable[[str, bytes], Awaitable[str]]
+IO_TIMEOUT_S = 10.0  # a peer silent this long fails its transfer
+CONNECT_TIMEOUT_S = 3.0  # a target whose packets are dropped fails fast (and is backed off)
+MAX_STATE_BYTES = 256 << 20  # tokens, sampling, any partial chunk's hidden state
+SEND_SLOTS = 4  # transfers one source streams at once; more wait their turn
 
 
 class TransferError(RuntimeError):
-    """The payload did not arrive, or the receiver refused it (the reason is the message)."""
+    """The KV did not arrive, or the receiver refused it (the reason is the message)."""
 
 
-def checksum(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+class TransferRefused(Exception):
+    """Raised by a `Receiver` that will not take this transfer; the text goes to the sender."""
+
+
+class Receiver(Protocol):
+    """Where the data plane's transfers land. Both calls come on data-plane threads."""
+
+    def open_transfer(self, hello: wire.Hello, state: bytes) -> KvSink:
+        """The sink for the transfer's KV (its blocks reserved); raise `TransferRefused`."""
+        ...
+
+    def end_transfer(self, ticket: str, error: str) -> None:
+        """The transfer ended: all KV written (error ""), or not (why)."""
+        ...
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -41,87 +60,247 @@ def parse_url(url: str) -> tuple[str, int]:
     host, _, port = rest.rpartition(":")
     if not url.startswith("tcp://") or not host or not port.isdigit():
         raise ValueError(f"data plane URL {url!r} is not tcp://HOST:PORT")
-    return host, int(port)
+    return host.strip("[]"), int(port)
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        got += n
 
 
 class DataPlaneServer:
-    """Receives payloads for tickets this instance handed out in its migration offers."""
+    """Accepts transfers for tickets this instance handed out in its migration offers."""
 
-    def __init__(self, handler: PayloadHandler, max_bytes: int) -> None:
-        self.handler = handler
-        self.max_bytes = max_bytes  # a header announcing more is refused before any byte is read
-        self.server: asyncio.Server | None = None
+    def __init__(
+        self, receiver: Receiver, max_transfers: int = 8, io_timeout_s: float = IO_TIMEOUT_S
+    ) -> None:
+        self.receiver = receiver
+        self.max_transfers = max_transfers
+        self.io_timeout_s = io_timeout_s
         self.url = ""
         self.num_bytes_received = 0
+        self.num_transfers = {"ok": 0, "failed": 0, "refused": 0}
+        self._slots = threading.BoundedSemaphore(max_transfers)
+        self._sock: socket.socket | None = None
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self.server = await asyncio.start_server(self._serve, host, port)
-        sock = self.server.sockets[0].getsockname()
-        self.url = f"tcp://{sock[0]}:{sock[1]}"
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None
+    ) -> str:
+        """Listen on host:port; the URL other instances reach it at names `advertise_host`
+        (the bound address when not given)."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family, backlog=64)
+        sock.settimeout(0.5)  # the accept loop notices `close`
+        self._sock = sock
+        bound_port = sock.getsockname()[1]
+        shown = advertise_host or host
+        self.url = (
+            f"tcp://[{shown}]:{bound_port}" if ":" in shown else f"tcp://{shown}:{bound_port}"
+        )
+        threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
         return self.url
 
     async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            with contextlib.suppress(Exception):
-                await self.server.wait_closed()
+        self._closed.set()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="kv-recv", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(self.io_timeout_s)
+        with conn:
+            if not self._slots.acquire(blocking=False):
+                self._count("refused")
+                self._answer(conn, f"busy: {self.max_transfers} transfers in flight here")
+                return
+            try:
+                reason = self._receive(conn)
+            finally:
+                self._slots.release()
+            self._answer(conn, reason)
+
+    def _count(self, outcome: str, num_bytes: int = 0) -> None:
+        with self._lock:
+            self.num_transfers[outcome] += 1
+            self.num_bytes_received += num_bytes
+
+    @staticmethod
+    def _answer(conn: socket.socket, reason: str) -> None:
+        with contextlib.suppress(OSError):
+            conn.sendall(b"ok\n" if not reason else f"error {reason}\n".encode())
+
+    def _receive(self, conn: socket.socket) -> str:
+        """Read one transfer; "" when every byte landed in the sink, else why not."""
+        headbuf = memoryview(bytearray(wire.HEAD.size))
+        buf = memoryview(bytearray(wire.MAX_FRAME_BYTES))  # the only buffer a transfer holds
+        ticket, moved = "", 0
         try:
-            reason = await asyncio.wait_for(self._receive(reader), IO_TIMEOUT_S)
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
-            reason = f"transfer broken: {type(exc).__name__}"
+            _recv_exactly(conn, headbuf)
+            kind, length, _, crc = wire.parse_head(headbuf)
+            if kind != wire.HELLO:
+                raise wire.WireError("a transfer starts with its hello")
+            _recv_exactly(conn, buf[:length])
+            wire.check(buf[:length], crc)
+            hello = wire.decode_hello(buf[:length])
+            ticket = hello.ticket
+            if hello.state_bytes > MAX_STATE_BYTES:
+                raise wire.WireError(f"state of {hello.state_bytes} bytes is over the limit")
+            state = bytearray()
+            while len(state) < hello.state_bytes:
+                _recv_exactly(conn, headbuf)
+                kind, length, offset, crc = wire.parse_head(headbuf)
+                if kind != wire.STATE or offset != len(state):
+                    raise wire.WireError("state frames out of order")
+                _recv_exactly(conn, buf[:length])
+                wire.check(buf[:length], crc)
+                state += buf[:length]
+            try:
+                sink = self.receiver.open_transfer(hello, bytes(state))
+            except TransferRefused as exc:
+                self._count("refused")
+                return f"refused: {exc}"
+        except (wire.WireError, OSError) as exc:
+            self._count("failed")
+            return f"transfer broken before its KV: {exc}"
+        try:
+            moved = self._receive_kv(conn, headbuf, buf, sink)
+        except (wire.WireError, OSError, ValueError) as exc:
+            error = f"transfer broken: {exc}"
         except Exception as exc:  # never let a peer's bytes kill the server
-            log.exception("data plane: unexpected error")
-            reason = f"receiver error: {exc}"
-        with contextlib.suppress(ConnectionError):
-            writer.write(b"ok\n" if not reason else f"error {reason}\n".encode())
-            await writer.drain()
-            writer.close()
+            log.exception("data plane: unexpected error receiving %s", ticket)
+            error = f"receiver error: {exc}"
+        else:
+            error = ""
+        with contextlib.suppress(Exception):
+            self.receiver.end_transfer(ticket, error)
+        self._count("failed" if error else "ok", moved)
+        return error
 
-    async def _receive(self, reader: asyncio.StreamReader) -> str:
-        line = await reader.readline()
-        if len(line) > MAX_HEADER_BYTES or not line.endswith(b"\n"):
-            return "malformed header"
-        try:
-            head = json.loads(line)
-            ticket, num_bytes, digest = (
-                str(head["ticket"]),
-                int(head["num_bytes"]),
-                head["checksum"],
-            )
-        except (ValueError, KeyError, TypeError):
-            return "malformed header"
-        if not 0 <= num_bytes <= self.max_bytes:
-            return f"payload of {num_bytes} bytes is over this receiver's {self.max_bytes}"
-        data = await reader.readexactly(num_bytes)
-        if checksum(data) != digest:
-            return "checksum mismatch"
-        self.num_bytes_received += num_bytes
-        return await self.handler(ticket, data)
+    def _receive_kv(
+        self, conn: socket.socket, headbuf: memoryview, buf: memoryview, sink: KvSink
+    ) -> int:
+        moved = 0
+        while True:
+            _recv_exactly(conn, headbuf)
+            kind, length, offset, crc = wire.parse_head(headbuf)
+            if kind == wire.END:
+                break
+            if kind != wire.KV:
+                raise wire.WireError(f"unexpected frame kind {kind} among KV frames")
+            _recv_exactly(conn, buf[:length])
+            wire.check(buf[:length], crc)
+            sink.write(offset, buf[:length])  # straight into the reserved blocks
+            moved += length
+        expected = sink.num_tokens * sink.bytes_per_token
+        if moved != expected:
+            raise wire.WireError(f"{moved} of {expected} KV bytes arrived")
+        return moved
 
 
-async def send_payload(url: str, ticket: str, data: bytes, digest: str) -> float:
-    """Send `data` for `ticket`; returns the seconds it took. Raises `TransferError`."""
+_senders = ThreadPoolExecutor(max_workers=SEND_SLOTS, thread_name_prefix="kv-send")
+
+
+def send_kv_blocking(
+    url: str,
+    ticket: str,
+    source: KvSource,
+    chunk_bytes: int = wire.CHUNK_BYTES,
+    io_timeout_s: float = IO_TIMEOUT_S,
+) -> float:
+    """Stream `source` to the receiver at `url` for `ticket`; the seconds it took. Raises
+    `TransferError`. Blocking: call it from a thread (`send_kv`)."""
     t0 = time.perf_counter()
     try:
         host, port = parse_url(url)
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), IO_TIMEOUT_S)
-    except (OSError, TimeoutError, ValueError) as exc:
+        sock = socket.create_connection((host, port), timeout=min(CONNECT_TIMEOUT_S, io_timeout_s))
+    except (OSError, ValueError) as exc:
         raise TransferError(f"cannot reach {url}: {exc}") from None
-    try:
-        head = {"ticket": ticket, "num_bytes": len(data), "checksum": digest}
-        writer.write(json.dumps(head).encode() + b"\n")
-        view = memoryview(data)
-        for off in range(0, len(data), CHUNK_BYTES):
-            writer.write(view[off : off + CHUNK_BYTES])
-            await asyncio.wait_for(writer.drain(), IO_TIMEOUT_S)
-        answer = await asyncio.wait_for(reader.readline(), IO_TIMEOUT_S)
-    except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-        raise TransferError(f"transfer to {url} broke: {type(exc).__name__}") from None
-    finally:
-        writer.close()
-    text = answer.decode(errors="replace").strip()
-    if text != "ok":
-        raise TransferError(text.removeprefix("error ") or "receiver closed the connection")
+    sock.settimeout(io_timeout_s)
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            hello = wire.encode_hello(
+                wire.Hello(ticket, len(source.state), source.num_tokens, source.bytes_per_token)
+            )
+            sock.sendall(wire.head(wire.HELLO, hello) + hello)
+            state = memoryview(source.state)
+            for off in range(0, len(state), chunk_bytes):
+                piece = state[off : off + chunk_bytes]
+                sock.sendall(wire.head(wire.STATE, piece, off))
+                sock.sendall(piece)
+            for r in chunk_ranges(source.num_tokens, source.bytes_per_token, chunk_bytes):
+                data = source.read(r.start, r.stop)  # copied out of the source's blocks
+                sock.sendall(wire.head(wire.KV, data, r.start))
+                sock.sendall(data)
+            sock.sendall(wire.head(wire.END, b""))
+        except OSError as exc:
+            answer = _read_answer(sock)  # a receiver that refused says why, then closes
+            raise TransferError(answer or f"transfer to {url} broke: {exc}") from None
+        answer = _read_answer(sock)
+    if answer != "ok":
+        raise TransferError(answer or "receiver closed the connection without an answer")
     return time.perf_counter() - t0
+
+
+def _read_answer(sock: socket.socket) -> str:
+    line = b""
+    with contextlib.suppress(OSError):
+        while not line.endswith(b"\n") and len(line) < 4096:
+            piece = sock.recv(4096)
+            if not piece:
+                break
+            line += piece
+    return line.decode(errors="replace").strip().removeprefix("error ")
+
+
+async def send_kv(
+    url: str, ticket: str, source: KvSource, chunk_bytes: int = wire.CHUNK_BYTES
+) -> float:
+    """`send_kv_blocking` on one of `SEND_SLOTS` sender threads (more transfers wait their turn)."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_senders, send_kv_blocking, url, ticket, source, chunk_bytes)
+
+
+class EngineReceiver:
+    """A `Receiver` straight into one engine that nothing else steps meanwhile (benches, tests):
+    every transfer is imported, and committed when its KV is complete."""
+
+    def __init__(self, engine: MovableEngine) -> None:
+        self.engine = engine
+        self.sinks: dict[str, KvSink] = {}
+        self.errors: dict[str, str] = {}  # ticket -> why its transfer failed
+        self.committed: list[str] = []  # req_ids
+
+    def open_transfer(self, hello: wire.Hello, state: bytes) -> KvSink:
+        try:
+            sink = self.engine.begin_import(state)
+        except (ValueError, MemoryError) as exc:
+            raise TransferRefused(str(exc)) from None
+        self.sinks[hello.ticket] = sink
+        return sink
+
+    def end_transfer(self, ticket: str, error: str) -> None:
+        sink = self.sinks.pop(ticket)
+        if error:
+            self.errors[ticket] = error
+            self.engine.end_import(sink.req_id, commit=False)
+        else:
+            self.engine.end_import(sink.req_id, commit=True)
+            self.committed.append(sink.req_id)

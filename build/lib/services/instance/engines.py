@@ -52,19 +52,49 @@ def parse_step_model(spec: str) -> StepModel:
     raise ValueError(f"--sim-step-model {spec!r}: expected zero, linear[:...] or MODEL@HARDWARE")
 
 
+KV_MEMORY_FRACTION = 0.9  # of device memory left after the weights, as vLLM's default
+
+
+def emulated_geometry(spec: str) -> dict[str, int]:
+    """KV geometry of the model a `MODEL@HARDWARE` step model emulates: its bytes per token, its
+    layers and the KV blocks its device holds beside the weights, so migrations move, and memory
+    runs out, as on that model. Empty for other specs."""
+    if "@" not in spec:
+        return {}
+    from tidal.perf.catalog import hardware_spec, model_spec
+
+    name, hardware = spec.split("@", 1)
+    model, hw = model_spec(name), hardware_spec(hardware)
+    kv_per_token = model.kv_bytes_per_token()
+    free = KV_MEMORY_FRACTION * hw.mem_bytes - model.weight_bytes()
+    if free <= 0:
+        raise ValueError(f"{name} does not fit the memory of {hardware}")
+    return {
+        "kv_bytes_per_token": int(kv_per_token),
+        "num_layers": model.num_layers,
+        "num_kv_blocks": int(free / kv_per_token) // SimEngineConfig.block_size,
+    }
+
+
 def build_engine(args: argparse.Namespace) -> ControllableEngine:
+    served = getattr(args, "served_model_name", "") or ""
     if args.engine == "sim":
         # The engine waits its emulated step time itself (interruptible at layer boundaries).
-        sim: dict[str, Any] = {}
+        sim: dict[str, Any] = emulated_geometry(args.sim_step_model)
         if kv_tokens := getattr(args, "kv_cache_tokens", 0):
             sim["num_kv_blocks"] = kv_tokens // SimEngineConfig.block_size
         if payload := envs.SIM_KV_PAYLOAD_BYTES_PER_TOKEN.get():
             sim["kv_payload_bytes_per_token"] = int(payload)
+        # A model directory (or GGUF) stands in with its tokenizer and its name; else MODEL is
+        # only a name.
+        is_path = bool(args.model) and Path(args.model).expanduser().exists()
+        tokenizer = getattr(args, "tokenizer", "") or (args.model if is_path else "")
+        name = Path(args.model).name if is_path else args.model
         config = SimEngineConfig(
-            model_name=args.model or "tidal-sim",
+            model_name=served or name or "tidal-sim",
             max_model_len=args.max_model_len or 8192,
             realtime=True,
-            tokenizer=getattr(args, "tokenizer", "") or "",
+            tokenizer=tokenizer,
             **sim,
         )
         return SimEngine(config, parse_step_model(args.sim_step_model))
@@ -75,10 +105,20 @@ def build_engine(args: argparse.Namespace) -> ControllableEngine:
             import torch
 
             torch.set_num_threads(args.num_threads)
-        kwargs = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+        kwargs: dict[str, Any] = {}
+        if args.max_model_len:
+            kwargs["max_model_len"] = args.max_model_len
         if kv_tokens := getattr(args, "kv_cache_tokens", 0):
             kwargs["kv_cache_tokens"] = kv_tokens
-        torch_eng = torch_engine.load_torch_engine(args.model or None, device=args.device, **kwargs)
+        if served:
+            kwargs["model_name"] = served
+        dtype = getattr(args, "dtype", "auto")
+        torch_eng = torch_engine.load_torch_engine(
+            args.model or None,
+            device=args.device,
+            dtype=None if dtype == "auto" else dtype,
+            **kwargs,
+        )
         if share := getattr(args, "core_share", ""):
             from tidal.engine.core_share import CoreShare
 

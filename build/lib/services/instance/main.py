@@ -13,12 +13,14 @@ import dataclasses
 import logging
 import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from services.common import net
 from services.common.bus import connect, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
@@ -46,7 +48,6 @@ from tidal.schemas.messages import (
     MigrateCommand,
     MigrateCommit,
     MigrateOffer,
-    PreemptSignal,
 )
 
 if TYPE_CHECKING:
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tidal.instance")
 ROLES = tuple(r.value for r in InstanceRole)
-MAX_PAYLOAD_BYTES = 8 << 30  # a migration payload this instance accepts (KV of one request)
 
 
 def heartbeat(inst: Instance, status: str = "") -> Heartbeat:
@@ -146,8 +146,11 @@ def build_adapter(
     if not 0 <= args.index < len(slots):
         raise ValueError(f"--index {args.index}: the config has {len(slots)} instance slot(s)")
     group = slots[args.index]
+    # A torch engine serving a local model directory plans with that model's shape.
+    hf_dir = args.engine == "torch" and args.model and (Path(args.model) / "config.json").is_file()
+    model = args.model if hf_dir else live.cfg.model
     spec = args.policy_step_model or (
-        args.sim_step_model if engine.is_emulated else f"{live.cfg.model}@{live.cfg.hardware}"
+        args.sim_step_model if engine.is_emulated else f"{model}@{live.cfg.hardware}"
     )
     return PolicyAdapter.build(
         policy=make_policy(live.policy, live.context()),
@@ -199,8 +202,10 @@ async def _serve(
     inst = Instance(nc, args.id, engine, adapter, live.cfg.slo)
     migrator = Migrator(inst)
     control = Control(inst, live)
-    plane = DataPlaneServer(migrator.on_payload, MAX_PAYLOAD_BYTES)
-    inst.data_url = await plane.start(args.data_host, args.data_port)
+    plane = DataPlaneServer(migrator)
+    bind = args.data_host or net.default_bind_host(args.nats_url)
+    advertise = net.resolve_advertise_host(bind, args.advertise_host, args.nats_url)
+    inst.data_url = await plane.start(bind, args.data_port, advertise)
     hb_s = envs.heartbeat_s()
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(nc.drain)
@@ -208,7 +213,6 @@ async def _serve(
         sub = subscribe
         await sub(nc, subjects.instance_submit(args.id), GenerateRequest, inst.on_submit)
         await sub(nc, subjects.CANCEL, CancelRequest, inst.on_cancel)
-        await sub(nc, subjects.instance_preempt(args.id), PreemptSignal, inst.on_preempt)
         await sub(nc, subjects.instance_migrate(args.id), MigrateCommand, migrator.on_command)
         await sub(nc, subjects.migrate_offer(args.id), MigrateOffer, migrator.on_offer)
         await sub(nc, subjects.migrate_commit(args.id), MigrateCommit, migrator.on_commit)
@@ -269,7 +273,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", default="sim", choices=ENGINES, help="engine to host")
     p.add_argument("--model", default="", help="model path (torch, sglang) or served name (sim)")
     p.add_argument("--tokenizer", default="", help="sim engine: tokenizer (default SmolLM2's)")
-    p.add_argument("--device", default="cpu", help="torch device (torch engine)")
+    p.add_argument("--device", default="cpu", help="torch device (torch engine): cpu, cuda[:N]")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="torch engine dtype (auto: measured fastest here, or $TIDAL_DTYPE)",
+    )
+    p.add_argument(
+        "--served-model-name", default="", help="the model name clients send (default: MODEL's)"
+    )
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's)")
     p.add_argument(
         "--core-share",
@@ -340,7 +353,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch: offload decode attention to the CPU-attention workers heartbeating on the "
         "bus when the policy says so (OmniServe)",
     )
-    p.add_argument("--data-host", default="127.0.0.1", help="KV data plane address")
+    p.add_argument(
+        "--data-host",
+        default="",
+        help="address the KV data plane listens on (default: 127.0.0.1 when the bus is on "
+        "loopback, else 0.0.0.0)",
+    )
+    p.add_argument(
+        "--advertise-host",
+        default=envs.ADVERTISE_HOST.get(),
+        help="address other instances reach this data plane on (also $TIDAL_ADVERTISE_HOST; "
+        "default: --data-host, or when that is 0.0.0.0 the interface that routes to NATS)",
+    )
     p.add_argument("--data-port", type=int, default=0, help="KV data plane port (0: any free)")
     p.add_argument(
         "--drain-timeout-s",

@@ -4,21 +4,26 @@ Push migration (an online request after its prefill) and pull migration (an offl
 a strict instance takes) are one handshake, started by the scheduler's `MigrateCommand` at the
 source:
 
-1. source: export the request from its engine (it stops there; its KV bytes are now a payload);
+1. source: `begin_export` - the request stops being scheduled there but keeps its KV blocks;
 2. source -> target `MigrateOffer` (NATS request/reply): the target reserves KV blocks or refuses;
-3. source -> target: the payload over the data plane (direct TCP, size and checksum checked);
-4. source -> target `MigrateCommit`: the target imports the request and runs it from now on,
-   streaming to the same gateway subject with `seq` continuing;
-5. the source forgets it and tells the gateway where it went (a `moved_to` chunk).
+3. source -> target over the data plane (`dataplane.py`, direct TCP, off the event loop): the
+   request's state, then its KV streamed in checksummed chunks from the source's blocks into the
+   target's (`begin_import` reserves them when the state arrives);
+4. source -> target `MigrateCommit`: the target's `end_import` makes the request its own, and it
+   streams to the same gateway subject with `seq` continuing;
+5. the source's `end_export(moved=True)` frees its blocks; it tells the gateway where the
+   request went (a `moved_to` chunk).
 
-An engine that cannot export KV (`--engine sglang`) exports token ids instead: the target
-recomputes prompt + generated tokens, and the result says `mode="recompute"`.
+An engine that cannot export KV (`--engine sglang`) exports token ids instead
+(`WholeRequestMover`): the target recomputes prompt + generated tokens, and the result says
+`mode="recompute"`.
 
-Any failure before the commit is answered puts the request back into the source's engine
-(`rollback`), so it runs on exactly one instance. A commit whose answer is lost is followed by
-a `MigrateAbort`: a target that did start the request drops it again, and one still importing
-it when the abort lands drops it as the import ends, never starting it; duplicated chunks this
-race could still produce carry a `seq` the gateway has already seen and drops. A target's
+Any failure before the commit is answered ends the export with `moved=False`: the request runs on
+at the source from its own KV blocks, which never left (nothing is re-imported, so nothing can
+fail for lack of memory), and it runs on exactly one instance. A commit whose answer is lost is
+followed by a `MigrateAbort`: a target that did start the request drops it again, and one whose
+commit still waits for its engine never starts it; duplicated chunks this race could still
+produce carry a `seq` the gateway has already seen and drops. A target's
 reservation that never sees a commit expires (the source died), checked every second: its
 blocks are free again, a late commit for it is refused, and the gateway's recompute takes over.
 """
@@ -39,12 +44,14 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from services.common.bus import respond
-from services.instance.dataplane import TransferError, checksum, send_payload
+from services.instance.dataplane import TransferError, TransferRefused, send_kv
 from services.instance.policy_adapter import ReqMeta
 from services.instance.worker import Instance, Stream
 from tidal.engine.api import SeqSnapshot
-from tidal.policy.base import Slo
-from tidal.schemas import codec, subjects
+from tidal.engine.migrate import KvSink, KvSource, MovableEngine, WholeRequestMover
+from tidal.plan import MigrationMode
+from tidal.policy.base import Phase, Slo
+from tidal.schemas import codec, kv_wire, subjects
 from tidal.schemas.messages import (
     MigrateAbort,
     MigrateCommand,
@@ -52,14 +59,16 @@ from tidal.schemas.messages import (
     MigrateOffer,
     MigrateOfferReply,
     MigrateResult,
+    ReqReport,
     TokenChunk,
 )
 
 log = logging.getLogger("tidal.migration")
 
 OFFER_TIMEOUT_S = 2.0
-COMMIT_TIMEOUT_S = 5.0  # the target imports the KV before it answers
-RESERVATION_TTL_S = 60.0
+COMMIT_TIMEOUT_S = 5.0
+OPEN_TIMEOUT_S = 30.0  # a data-plane thread waits this long for the engine to reserve blocks
+RESERVATION_TTL_S = 120.0  # a reservation whose commit never comes is freed (the source died)
 
 
 @dataclass
@@ -67,19 +76,34 @@ class Reservation:
     offer: MigrateOffer
     num_blocks: int
     expires_s: float
-    payload: bytes | None = None
+    sink: KvSink | None = None  # the engine's import, once the state arrived
+    arrived: bool = False  # every KV byte written
     committed: bool = False
     aborted: bool = False  # aborted or expired: a commit in progress must not start it
     released: bool = False  # its blocks and incoming count handed back (once)
 
 
+def mover_of(engine: Any) -> MovableEngine:
+    """The engine itself when it moves KV (its capabilities say so); token ids otherwise, in
+    one buffer (the target recomputes)."""
+    if engine.capabilities.migration is MigrationMode.KV:
+        return engine  # type: ignore[no-any-return]
+    return WholeRequestMover(engine)
+
+
 class Migrator:
+    loop: asyncio.AbstractEventLoop | None = None
+
     def __init__(self, instance: Instance) -> None:
         self.inst = instance
+        self.mover = mover_of(instance.engine)
         self.reservations: dict[str, Reservation] = {}  # ticket -> reservation
         self.num_bytes_sent = 0
         self.busy: set[str] = set()  # req_ids leaving now
         self.tasks: set[asyncio.Task[None]] = set()  # commands and commits in flight
+        # for the data plane's threads (built on the loop; a unit test may build it off one)
+        with contextlib.suppress(RuntimeError):
+            self.loop = asyncio.get_running_loop()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], what: str) -> None:
         """Run one request's handshake step in a task of its own. NOTE: a subscription hands
@@ -111,8 +135,8 @@ class Migrator:
     async def _command(self, cmd: MigrateCommand, msg: Msg) -> None:
         result = await self.migrate_out(cmd)
         # an engine that cannot move KV (sglang) migrates by recompute; metrics say which
-        mode = getattr(self.inst.engine, "migration_mode", "kv")
-        result = msgspec.structs.replace(result, mode=mode)
+        mode = self.inst.engine.capabilities.migration
+        result = msgspec.structs.replace(result, mode=str(mode))
         level = logging.INFO if result.outcome == "ok" else logging.WARNING
         log.log(
             level,
@@ -139,30 +163,54 @@ class Migrator:
                 snap = next((s for s in inst.engine.snapshot() if s.req_id == rid), None)
                 if snap is None or snap.forced_tokens or snap.status != "running":
                     return MigrateResult(rid, "refused", "not running (or mid-chunk) here")
-                data = await asyncio.to_thread(inst.engine.export_request, rid, True)
+                source = await asyncio.to_thread(self.mover.begin_export, rid)
             meta = inst.adapter.meta.get(rid) or ReqMeta(None, time.time())
-            return await self._hand_over(cmd, data, snap, stream, meta, t0)
+            inst.moving_out[rid] = ReqReport(
+                rid,
+                str(snap.req_class),
+                Phase.MIGRATING.value,
+                meta.arrival_unix_s,
+                snap.num_prompt_tokens,
+                snap.max_output_tokens,
+                snap.num_computed_tokens,
+                snap.num_output_tokens,
+                snap.num_blocks,
+            )
+            moved = False
+            try:
+                result = await self._hand_over(cmd, source, snap, stream, meta, t0)
+                moved = result.outcome == "ok"
+            finally:  # also when cancelled: the request runs on exactly one instance
+                await self._end_export(rid, moved)
+                inst.moving_out.pop(rid, None)
+            if moved:
+                await self._announce_moved(rid, stream, dst)
+            return result
         finally:
             self.busy.discard(rid)
+
+    async def _end_export(self, rid: str, moved: bool) -> None:
+        async with self.inst.engine_lock:
+            await asyncio.to_thread(self.mover.end_export, rid, moved)
+        self.inst.wake.set()
 
     async def _hand_over(
         self,
         cmd: MigrateCommand,
-        data: bytes,
+        source: KvSource,
         snap: SeqSnapshot,
         stream: Stream,
         meta: ReqMeta,
         t0: float,
     ) -> MigrateResult:
         inst, rid, dst = self.inst, cmd.req_id, cmd.dst_instance_id
-        digest = checksum(data)
+        num_bytes = source.num_tokens * source.bytes_per_token
         offer = MigrateOffer(
             req_id=rid,
             src_instance_id=inst.id,
             kind=cmd.kind,
             num_kv_tokens=snap.num_computed_tokens,
-            num_bytes=len(data),
-            checksum=digest,
+            num_bytes=num_bytes,
             reply_subject=stream.reply_subject,
             next_seq=stream.seq,
             req_class=str(snap.req_class),
@@ -176,18 +224,15 @@ class Migrator:
             )
             reply = codec.decode(msg.data, MigrateOfferReply)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, codec.DecodeError):
-            await self.rollback(data)
             return MigrateResult(rid, "failed", f"{dst} did not answer the offer")
         if not reply.ok:
-            await self.rollback(data)
             return MigrateResult(rid, "refused", reply.reason)
         try:
-            transfer_s = await send_payload(reply.data_url, reply.ticket, data, digest)
+            transfer_s = await send_kv(reply.data_url, reply.ticket, source)
         except TransferError as exc:
             await self._abort(dst, rid, reply.ticket, str(exc))
-            await self.rollback(data)
             return MigrateResult(rid, "failed", f"data plane: {exc}")
-        self.num_bytes_sent += len(data)
+        self.num_bytes_sent += num_bytes
         try:
             msg = await inst.nc.request(
                 subjects.migrate_commit(dst),
@@ -199,9 +244,12 @@ class Migrator:
             done = MigrateOfferReply(ok=False, reason=f"{dst} did not answer the commit")
             await self._abort(dst, rid, reply.ticket, done.reason)
         if not done.ok:
-            await self.rollback(data)
-            return MigrateResult(rid, "failed", done.reason, len(data), transfer_s)
-        # The target runs it now: forget it here and tell the gateway where it went.
+            return MigrateResult(rid, "failed", done.reason, num_bytes, transfer_s)
+        return MigrateResult(rid, "ok", "", num_bytes, transfer_s, total_s=time.perf_counter() - t0)
+
+    async def _announce_moved(self, rid: str, stream: Stream, dst: str) -> None:
+        """The target runs it now: forget it here and tell the gateway where it went."""
+        inst = self.inst
         inst.streams.pop(rid, None)
         inst.adapter.meta.pop(rid, None)
         moved = TokenChunk(
@@ -215,14 +263,6 @@ class Migrator:
             moved_to=dst,
         )
         await inst.nc.publish(stream.reply_subject, codec.encode(moved))
-        inst.wake.set()
-        return MigrateResult(rid, "ok", "", len(data), transfer_s, total_s=time.perf_counter() - t0)
-
-    async def rollback(self, data: bytes) -> None:
-        """Put an exported request back into this engine (the migration did not happen)."""
-        async with self.inst.engine_lock:
-            await asyncio.to_thread(self.inst.engine.import_request, data)
-        self.inst.wake.set()
 
     async def _abort(self, dst: str, rid: str, ticket: str, why: str) -> None:
         try:
@@ -257,15 +297,57 @@ class Migrator:
         adapter.num_incoming += 1
         return MigrateOfferReply(ok=True, data_url=inst.data_url, ticket=ticket)
 
-    async def on_payload(self, ticket: str, data: bytes) -> str:
-        """Data plane callback: keep the bytes for the commit."""
+    # the data plane's `Receiver`: called on its threads, carried out on the event loop
+
+    def open_transfer(self, hello: kv_wire.Hello, state: bytes) -> KvSink:
+        if self.loop is None:
+            raise TransferRefused("instance not ready")
+        fut = asyncio.run_coroutine_threadsafe(self._open(hello, state), self.loop)
+        try:
+            return fut.result(OPEN_TIMEOUT_S)
+        except TimeoutError:
+            fut.cancel()
+            raise TransferRefused("the engine did not reserve blocks in time") from None
+
+    async def _open(self, hello: kv_wire.Hello, state: bytes) -> KvSink:
+        res = self.reservations.get(hello.ticket)
+        if res is None or res.aborted:
+            raise TransferRefused("unknown or expired ticket")
+        if res.sink is not None:
+            raise TransferRefused("this ticket already has its transfer")
+        try:
+            async with self.inst.engine_lock:
+                if res.aborted:
+                    raise TransferRefused("aborted by the source")
+                sink = await asyncio.to_thread(self.mover.begin_import, state)
+        except (ValueError, MemoryError) as exc:
+            raise TransferRefused(f"import refused: {exc}") from None
+        res.sink = sink
+        # its blocks are the engine's now: no longer counted as reserved beside them
+        self.inst.adapter.num_reserved_blocks -= res.num_blocks
+        res.num_blocks = 0
+        return sink
+
+    def end_transfer(self, ticket: str, error: str) -> None:
+        if self.loop is not None:
+            asyncio.run_coroutine_threadsafe(self._close(ticket, error), self.loop)
+
+    async def _close(self, ticket: str, error: str) -> None:
         res = self.reservations.get(ticket)
         if res is None:
-            return "unknown or expired ticket"
-        if len(data) != res.offer.num_bytes or checksum(data) != res.offer.checksum:
-            return "payload does not match the offer"
-        res.payload = data
-        return ""
+            return
+        if error:
+            log.warning("KV of %s did not arrive: %s", res.offer.req_id, error)
+            await self._drop_import(res)
+        else:
+            res.arrived = True
+
+    async def _drop_import(self, res: Reservation) -> None:
+        """Free what an import that will not be committed holds (once)."""
+        sink, res.sink = res.sink, None
+        if sink is not None:
+            async with self.inst.engine_lock:
+                await asyncio.to_thread(self.mover.end_import, sink.req_id, False)
 
     async def on_commit(self, commit: MigrateCommit, msg: Msg) -> None:
         # in a task: each commit waits for this engine's lock; one per step, not one per commit
@@ -279,23 +361,24 @@ class Migrator:
         res = self.reservations.get(commit.ticket)
         if res is None or res.offer.req_id != commit.req_id:
             return MigrateOfferReply(ok=False, reason="unknown or expired ticket")
-        if res.payload is None:
-            return MigrateOfferReply(ok=False, reason="no payload arrived")
+        if res.sink is None or not res.arrived:
+            return MigrateOfferReply(ok=False, reason="its KV has not arrived")
         self._release(commit.ticket)
         offer = res.offer
-        try:
-            async with inst.engine_lock:
-                if res.aborted:  # the abort landed while this commit waited for the engine
-                    return MigrateOfferReply(ok=False, reason="aborted by the source")
-                await asyncio.to_thread(inst.engine.import_request, res.payload)
-                if res.aborted:
-                    # NOTE: the source gave up on this commit while the KV was imported and runs
-                    # the request itself again: starting it here would run it twice.
-                    inst.engine.abort(offer.req_id)
-                    log.warning("migration of %s aborted during its import", offer.req_id)
-                    return MigrateOfferReply(ok=False, reason="aborted by the source")
-        except (ValueError, MemoryError) as exc:
-            return MigrateOfferReply(ok=False, reason=f"import failed: {exc}")
+        async with inst.engine_lock:
+            if res.aborted:  # the abort landed while this commit waited for the engine
+                return MigrateOfferReply(ok=False, reason="aborted by the source")
+            sink, res.sink = res.sink, None
+            try:
+                await asyncio.to_thread(self.mover.end_import, sink.req_id, True)
+            except (ValueError, MemoryError) as exc:
+                return MigrateOfferReply(ok=False, reason=f"import failed: {exc}")
+            if res.aborted:
+                # NOTE: the source gave up on this commit while it was carried out and runs the
+                # request itself again: starting it here would run it twice.
+                inst.engine.abort(offer.req_id)
+                log.warning("migration of %s aborted during its commit", offer.req_id)
+                return MigrateOfferReply(ok=False, reason="aborted by the source")
         slo = Slo(offer.ttft_slo_s, offer.tpot_slo_s) if offer.ttft_slo_s > 0 else None
         meta = ReqMeta(slo, offer.arrival_unix_s or time.time())
         meta.num_migrations = 1
@@ -310,19 +393,20 @@ class Migrator:
         res = self.reservations.get(abort.ticket)
         if res is None:
             return
+        inst = self.inst
         if res.committed:
             # The source did not hear our commit answer and runs the request itself again.
             log.warning("migration of %s aborted after commit: dropping it", abort.req_id)
-            inst = self.inst
             async with inst.engine_lock:
                 inst.engine.abort(abort.req_id)
             inst.streams.pop(abort.req_id, None)
             inst.adapter.meta.pop(abort.req_id, None)
             self.reservations.pop(abort.ticket, None)
-        else:
-            res.aborted = True  # a commit importing it now drops it (see `commit`)
-            self._release(abort.ticket)
-            del self.reservations[abort.ticket]
+            return
+        res.aborted = True  # a commit waiting for the engine drops it (see `commit`)
+        self._release(abort.ticket)
+        self.reservations.pop(abort.ticket, None)
+        await self._drop_import(res)
 
     def _release(self, ticket: str) -> None:
         res = self.reservations.get(ticket)
@@ -341,11 +425,14 @@ class Migrator:
                 if not res.committed:
                     log.warning("reservation for %s expired (no commit)", res.offer.req_id)
                     res.aborted = True
+                    if res.sink is not None:
+                        self._spawn(self._drop_import(res), f"expiry of {res.offer.req_id}")
                 self._release(ticket)
                 del self.reservations[ticket]
 
     async def expire_loop(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
         """Expire reservations whose source went silent, also when no new offer comes."""
+        self.loop = asyncio.get_running_loop()
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)

@@ -146,7 +146,7 @@ class PolicyAdapter:
             m = self.meta.get(rid)
             if m is not None and m.start_unix_s is None:
                 m.start_unix_s = now
-        for rid in plan.preempt:
+        for rid in plan.evicts:
             m = self.meta.get(rid)
             if m is not None:
                 m.num_preemptions += 1

@@ -2,10 +2,16 @@
 engine step, its `StepPlan` carried out on the engine, tokens out to the gateway, and a state
 report to the scheduler after each step.
 
-Preemption (OOCO §3.4.1): an online request that arrives while the step in flight computes only
-offline work (or a step the policy marked `preemptible_layers`) cuts that step at its next layer
-boundary; the cut chunks resume later without recompute. The scheduler can send the same signal
-on `subjects.instance_preempt(id)`.
+Layer cut (OOCO §3.4.1): an online request that arrives while the step in flight is one the
+policy marked `StepPlan.layer_cut` cuts that step at its next layer boundary; the cut chunks
+resume later without recompute. Only the instance itself sends this signal, on the arrival it
+receives (there is no scheduler -> instance preempt message).
+
+A plan the engine cannot carry out is refused whole (`tidal.plan.PlanRefused`): logged, counted
+by reason in `plan_refusals` (reported; the gateway's `tidal_plan_refusals_total`), and planned
+again; after MAX_BAD_PLANS refusals in a row the engine's own planner takes one step.
+`StepPlan.max_repeat` is a permission, not an order: the policy is asked again before every
+step here, which by the contract decides the same as running the plan back to back.
 """
 
 from __future__ import annotations
@@ -13,13 +19,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.common.bus import respond
 from services.instance.policy_adapter import PolicyAdapter, ReqMeta
+from tidal.cluster.view import SUBMITTED
 from tidal.engine.api import (
     ControllableEngine,
     EngineRequest,
@@ -31,13 +40,14 @@ from tidal.engine.api import (
     check_fits,
 )
 from tidal.engine.executor import execute
+from tidal.plan import PlanRefused, RefusalReason
 from tidal.policy.base import Slo, StepPlan
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     CancelRequest,
     GenerateAck,
     GenerateRequest,
-    PreemptSignal,
+    ReqReport,
     TokenChunk,
 )
 
@@ -71,12 +81,17 @@ class Instance:
         self.id = instance_id
         self.engine = engine
         self.adapter = adapter
+        caps = engine.capabilities
+        adapter.inst.num_layers = caps.num_layers if caps.layer_cut else 1  # policies read it
         self.default_slo = default_slo
         self.streams: dict[str, Stream] = {}  # req_id -> where its tokens go
         self.pending_add: list[EngineRequest] = []  # handed to the engine between steps
         self.pending_abort: list[str] = []
         self.wake = asyncio.Event()
         self.engine_lock = asyncio.Lock()  # held by a step, an export and an import
+        # requests whose KV is leaving now (`migration.py`): out of the engine's schedule, still
+        # here, so reports list them ("migrating") and nobody takes them for lost
+        self.moving_out: dict[str, ReqReport] = {}
         self.draining = False
         self.data_url = ""
         self.started_unix_s = time.time()
@@ -85,7 +100,7 @@ class Instance:
         self.preempt_latency_s: list[float] = []  # signal -> engine free, recent cuts
         self.last_step_ms = 0.0
         self.in_flight: StepPlan | None = None
-        self.in_flight_preemptible = False
+        self.plan_refusals: dict[str, int] = {}  # RefusalReason -> plans refused since start
         self.report_seq = 0
         self.finished_ids: list[str] = []  # ended since the last report
         self.last_report_s = 0.0
@@ -108,15 +123,17 @@ class Instance:
             )
             await respond(msg, ack)
             return
-        if req.req_id in self.streams:
-            ack = GenerateAck(ok=False, error_code="invalid_request", message="duplicate req_id")
-            await respond(msg, ack)
-            return
         try:
-            engine_req = self._to_engine_request(req)
+            # off the loop: templating and tokenising a 100k-token prompt takes a while
+            engine_req = await asyncio.to_thread(self._to_engine_request, req)
         except ValueError as exc:
             code = "context_length_exceeded" if "context" in str(exc) else "invalid_request"
             await respond(msg, GenerateAck(ok=False, error_code=code, message=str(exc)))
+            return
+        if req.req_id in self.streams:  # checked after the await: no second copy slips in
+            # not the client's fault: a re-placement raced the request still running here
+            ack = GenerateAck(ok=False, error_code="duplicate", message="already running here")
+            await respond(msg, ack)
             return
         self.streams[req.req_id] = Stream(
             req.reply_subject, req.first_seq, num_prev_output=len(req.resume_token_ids)
@@ -131,10 +148,9 @@ class Instance:
         self.adapter.meta[req.req_id] = ReqMeta(slo, req.arrival_unix_s or time.time())
         self.pending_add.append(engine_req)
         self.wake.set()
-        if (wake_step := getattr(self.engine, "wake_step", None)) is not None:
-            wake_step()  # an engine that waits inside its step (sglang) admits it now
+        self.engine.wake_step()  # an engine that waits inside its step (sglang) admits it now
         if engine_req.req_class is RequestClass.ONLINE:
-            self.preempt_offline_step(f"online {req.req_id} arrived")
+            self.cut_offline_step(f"online {req.req_id} arrived")
         ack = GenerateAck(
             ok=True,
             num_prompt_tokens=len(engine_req.prompt_token_ids) - len(req.resume_token_ids),
@@ -173,7 +189,11 @@ class Instance:
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
             logprobs=s.logprobs,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            logit_bias=tuple((int(t), float(b)) for t, b in s.logit_bias),
         )
+        sampling.check_vocab(self.engine.tokenizer.vocab_size)
         return EngineRequest(
             req_id=req.req_id,
             prompt_token_ids=ids + resumed,
@@ -187,18 +207,19 @@ class Instance:
             self.pending_abort.append(req.req_id)
             self.wake.set()
 
-    async def on_preempt(self, sig: PreemptSignal, msg: Msg) -> None:
-        self.preempt_offline_step(sig.reason or f"scheduler, for {sig.req_id}")
-
-    def preempt_offline_step(self, why: str) -> bool:
-        """Cut the step in flight at its next layer boundary if it may be cut (OOCO §3.4.1)."""
-        if self.in_flight is None or not self.in_flight_preemptible:
+    def cut_offline_step(self, why: str) -> bool:
+        """Cut the step in flight at its next layer boundary if its plan allows it
+        (`StepPlan.layer_cut`, OOCO §3.4.1)."""
+        plan = self.in_flight
+        if plan is None or not plan.layer_cut or not self.engine.request_layer_cut():
             return False
-        request_preempt = getattr(self.engine, "request_preempt", None)
-        if request_preempt is None or not request_preempt():
-            return False
-        log.info("preempting the offline step in flight: %s", why)
+        log.info("cutting the offline step in flight at a layer boundary: %s", why)
         return True
+
+    def refused(self, exc: PlanRefused) -> None:
+        """Log and count a refused plan (nothing of it was carried out)."""
+        self.plan_refusals[exc.reason] = self.plan_refusals.get(exc.reason, 0) + 1
+        log.warning("plan of %s refused: %s", self.adapter.policy.name, exc)
 
     # ---- the engine loop ----
 
@@ -253,7 +274,7 @@ class Instance:
                 plan = self.adapter.plan(now)
                 fcfs = num_bad >= MAX_BAD_PLANS
                 # an engine whose requests run by themselves (sglang) steps to collect tokens
-                idle = plan.is_empty and not fcfs and not getattr(self.engine, "self_driven", False)
+                idle = plan.is_empty and not fcfs and not self.engine.capabilities.self_driven
                 ok = None if idle else await self._step(plan, fcfs, origin)
                 if self.placement_due:
                     # NOTE: mirrored while the lock is held: a migration taking the lock next
@@ -266,15 +287,11 @@ class Instance:
                 origin = None
                 continue
             num_bad = 0 if ok else num_bad + 1
-            origin = getattr(self.engine, "last_step_end_s", None) if ok else None
+            origin = getattr(self.engine, "last_step_end_s", None) if ok else None  # sim only
             await self.report(force=self.placement_due)
 
     async def _step(self, plan: StepPlan, fcfs: bool, origin: float | None = None) -> bool:
-        reqs = self.adapter.reqs
-        ids = [*plan.prefill, *plan.decode]
-        has_online = any(reqs[r].is_online for r in ids if r in reqs)
         self.in_flight = plan
-        self.in_flight_preemptible = plan.preemptible_layers > 0 or (bool(ids) and not has_online)
         self.adapter.on_step_start(plan, time.time())
         if hasattr(self.engine, "step_origin"):
             self.engine.step_origin = origin
@@ -286,10 +303,14 @@ class Instance:
             else:
                 ex = await asyncio.to_thread(execute, self.engine, plan, self.adapter.forced)
                 result = ex.result
+                why = "out of KV memory: no offline work left to evict for it (never evicted)"
+                ended = [TokenEvent(r, (), "", FinishReason.ERROR, error=why) for r in ex.aborted]
+                await self._publish(ended)
+        except PlanRefused as exc:
+            self.refused(exc)
+            return False
         except (ValueError, MemoryError, KeyError) as exc:
-            log.warning(
-                "the engine refused the policy's plan (%s): %s", self.adapter.policy.name, exc
-            )
+            log.warning("the engine's own planner failed a step: %s", exc)
             return False
         finally:
             self.in_flight = None
@@ -304,10 +325,7 @@ class Instance:
             # The engine ran none of the plan (it gave the planned blocks back for lack of
             # room): a plan it can never run would repeat forever, so count it as refused and
             # let the engine's own planner take a step after MAX_BAD_PLANS of them.
-            log.warning(
-                "the engine ran nothing of the policy's plan (%s): out of KV blocks",
-                self.adapter.policy.name,
-            )
+            self.refused(PlanRefused(RefusalReason.OUT_OF_KV, "the engine ran none of it", "step"))
             return False
         if getattr(self.engine, "last_step_preempted", False):
             self.num_preemptions += 1
@@ -316,6 +334,11 @@ class Instance:
                 self.preempt_latency_s = [*self.preempt_latency_s[-999:], lat]
         await self._publish(result.events)
         return True
+
+    def _token_texts(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's own text, as OpenAI's logprobs list it (a token holding part of a UTF-8
+        character reads as U+FFFD)."""
+        return [self.engine.tokenizer.decode([t]) for t in token_ids]
 
     async def _publish(self, events: list[TokenEvent]) -> None:
         now = time.time()
@@ -334,6 +357,17 @@ class Instance:
                 instance_id=self.id,
                 finish_reason=None if ev.finish_reason is None else str(ev.finish_reason),
                 logprobs=list(ev.logprobs),
+                tokens=self._token_texts(ev.token_ids) if ev.logprobs else [],
+                top_logprobs=[
+                    list(
+                        zip(
+                            self._token_texts([t for t, _ in top]),
+                            [lp for _, lp in top],
+                            strict=True,
+                        )
+                    )
+                    for top in ev.top_logprobs
+                ],
                 is_emulated=self.engine.is_emulated,
                 error=ev.error,
                 token_ids=list(ev.token_ids),
@@ -347,6 +381,14 @@ class Instance:
                 self.adapter.meta.pop(ev.req_id, None)
                 self.finished_ids.append(ev.req_id)
             await self.nc.publish(stream.reply_subject, codec.encode(chunk))
+
+    def _submitted(self, req: EngineRequest) -> ReqReport:
+        """A request handed over but not yet in the engine (it joins at the next step
+        boundary): queued here, as the scheduler's view counts it."""
+        meta = self.adapter.meta.get(req.req_id)
+        arrival = meta.arrival_unix_s if meta is not None else time.time()
+        n, max_out = len(req.prompt_token_ids), req.sampling.max_tokens
+        return ReqReport(req.req_id, str(req.req_class), SUBMITTED, arrival, n, max_out, 0, 0, 0)
 
     async def report(self, force: bool = False) -> None:
         """Publish the instance's state, at most every REPORT_MIN_INTERVAL_S unless forced."""
@@ -364,11 +406,15 @@ class Instance:
             draining=self.draining,
             started_unix_s=self.started_unix_s,
             num_preemptions=self.num_preemptions,
+            plan_refusals=dict(self.plan_refusals),
             num_steps=self.num_steps,
             last_step_ms=round(self.last_step_ms, 3),
             emulated=self.engine.is_emulated,
             finished_req_ids=self.finished_ids,
         )
+        extra = [*self.moving_out.values(), *(self._submitted(r) for r in self.pending_add)]
+        if extra:
+            rep = msgspec.structs.replace(rep, requests=[*rep.requests, *extra])
         self.finished_ids = []
         try:
             await self.nc.publish(subjects.instance_state(self.id), codec.encode(rep))

@@ -46,6 +46,8 @@ class Commands:
 
     async def _migrate(self, cmd: MigrateCommand, src_id: str) -> None:
         c = self.cluster
+        dst_id = cmd.dst_instance_id
+        source_failed = False
         try:
             msg = await self.nc.request(
                 subjects.instance_migrate(src_id), codec.encode(cmd), timeout=MIGRATE_TIMEOUT_S
@@ -53,10 +55,28 @@ class Commands:
             res = codec.decode(msg.data, MigrateResult)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, codec.DecodeError) as e:
             res = MigrateResult(cmd.req_id, "failed", f"source {src_id}: {type(e).__name__}")
+            source_failed = True
         finally:
             c.migrating.discard(cmd.req_id)
-        if res.outcome != "ok" and cmd.kind == "push":
-            c.retry_placement(cmd.req_id, time.time())  # it must not stay on its prefill instance
+        now = time.time()
+        if res.outcome == "ok":
+            c.backoff.succeeded(dst_id)
+        elif res.outcome == "failed" and not source_failed:
+            # The target could not be reached (offer unanswered, data plane down): it takes no
+            # migration for a while, doubling per failure; the request stays on its source.
+            until = c.backoff.failed(dst_id, now)
+            log.warning(
+                "migration of %s to %s failed (%s); %s backed off for %.1f s",
+                cmd.req_id,
+                dst_id,
+                res.message,
+                dst_id,
+                until - now,
+            )
+        if cmd.kind == "push" and res.outcome != "ok" and res.outcome != "unknown_request":
+            # It must not stay on its prefill instance; a request its source no longer has
+            # (finished, or recomputed elsewhere) is not asked about again.
+            c.retry_placement(cmd.req_id, now, c.backoff.retry_at(dst_id))
         key = f"{cmd.kind}:{res.outcome}"
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
         if res.outcome == "ok" and res.transfer_s > 0 and res.num_bytes > 0:

@@ -130,9 +130,24 @@ class Control:
             "num_rejected": s.num_rejected,
             "num_held": len(s.cluster.held),
             "migrations": dict(s.commands.outcomes),
+            "healing": self.healing(),
             "policy": self.policy_state(),
             "models": s.membership.models(),
             "services": services,
+        }
+
+    def healing(self) -> dict[str, Any]:
+        """Roles healed and targets backed off (docs/cluster.md)."""
+        c = self.s.cluster
+        now = time.time()
+        return {
+            "lost": sorted(c.healer.lost_since),
+            "standing_in": sorted(c.instance_id(i) for i in c.healer.standing_in),
+            "num_role_heals": c.healer.num_heals,
+            "num_stand_in_routes": c.num_stand_in_routes,
+            "num_stand_in_decodes": c.num_stand_in_decodes,
+            "num_migration_backoffs": c.backoff.num_backoffs,
+            "backed_off": sorted(t for t in c.backoff.failing if c.backoff.is_backed_off(t, now)),
         }
 
     def _describe(self, m: Member, now: float) -> dict[str, Any]:
@@ -171,5 +186,12 @@ class Control:
             pid=os.getpid(),
             started_unix_s=s.started_unix_s,
             sent_unix_s=time.time(),
-            info={"offline_paused": str(s.offline_paused).lower(), "policy": s.cluster.policy.name},
+            info={
+                "offline_paused": str(s.offline_paused).lower(),
+                "policy": s.cluster.policy.name,
+                "suspects_alive": str(s.num_suspects_alive),
+                "role_heals_total": str(s.cluster.healer.num_heals),
+                "stand_in_routes_total": str(s.cluster.num_stand_in_routes),
+                "migration_backoffs_total": str(s.cluster.backoff.num_backoffs),
+            },
         )

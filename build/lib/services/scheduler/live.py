@@ -13,6 +13,7 @@ and the policy's `route`, `place_decode` and `tick` turned into replies and comm
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,11 +22,14 @@ import msgspec
 from nats.aio.msg import Msg
 
 from services.instance.engines import parse_step_model
+from tidal.cluster.backoff import TargetBackoff
+from tidal.cluster.healing import RoleHealer, stand_in
 from tidal.cluster.view import build_cluster_view
 from tidal.perf.api import StepModel
 from tidal.policy.base import (
     ClusterActions,
     ClusterView,
+    InstanceRole,
     Phase,
     Policy,
     ReqState,
@@ -80,6 +84,10 @@ class LiveCluster:
     link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S  # EWMA of measured transfers
     chars_per_token: float = float(CHARS_PER_TOKEN)  # EWMA, learnt from reports
     prompt_chars: dict[str, int] = field(default_factory=dict)  # routed on an estimate
+    healer: RoleHealer = field(default_factory=RoleHealer)  # survivors stand in for lost roles
+    backoff: TargetBackoff = field(default_factory=TargetBackoff)  # by target instance id
+    num_stand_in_routes: int = 0  # requests routed to a stand-in (their role's slots were down)
+    num_stand_in_decodes: int = 0  # decodes kept on, or pushed to, a stand-in
 
     # ---- reports -> view ----
 
@@ -93,6 +101,11 @@ class LiveCluster:
             and rep.seq <= old.seq
         ):
             return False
+        if old is None or (old.instance_id, old.started_unix_s) != (
+            rep.instance_id,
+            rep.started_unix_s,
+        ):
+            self.backoff.succeeded(rep.instance_id)  # a new process: its failures were the old's
         self.reports[rep.index] = rep
         for rid in rep.finished_req_ids:
             self.routed.pop(rid, None)
@@ -223,6 +236,9 @@ class LiveCluster:
         if decision.action is not RouteAction.QUEUE:
             return decision.action, 0, decision.reason
         idx = self._usable(decision.instance_id, view, now, ask)
+        if idx is None and self.healer.is_healing:  # the role is lost: a survivor stands in
+            idx = stand_in(view, self._ok(now, ask))
+            self.num_stand_in_routes += idx is not None
         if idx is None:
             return RouteAction.HOLD, decision.instance_id, SLOT_DOWN
         self.routed[req.req_id] = (idx, req, now)
@@ -237,9 +253,7 @@ class LiveCluster:
         self.retry_at.pop(req_id, None)
         self.migrating.discard(req_id)
 
-    def _usable(
-        self, idx: int, view: ClusterView, now: float, ask: RouteRequest | None
-    ) -> int | None:
+    def _ok(self, now: float, ask: RouteRequest | None) -> Callable[[int], bool]:
         def ok(i: int) -> bool:
             if not self.is_usable(i, now):
                 return False
@@ -248,6 +262,12 @@ class LiveCluster:
             # The process that failed the request, or a new one started since under its id?
             return self.reports[i].started_unix_s > ask.excluded_at_unix_s
 
+        return ok
+
+    def _usable(
+        self, idx: int, view: ClusterView, now: float, ask: RouteRequest | None
+    ) -> int | None:
+        ok = self._ok(now, ask)
         if ok(idx):
             return idx
         role = view.instances[idx].role if idx < len(view.instances) else None
@@ -272,7 +292,21 @@ class LiveCluster:
                 dst = self.policy.place_decode(r, inst, view, now)
                 if dst is None or dst == inst.instance_id:
                     continue
-                if self.is_usable(dst, now):
+                usable = self.is_usable(dst, now)
+                if not usable and self.healer.is_healing:
+                    # The decode role is lost: a stand-in decodes it (the source itself,
+                    # most often); asked again later, it moves once the role is back.
+                    alt = stand_in(view, lambda i: self.is_usable(i, now))
+                    self.num_stand_in_decodes += 1
+                    self.retry_placement(rid, now)
+                    if alt is not None and alt != inst.instance_id:
+                        out.append((rid, inst.instance_id, alt))
+                    continue
+                target = self.instance_id(dst)
+                if usable and self.backoff.is_backed_off(target, now):
+                    # Its last migrations could not reach it: the request stays where it is.
+                    self.retry_placement(rid, now, self.backoff.retry_at(target))
+                elif usable:
                     out.append((rid, inst.instance_id, dst))
                 else:
                     self.retry_placement(rid, now)
@@ -288,13 +322,29 @@ class LiveCluster:
                 del self.retry_at[rid]
         return out
 
-    def retry_placement(self, req_id: str, now: float) -> None:
-        """Ask `place_decode` about `req_id` again after `PLACE_RETRY_S`."""
+    def retry_placement(self, req_id: str, now: float, at: float = 0.0) -> None:
+        """Ask `place_decode` about `req_id` again at `at` (default: after `PLACE_RETRY_S`)."""
         self.placed.pop(req_id, None)
-        self.retry_at[req_id] = now + PLACE_RETRY_S
+        self.retry_at[req_id] = max(at, now + PLACE_RETRY_S)
+
+    def heal(self, now: float) -> dict[int, InstanceRole]:
+        """Role changes that heal (or end healing): `RoleHealer` over the config's roles."""
+        configured = [InstanceRole(s.role) for s in self.slots]
+        return self.healer.update(configured, lambda i: self.is_usable(i, now), now)
 
     def tick(self, view: ClusterView, now: float) -> ClusterActions:
-        return self.policy.tick(view, now)
+        actions = self.policy.tick(view, now)
+        if not any(self.backoff.is_backed_off(t, now) for t in self.backoff.failing):
+            return actions
+        # Pulls toward a backed-off target wait: the requests stay on their sources.
+        keep = tuple(
+            m
+            for m in actions.migrate
+            if not self.backoff.is_backed_off(self.instance_id(m.dst), now)
+        )
+        if len(keep) == len(actions.migrate):
+            return actions
+        return dataclasses.replace(actions, migrate=keep)
 
 
 def _all(inst: object) -> list[ReqState]:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -23,8 +24,9 @@ from services.scheduler.commands import Commands
 from services.scheduler.control import Control, EmptyCtl
 from services.scheduler.live import NO_INSTANCE, SLOT_DOWN, Held, LiveCluster, expire_held
 from tidal import envs
-from tidal.cluster.membership import Membership
-from tidal.policy.base import RouteAction
+from tidal.cluster.healing import RoleHealer
+from tidal.cluster.membership import Member, Membership
+from tidal.policy.base import ClusterActions, RouteAction
 from tidal.policy.registry import make_policy
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
@@ -38,6 +40,7 @@ from tidal.schemas.messages import (
     RouteRequest,
 )
 
+PROBE_ATTEMPTS = 2
 log = logging.getLogger("tidal.scheduler")
 
 OFFLINE_PAUSED_RETRY_S = 30.0
@@ -57,6 +60,10 @@ class Scheduler:
         # NOTE: 4 missed heartbeats before an instance is forgotten: fast enough to route
         # around a dead instance within ~2 s, slow enough to survive a GC pause.
         self.membership = Membership(timeout_s=4 * heartbeat_s)
+        self.probe_timeout_s = max(1.0, 2 * heartbeat_s)
+        self.probing: set[tuple[str, str]] = set()  # suspects being probed
+        self.probe_tasks: set[asyncio.Task[None]] = set()
+        self.num_suspects_alive = 0  # suspects that answered (kept, not declared dead)
         self.live = load_live_config(args.config, args.policy, args.roles)
         self.cluster = LiveCluster(
             policy=make_policy(self.live.policy, self.live.context()),
@@ -65,6 +72,7 @@ class Scheduler:
             max_hold_s=args.max_hold_s,
             max_held_tokens=args.max_held_tokens,
             slots=self.live.slots,
+            healer=RoleHealer(heal_after_s=args.heal_after_s),
         )
         self.commands = Commands(nc, self.cluster)
         self.offline_paused = False
@@ -98,14 +106,51 @@ class Scheduler:
                 # reconnect every member gets a full timeout to be heard from again.
                 reconnects = self.nc.stats.get("reconnects", 0)
                 self.membership.extend(time.monotonic())
-            for member in self.membership.expire(time.monotonic()):
-                hb = member.heartbeat
-                log.warning("%s %s went silent; forgetting it", hb.kind, hb.service_id)
-                if member.is_instance:
-                    self.cluster.forget(hb.service_id)
-                    await self._announce_down(hb.service_id, "instance stopped heartbeating")
+            for member in self.membership.silent(time.monotonic()):
+                key = (member.heartbeat.kind, member.heartbeat.service_id)
+                if key not in self.probing:
+                    self.probing.add(key)
+                    task = asyncio.create_task(self._probe(member))
+                    self.probe_tasks.add(task)
+                    task.add_done_callback(self.probe_tasks.discard)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.heartbeat_s / 2)
+
+    async def _probe(self, member: Member) -> None:
+        """A service missed its beats: ask it directly (twice) before declaring it dead. A live
+        service whose beats were late (a busy host, a slow link) is kept; only one that does not
+        answer is forgotten and its requests re-placed."""
+        hb = member.heartbeat
+        try:
+            for _ in range(PROBE_ATTEMPTS):
+                try:
+                    await self.nc.request(
+                        subjects.ping(hb.kind, hb.service_id), b"", timeout=self.probe_timeout_s
+                    )
+                except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                    continue
+                except Exception as exc:  # our own link: say nothing about the member
+                    log.warning("probe of %s %s not sent: %s", hb.kind, hb.service_id, exc)
+                    return
+                self.membership.vouch(hb.kind, hb.service_id, time.monotonic())
+                self.num_suspects_alive += 1
+                log.warning(
+                    "%s %s missed its heartbeats but answered a probe; kept",
+                    hb.kind,
+                    hb.service_id,
+                )
+                return
+            if self.membership.forget(hb.kind, hb.service_id) is None:
+                return  # it left (or came back as a new process) meanwhile
+            log.warning(
+                "%s %s went silent and did not answer probes; forgetting it",
+                *(hb.kind, hb.service_id),
+            )
+            if member.is_instance:
+                self.cluster.forget(hb.service_id)
+                await self._announce_down(hb.service_id, "instance stopped heartbeating")
+        finally:
+            self.probing.discard((hb.kind, hb.service_id))
 
     async def _announce_down(self, instance_id: str, reason: str) -> None:
         event = InstanceDown(instance_id=instance_id, reason=reason)
@@ -175,7 +220,14 @@ class Scheduler:
             return
         self.num_routed += 1
         started = self.cluster.reports[idx].started_unix_s
-        await respond(msg, RouteReply(instance_id=iid, instance_started_unix_s=started))
+        slo = self.cluster.default_slo
+        reply = RouteReply(
+            instance_id=iid,
+            instance_started_unix_s=started,
+            default_ttft_slo_s=slo.ttft_s,
+            default_tpot_slo_s=slo.tpot_s,
+        )
+        await respond(msg, reply)
 
     async def reply_reject(self, msg: Msg, reason: str, code: str = "rejected") -> None:
         self.num_rejected += 1
@@ -201,6 +253,14 @@ class Scheduler:
         await expire_held(c, now, self.reply_reject)
         if not c.reports:
             return
+        if heal := c.heal(now):
+            lost = ", ".join(c.healer.lost_since) or "none"
+            log.warning(
+                "roles heal (lost: %s): %s",
+                lost,
+                ", ".join(f"{c.instance_id(i)} -> {r}" for i, r in heal.items()),
+            )
+            await self.commands.set_roles(ClusterActions(set_role=heal))
         for rid, waiting in list(c.held.items()):
             if waiting.retry_route:  # its slot was down: ask the policy again
                 action, idx, _ = c.route(waiting.req, now, waiting.route)
@@ -236,12 +296,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--roles", default="", help="comma-separated role per instance slot (default: config's)"
     )
     p.add_argument("--max-held", type=int, default=1024, help="bound of the held queue")
-    p.add_argument("--max-hold-s", type=float, default=600.0, help="longest a request is held")
+    p.add_argument(
+        "--max-hold-s",
+        type=float,
+        default=envs.max_hold_s(),
+        help="longest a request is held (default: TIDAL_MAX_HOLD_S, which the gateway reads too)",
+    )
     p.add_argument(
         "--max-held-tokens",
         type=int,
         default=0,
         help="bound of the held queue in prompt + max_tokens tokens (0: none)",
+    )
+    p.add_argument(
+        "--heal-after-s",
+        type=float,
+        default=5.0,
+        help="when no live instance can prefill (or decode) for this long, the survivors stand "
+        "in as aggregated instances until one is back (docs/cluster.md)",
     )
     p.add_argument("--connect-timeout-s", type=float, default=10.0, help="give up after this")
     return p.parse_args(argv)

@@ -48,6 +48,17 @@ class Membership:
             del self.members[(m.heartbeat.kind, m.heartbeat.service_id)]
         return gone
 
+    def silent(self, now: float) -> list[Member]:
+        """Services silent for longer than `timeout_s`, kept: suspects to probe before they are
+        forgotten (SWIM's suspect state: a missed beat is not yet a death)."""
+        return [m for m in self.members.values() if now - m.last_seen_s > self.timeout_s]
+
+    def vouch(self, kind: str, service_id: str, now: float) -> None:
+        """The service answered a direct probe: count it as seen now."""
+        member = self.members.get((kind, service_id))
+        if member is not None:
+            member.last_seen_s = max(member.last_seen_s, now)
+
     def extend(self, now: float) -> None:
         """Count every member as seen at `now`: the observer itself was cut off (its bus
         connection dropped), so missing heartbeats say nothing about the members."""

@@ -35,12 +35,22 @@ from tidal.policy.base import (
 from tidal.schemas.enums import RequestClass
 from tidal.schemas.messages import InstanceReport, ReqReport
 
-__all__ = ["PENDING_IN", "build_cluster_view", "report_of", "req_report", "sync_instance"]
+__all__ = [
+    "PENDING_IN",
+    "SUBMITTED",
+    "build_cluster_view",
+    "report_of",
+    "req_report",
+    "sync_instance",
+]
 
 # `ReqReport.phase` of a request listed in `InstanceState.pending_in`: prefilled on another
 # instance (which reports it as "transfer_wait"), placed here, waiting for room. Every other
 # phase string is the request's `Phase` value.
 PENDING_IN = "pending_in"
+# ... of a request its instance has taken but not yet handed to its engine (that happens at the
+# next step boundary): queued there, as a waiting request is.
+SUBMITTED = "submitted"
 
 _LISTED = {
     Phase.WAITING.value: "waiting",
@@ -49,6 +59,7 @@ _LISTED = {
     Phase.SWAPPED.value: "swapped",
     Phase.OFFLOADED.value: "offloaded",
     PENDING_IN: "pending_in",
+    SUBMITTED: "waiting",
 }  # report phase -> InstanceState list; any other phase (migrating) is in no list
 _SNAP_PHASE = {
     "waiting": Phase.WAITING,
@@ -94,6 +105,7 @@ def report_of(
     draining: bool = False,
     started_unix_s: float = 0.0,
     num_preemptions: int = 0,
+    plan_refusals: dict[str, int] | None = None,
     num_steps: int = 0,
     last_step_ms: float = 0.0,
     emulated: bool = False,
@@ -129,6 +141,7 @@ def report_of(
         draining=draining,
         started_unix_s=started_unix_s,
         num_preemptions=num_preemptions,
+        plan_refusals=dict(plan_refusals or {}),
         num_steps=num_steps,
         last_step_ms=last_step_ms,
         emulated=emulated,
@@ -224,7 +237,7 @@ def build_cluster_view(
             if r is None:
                 r = reqs[rr.req_id] = _new_req(rr)
             _update_req(r, rr)
-            r.phase = Phase(rr.phase)
+            r.phase = Phase.WAITING if rr.phase == SUBMITTED else Phase(rr.phase)
             r.instance_id = rep.index
             seen.add(rr.req_id)
             where = _LISTED.get(rr.phase)

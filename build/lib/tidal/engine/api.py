@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from tidal.policy.plan import StepPlan
+from tidal.plan import EngineCapabilities, StepPlan
 from tidal.schemas.enums import RequestClass
 
 
@@ -28,6 +28,7 @@ class OffloadRefused(Exception):
 __all__ = [
     "ControllableEngine",
     "Engine",
+    "EngineCapabilities",
     "EngineLoad",
     "EngineRequest",
     "FinishReason",
@@ -62,6 +63,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probs to return per token; None = none
+    # OpenAI's penalties: logit -= frequency_penalty * count + presence_penalty * (count > 0),
+    # count = times the token is in the output so far
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
+
+    @property
+    def is_penalised(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -74,6 +84,20 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for tid, bias in self.logit_bias:
+            if tid < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias needs ids >= 0 and biases in [-100, 100]: {tid}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the first `logit_bias` token outside the vocabulary."""
+        for tid, _ in self.logit_bias:
+            if tid >= vocab_size:
+                raise ValueError(
+                    f"logit_bias token {tid} is not in the vocabulary [0, {vocab_size})"
+                )
 
 
 def check_fits(num_prompt: int, max_tokens: int, max_model_len: int) -> None:
@@ -108,6 +132,8 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, including this step's
     logprobs: tuple[float, ...] = ()  # log-prob of each token in token_ids, when asked
+    # per token in token_ids: its `logprobs` most likely (token id, log-prob), most likely first
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     error: str = ""
 
 
@@ -143,6 +169,9 @@ class EngineLoad:
 
 class Tokenizer(Protocol):
     eos_token_id: int | None
+
+    @property
+    def vocab_size(self) -> int: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -198,9 +227,11 @@ class SeqSnapshot:
 
 @runtime_checkable
 class ControllableEngine(Engine, Protocol):
-    """An engine a policy can drive step by step: explicit plans, preemption (at a layer
-    boundary, and by recompute), swapping, and export/import for migration. `torch` and `sim`
-    implement it; the instance service's executor (`tidal.engine.executor`) is its only caller.
+    """An engine a policy can drive step by step: explicit plans, a layer cut, recompute,
+    swapping, CPU attention and export/import for migration, as far as its `capabilities`
+    declare. `torch`, `sim` and `sglang` implement it; the instance's executor
+    (`tidal.engine.executor`, through `tidal.plan.carry_out`) is its only planner-side caller.
+    Each method either does all its work or raises and changes nothing.
     """
 
     block_size: int  # tokens per KV block
@@ -209,17 +240,28 @@ class ControllableEngine(Engine, Protocol):
     last_step_preempted: bool  # the last step was cut at a layer boundary
     last_preempt_latency_s: float | None  # signal -> free time of the last cut
 
-    def step(self, plan: StepPlan | None = None) -> StepResult:
-        """Run `plan` (prefill chunks and decodes; its preempt/swap fields are the executor's
-        business, not the engine's), or the engine's own FCFS planner when None."""
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """What of a `StepPlan` this engine can carry out (read each plan: CPU-attention
+        workers come and go)."""
         ...
 
-    def request_preempt(self) -> bool:
+    def step(self, plan: StepPlan | None = None) -> StepResult:
+        """Run `plan`'s prefill chunks, decodes and CPU decodes (its other fields are the
+        interpreter's stages, already run), or the engine's own planner when None."""
+        ...
+
+    def request_layer_cut(self) -> bool:
         """Thread-safe: end the running step after its current layer (False: none running).
         The cut work is kept and resumes without recompute (`SeqSnapshot.forced_tokens`)."""
         ...
 
-    def preempt(self, req_id: str) -> None:
+    def wake_step(self) -> None:
+        """Thread-safe: new work is waiting; a step that waits for tokens (a self-driven
+        engine's) ends its wait now. A no-op for engines whose steps do not wait."""
+        ...
+
+    def recompute(self, req_id: str) -> None:
         """Drop the request's KV; it waits again and recomputes prompt + output later."""
         ...
 
@@ -227,6 +269,14 @@ class ControllableEngine(Engine, Protocol):
 
     def swap_in(self, req_id: str) -> None:
         """MemoryError if the KV does not fit now."""
+        ...
+
+    def offload(self, req_id: str) -> None:
+        """KV to a CPU-attention worker; it decodes on with attention there."""
+        ...
+
+    def recall(self, req_id: str) -> None:
+        """An offloaded request's KV back on the device; MemoryError if it does not fit."""
         ...
 
     def export_request(self, req_id: str, remove: bool = True) -> bytes:

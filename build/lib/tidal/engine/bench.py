@@ -8,7 +8,7 @@ memory-bandwidth roofline.
 Decode tokens/s at each batch size (prompts of --prompt-len tokens, --decode-steps timed steps),
 prefill tokens/s at each prompt length (one chunk), each beside HF `generate` on the same model,
 dtype and thread count, and beside the roofline: bytes one step moves (weights + KV read) divided
-by the copy bandwidth measured with a large torch copy. Also the time from `request_preempt()`
+by the copy bandwidth measured with a large torch copy. Also the time from `request_layer_cut()`
 to the engine being free during a long prefill (OOCO §3.4.1). Figures come from a real engine.
 
 On CPU both fp32 and bf16 run, side by side (or only --dtype), and the report says which one the

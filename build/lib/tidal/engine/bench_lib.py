@@ -142,7 +142,7 @@ def preempt_latency(engine: TorchEngine, length: int, reps: int = 5) -> dict[str
             while not engine.preemption.in_step:  # wait for the step to start, then cut it mid-way
                 time.sleep(0.0005)
             time.sleep(step_s * 0.15)  # early: a busy machine can make the step much faster
-            engine.request_preempt()
+            engine.request_layer_cut()
 
         th = threading.Thread(target=signal)
         th.start()

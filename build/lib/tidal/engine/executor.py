@@ -1,39 +1,26 @@
-"""The one executor: a policy's `StepPlan` carried out on a `ControllableEngine`.
+"""A policy's `StepPlan` carried out on a `ControllableEngine`, through the one interpreter
+(`tidal.plan.interpreter.carry_out`): this module is only the engine's kernel, the work of each
+stage on one request. The simulator's kernel is `tidal.sim.apply`. Nothing here does I/O; the
+instance service calls `execute` from its engine thread.
 
-The simulator applies plans to its own records (`tidal.sim.apply`); a live instance applies them
-to its engine here, in the order `tidal.policy.base` documents: ``preempt`` (recompute), then
-``swap_out``, then ``swap_in``, then one engine step over ``prefill`` and ``decode``. Nothing
-here does I/O; the instance service calls `execute` from its engine thread.
-
-CPU attention (OmniServe §3.2): on an engine with `offload`/`recall` (the torch engine with
-CPU-attention workers attached), ``offload`` runs after ``swap_out``, ``recall`` after
-``swap_in``, and ``cpu_decode`` rides the step. A request a worker will not take, or one that
-cannot come back yet, stays where it is and the refusal is logged (`Execution.refused`); an
-engine without CPU attention refuses all three the same way, never silently.
+What the engine cannot do it declares (`ControllableEngine.capabilities`), and the interpreter
+refuses a plan that asks for it (`PlanRefused`, which the instance logs and counts).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from tidal.engine.api import ControllableEngine, OffloadRefused, StepResult
-from tidal.policy.plan import StepPlan
+from tidal.plan import EngineCapabilities, Outcome, PlanRefused, RefusalReason, StepPlan, carry_out
+from tidal.schemas.enums import RequestClass
 
 log = logging.getLogger("tidal.executor")
 
+__all__ = ["EngineKernel", "Execution", "execute", "fit_to_engine"]
 
-@dataclass
-class Execution:
-    """What carrying out one plan did."""
-
-    result: StepResult | None  # None when the plan had no tokens to compute
-    num_preempted: int = 0  # requests preempted by recompute
-    num_swapped_out: int = 0
-    num_swapped_in: int = 0
-    num_offloaded: int = 0
-    num_recalled: int = 0
-    refused: list[str] = field(default_factory=list)  # why parts of the plan were not run
+Execution = Outcome[StepResult]
 
 
 def fit_to_engine(plan: StepPlan, forced: dict[str, int]) -> StepPlan:
@@ -45,56 +32,52 @@ def fit_to_engine(plan: StepPlan, forced: dict[str, int]) -> StepPlan:
     return replace(plan, prefill=prefill)
 
 
+class EngineKernel:
+    """Each stage of a plan on a live engine."""
+
+    def __init__(self, engine: ControllableEngine, forced: dict[str, int] | None = None) -> None:
+        self.engine = engine
+        self.forced = forced or {}
+        self.capabilities: EngineCapabilities = engine.capabilities
+        self._classes = {s.req_id: s.req_class for s in engine.snapshot()}
+
+    def is_online(self, req_id: str) -> bool:
+        return self._classes[req_id] is RequestClass.ONLINE
+
+    def abort_no_kv(self, req_id: str) -> None:
+        """The worker ends it with an error event (`Outcome.aborted`)."""
+        if not self.engine.abort(req_id):
+            raise KeyError(req_id)
+
+    def recompute(self, req_id: str) -> None:
+        self.engine.recompute(req_id)
+
+    def swap_out(self, req_id: str) -> None:
+        self.engine.swap_out(req_id)
+
+    def swap_in(self, req_id: str) -> None:
+        self.engine.swap_in(req_id)
+
+    def offload(self, req_id: str) -> None:
+        try:
+            self.engine.offload(req_id)
+        except OffloadRefused as exc:
+            raise PlanRefused(
+                RefusalReason.CPU_WORKERS_BUSY, f"offload of {req_id}: {exc}"
+            ) from exc
+
+    def recall(self, req_id: str) -> None:
+        self.engine.recall(req_id)
+
+    def run(self, plan: StepPlan) -> StepResult:
+        step = StepPlan(
+            prefill=dict(plan.prefill), decode=tuple(plan.decode), cpu_decode=plan.cpu_decode
+        )
+        return self.engine.step(fit_to_engine(step, self.forced))
+
+
 def execute(
     engine: ControllableEngine, plan: StepPlan, forced: dict[str, int] | None = None
 ) -> Execution:
-    """Carry out `plan`. Raises what the engine raises (ValueError for a plan naming unknown
-    requests, MemoryError when KV does not fit); the caller logs it and plans again."""
-    ex = Execution(result=None)
-    cpu_capable = callable(getattr(engine, "offload", None))
-    cpu_decode = plan.cpu_decode if cpu_capable else ()
-    cpu = [*plan.offload, *plan.recall, *plan.cpu_decode]
-    if cpu and not cpu_capable:
-        _refuse(
-            ex,
-            f"CPU attention is not available on this engine: offload/recall/cpu_decode of "
-            f"{len(cpu)} request(s) ({', '.join(cpu[:4])}{'...' if len(cpu) > 4 else ''}) "
-            "not carried out",
-        )
-    for rid in plan.preempt:
-        engine.preempt(rid)
-        ex.num_preempted += 1
-    for rid in plan.swap_out:
-        engine.swap_out(rid)
-        ex.num_swapped_out += 1
-    for rid in plan.offload if cpu_capable else ():
-        try:
-            engine.offload(rid)  # type: ignore[attr-defined]
-            ex.num_offloaded += 1
-        except OffloadRefused as exc:
-            _refuse(ex, f"offload of {rid} refused: {exc}")
-    for rid in plan.swap_in:
-        engine.swap_in(rid)
-        ex.num_swapped_in += 1
-    for rid in plan.recall if cpu_capable else ():
-        try:
-            engine.recall(rid)  # type: ignore[attr-defined]
-            ex.num_recalled += 1
-        except (MemoryError, ValueError, KeyError) as exc:
-            _refuse(ex, f"recall of {rid} not done: {exc}")
-    if cpu_decode:  # one just offloaded, or refused, may not be offloaded: ride only those that are
-        offloaded = {s.req_id for s in engine.snapshot() if s.status == "offloaded"}
-        cpu_decode = tuple(r for r in cpu_decode if r in offloaded)
-    # an engine whose requests run by themselves (sglang) steps to collect their tokens even
-    # when the plan computes nothing new
-    if plan.prefill or plan.decode or cpu_decode or getattr(engine, "self_driven", False):
-        step_plan = StepPlan(
-            prefill=dict(plan.prefill), decode=tuple(plan.decode), cpu_decode=cpu_decode
-        )
-        ex.result = engine.step(fit_to_engine(step_plan, forced or {}))
-    return ex
-
-
-def _refuse(ex: Execution, why: str) -> None:
-    ex.refused.append(why)
-    log.warning("%s", why)
+    """Carry out `plan` on `engine`, all or nothing. Raises `PlanRefused` (reason, stage)."""
+    return carry_out(EngineKernel(engine, forced), plan)

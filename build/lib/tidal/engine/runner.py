@@ -12,7 +12,7 @@ from tidal.engine.api import FinishReason, TokenEvent
 from tidal.engine.attention import AttnMeta, PrefillSpan
 from tidal.engine.llama import ForwardBatch, LlamaModel
 from tidal.engine.piggyback import Piggyback
-from tidal.engine.sampling import sample
+from tidal.engine.sampling import apply_penalties, logprobs_of, sample
 from tidal.engine.sequence import PartialChunk, Sequence
 
 Item = tuple[Sequence, int]  # (request, tokens this step)
@@ -111,27 +111,43 @@ class StepRunner:
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor, out: RunOutput) -> None:
         """Sample the next token of each of `seqs` from its final hidden state (M, hidden)."""
         logits = self.model.logits(hidden)  # (M, V) fp32
-        want_lp = any(s.req.sampling.logprobs is not None for s in seqs)
-        toks, lps = sample(
-            logits, [s.req.sampling for s in seqs], [s.generator for s in seqs], want_lp
-        )
+        params = [s.req.sampling for s in seqs]
+        chosen_from = logits
+        if any(p.is_penalised for p in params):
+            chosen_from = apply_penalties(logits, params, [s.output_ids for s in seqs])
+        toks, _ = sample(chosen_from, params, [s.generator for s in seqs], False)
+        lps: list[float] = []
+        tops: list[tuple[tuple[int, float], ...]] = []
+        if any(p.logprobs is not None for p in params):
+            # NOTE: log-probs under the model, before penalties and bias (as vLLM's default)
+            lps, tops = logprobs_of(logits, toks, [p.logprobs or 0 for p in params])
         if self.keep_logits:
             self.last_logits |= {s.req_id: logits[i].cpu() for i, s in enumerate(seqs)}
         for i, seq in enumerate(seqs):
-            lp = lps[i] if seq.req.sampling.logprobs is not None else None
-            out.events.append(self._append(seq, toks[i], lp))
+            if seq.req.sampling.logprobs is None:
+                out.events.append(self._append(seq, toks[i], None, ()))
+            else:
+                out.events.append(self._append(seq, toks[i], lps[i], tops[i]))
 
-    def _append(self, seq: Sequence, tok: int, logprob: float | None) -> TokenEvent:
+    def _append(
+        self,
+        seq: Sequence,
+        tok: int,
+        logprob: float | None,
+        top: tuple[tuple[int, float], ...],
+    ) -> TokenEvent:
         sp = seq.req.sampling
         seq.token_ids.append(tok)
         finish: FinishReason | None = None
-        text_ids = seq.output_ids
+        end = len(seq.token_ids)  # the output's text: token_ids[num_prompt:end], no copy
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok == self.eos_token_id):
             finish = FinishReason.STOP
-            text_ids = text_ids[:-1]
+            end -= 1
         elif seq.num_output >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
             finish = FinishReason.LENGTH
-        delta, hit_stop = seq.detok.update(text_ids, final=finish is not None)
+        delta, hit_stop = seq.detok.update(
+            seq.token_ids, finish is not None, start=seq.num_prompt, end=end
+        )
         if hit_stop:
             finish = FinishReason.STOP
         return TokenEvent(
@@ -142,10 +158,11 @@ class StepRunner:
             num_prompt_tokens=seq.num_prompt,
             num_output_tokens=seq.num_output,
             logprobs=() if logprob is None else (logprob,),
+            top_logprobs=() if logprob is None else (top,),
         )
 
     def finish_event(self, seq: Sequence, reason: str) -> TokenEvent:
-        delta, _ = seq.detok.update(seq.output_ids, final=True)
+        delta, _ = seq.detok.update(seq.token_ids, True, start=seq.num_prompt)
         return TokenEvent(
             req_id=seq.req_id,
             token_ids=(),

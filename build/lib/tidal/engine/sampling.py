@@ -1,5 +1,6 @@
-"""Token sampling (greedy, temperature, top-k, top-p, seeded) and incremental detokenisation with
-stop strings cut from the streamed text."""
+"""Token sampling (greedy, temperature, top-k, top-p, seeded; OpenAI's frequency and presence
+penalties and logit_bias; log-probs with top alternatives). `Detokenizer` (incremental
+detokenisation, stop strings cut) lives in `tidal.engine.detokenizer` and is re-exported here."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from collections.abc import Sequence
 
 import torch
 
-from tidal.engine.api import SamplingParams, Tokenizer
+from tidal.engine.api import SamplingParams
+from tidal.engine.detokenizer import Detokenizer
+
+__all__ = ["Detokenizer", "apply_penalties", "logprobs_of", "make_generator", "sample"]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -53,40 +57,40 @@ def sample(
     return tokens, logprobs
 
 
-class Detokenizer:
-    """Turns a growing list of output ids into text deltas; cuts at the first stop string and
-    holds back any tail that could still become one, so streamed text never contains it."""
+def apply_penalties(
+    logits: torch.Tensor, params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """logits (M, V) with each row's OpenAI penalties and logit_bias applied (a new tensor):
+    logit -= frequency_penalty * count + presence_penalty * (count > 0), count being how often
+    the token is in that row's output so far; then logit_bias is added."""
+    out = logits.float().clone()
+    vocab = out.shape[1]
+    for i, p in enumerate(params):
+        if not p.is_penalised:
+            continue
+        if (p.frequency_penalty or p.presence_penalty) and outputs[i]:
+            ids = torch.tensor(list(outputs[i]), device=out.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(out.dtype)  # (V,)
+            out[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
+        for tid, bias in p.logit_bias:
+            out[i, int(tid)] += float(bias)
+    return out
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.emitted = ""  # text already handed out
 
-    def update(self, output_ids: list[int], final: bool) -> tuple[str, bool]:
-        """(delta, hit_stop). `final`: the request ends now, flush what is held back."""
-        full = self.tokenizer.decode(output_ids)
-        if self.stop:
-            start = max(0, len(self.emitted) - max(len(s) for s in self.stop))
-            hits = [i for s in self.stop if (i := full.find(s, start)) >= 0]
-            if hits:
-                cut = min(hits)
-                delta = full[len(self.emitted) : cut]
-                self.emitted += delta
-                return delta, True
-        end = len(full)
-        if not final:
-            if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
-                end -= 1
-            end -= self._held_tail(full[:end])
-        delta = full[len(self.emitted) : max(end, len(self.emitted))]
-        self.emitted += delta
-        return delta, False
-
-    def _held_tail(self, text: str) -> int:
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+def logprobs_of(
+    logits: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int]
+) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
+    """Each row's chosen token's log-prob under `logits` (M, V), and its `num_top[i]` most
+    likely (token id, log-prob) pairs, most likely first."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (M, V)
+    chosen = lp.gather(1, torch.tensor(list(tokens), device=lp.device).unsqueeze(1)).squeeze(1)
+    k = max(num_top, default=0)
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
+    if k:
+        values, ids = torch.topk(lp, k, dim=-1)  # (M, k)
+        vals, idl = values.tolist(), ids.tolist()
+        tops = [
+            tuple(zip(idl[i][: num_top[i]], vals[i][: num_top[i]], strict=True))
+            for i in range(len(tokens))
+        ]
+    return chosen.tolist(), tops

@@ -1,6 +1,6 @@
 """An engine's own step planner: the FCFS chunked-prefill default, used when no policy plans.
 
-A plan (`tidal.policy.plan.StepPlan`, the one plan type) says how many tokens each request
+A plan (`tidal.plan.StepPlan`, the one plan type) says how many tokens each request
 computes this step; one step mixes prefill chunks and decodes (continuous batching). Under a
 policy the instance service hands the engine the policy's plan instead.
 """
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tidal.policy.plan import StepPlan
+from tidal.plan import StepPlan
 from tidal.schemas.enums import RequestClass
 
 

@@ -99,6 +99,12 @@ def sampling_params(sp: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
         out["stop_token_ids"] = list(sp.stop_token_ids)
     if sp.seed is not None:
         out["sampling_seed"] = sp.seed
+    if sp.frequency_penalty:
+        out["frequency_penalty"] = sp.frequency_penalty
+    if sp.presence_penalty:
+        out["presence_penalty"] = sp.presence_penalty
+    if sp.logit_bias:
+        out["logit_bias"] = {str(t): b for t, b in sp.logit_bias}
     return out
 
 
@@ -244,6 +250,9 @@ class RecomputePayload:
             "stop_token_ids": list(sp.stop_token_ids),
             "ignore_eos": sp.ignore_eos,
             "logprobs": sp.logprobs,
+            "frequency_penalty": sp.frequency_penalty,
+            "presence_penalty": sp.presence_penalty,
+            "logit_bias": [list(pair) for pair in sp.logit_bias],
         }
         obj = {
             "kind": self.KIND,
@@ -267,8 +276,14 @@ class RecomputePayload:
             if not isinstance(p, dict) or p.get("kind") != cls.KIND:
                 raise ValueError("not an SGLang recompute payload")
             s = p["sampling"]
+            bias = tuple((int(t), float(b)) for t, b in s.get("logit_bias", []))
             sp = SamplingParams(
-                **{**s, "stop": tuple(s["stop"]), "stop_token_ids": tuple(s["stop_token_ids"])}
+                **{
+                    **s,
+                    "stop": tuple(s["stop"]),
+                    "stop_token_ids": tuple(s["stop_token_ids"]),
+                    "logit_bias": bias,
+                }
             )
             req = EngineRequest(
                 str(p["req_id"]),

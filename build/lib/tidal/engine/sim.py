@@ -1,10 +1,11 @@
 """The `sim` engine: an emulated `ControllableEngine` for tests, demos and cluster experiments.
 
 It behaves like the torch engine in everything but computing: it takes explicit plans
-(`tidal.policy.plan.StepPlan`) or plans itself, holds KV in blocks for the tokens it has computed,
-preempts at layer boundaries (`request_preempt`, the cut chunks resume with `forced_tokens`) and by
-recompute (`preempt`), swaps KV to host memory, and exports/imports requests with a KV blob of the
-real size (`tidal.engine.sim_seq`). It runs no model: output tokens are deterministic words of the
+(`tidal.plan.StepPlan`) or plans itself, holds KV in blocks for the tokens it has computed,
+cuts steps at layer boundaries (`request_layer_cut`, the cut chunks resume with `forced_tokens`),
+recomputes (`recompute`), swaps KV to host memory, and exports/imports requests with a KV blob
+of the real size (`tidal.engine.sim_seq`).
+It runs no model: output tokens are deterministic words of the
 served model's vocabulary chosen from the prompt (`tidal.engine.sim_tokens`), and each step's
 duration comes from a latency model (`tidal.perf.api.StepModel`, default `DEFAULT_SIM_STEP_MODEL`).
 
@@ -22,6 +23,7 @@ and nothing is changed behind their back.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -39,8 +41,9 @@ from tidal.engine.api import (
 )
 from tidal.engine.preemption import LayerPreemption
 from tidal.engine.scheduler import SeqView
+from tidal.engine.sim_migrate import SimMigrateMixin
 from tidal.engine.sim_plan import Item, batch_shape, layer_times, online_first_plan, tokens_of
-from tidal.engine.sim_seq import RUNNING, SWAPPED, WAITING, SimSeq, decode_seq, encode_seq
+from tidal.engine.sim_seq import RUNNING, SWAPPED, WAITING, SimSeq
 from tidal.engine.sim_tokens import (
     SimTokenizer,
     cut_at_stop,
@@ -51,7 +54,7 @@ from tidal.engine.sim_tokens import (
 )
 from tidal.perf.api import StepModel
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.plan import StepPlan
+from tidal.plan import EngineCapabilities, MigrationMode, PlanRefused, RefusalReason, StepPlan
 
 __all__ = [
     "DEFAULT_SIM_STEP_MODEL",
@@ -106,7 +109,7 @@ class SimEngineConfig:
             raise ValueError("the KV pool cannot hold even one max_model_len request")
 
 
-class SimEngine:
+class SimEngine(SimMigrateMixin):
     """Implements `tidal.engine.api.ControllableEngine` with emulated step times."""
 
     name = "sim"
@@ -140,6 +143,7 @@ class SimEngine:
         # time, actual work), as on an accelerator the host's work overlaps. None: now.
         self.step_origin: float | None = None
         self.last_step_end_s = 0.0  # perf_counter() when the last realtime step ended
+        self._init_migration()
 
     # ---- Engine protocol -------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
@@ -190,11 +194,29 @@ class SimEngine:
             return self._run(self._prepare(num_tokens))
 
     # ---- ControllableEngine ----------------------------------------------------------------
-    def request_preempt(self) -> bool:
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            layer_cut=True,
+            num_layers=self.config.num_layers,
+            migration=MigrationMode.KV,
+            priority=True,  # the own planner runs online requests first
+        )
+
+    def offload(self, req_id: str) -> None:
+        raise PlanRefused(RefusalReason.NO_CPU_ATTENTION, "the sim engine has no CPU attention")
+
+    def recall(self, req_id: str) -> None:
+        raise PlanRefused(RefusalReason.NO_CPU_ATTENTION, "the sim engine has no CPU attention")
+
+    def wake_step(self) -> None:
+        """Nothing to wake: a step here never waits for work."""
+
+    def request_layer_cut(self) -> bool:
         """Thread-safe: end the running step after its current layer; False if none runs."""
         return self.preemption.request()
 
-    def preempt(self, req_id: str) -> None:
+    def recompute(self, req_id: str) -> None:
         """Preemption by recompute: drop the KV; prompt + output are prefilled again later."""
         seq = self.seqs[req_id]
         if seq.status == SWAPPED:
@@ -217,23 +239,8 @@ class SimEngine:
         self._place(seq, seq.num_host_tokens)
         seq.num_host_tokens = 0
 
-    def export_request(self, req_id: str, remove: bool = True) -> bytes:
-        """Tokens, sampling, progress, any cut chunk and the emulated KV, as MessagePack."""
-        data = encode_seq(self.seqs[req_id], self.model_name, self.kv_payload_bytes_per_token)
-        if remove:
-            self.abort(req_id)
-        return data
-
-    def import_request(self, data: bytes) -> None:
-        cfg = self.config
-        seq = decode_seq(data, self.model_name, self.kv_payload_bytes_per_token, cfg.num_layers)
-        if seq.req_id in self.seqs:
-            raise ValueError(f"request id {seq.req_id!r} is already in this engine")
-        if len(seq.req.prompt_token_ids) + seq.req.sampling.max_tokens > self.max_model_len:
-            raise ValueError(f"{seq.req_id!r} exceeds this model's context")
-        if seq.num_kv_tokens:
-            self._place(seq, seq.num_kv_tokens)
-        self.seqs[seq.req_id] = seq
+    def _num_layers(self) -> int:
+        return self.config.num_layers
 
     def snapshot(self) -> list[SeqSnapshot]:
         return [
@@ -273,7 +280,8 @@ class SimEngine:
         ]
 
     def check_integrity(self) -> None:
-        held = sum(s.num_blocks for s in self.seqs.values())
+        moving = [*self.exporting.values(), *(seq for seq, _ in self.importing.values())]
+        held = sum(s.num_blocks for s in [*self.seqs.values(), *moving])
         assert held + self._free_blocks == self.num_kv_blocks, "KV blocks leaked"
         for s in self.seqs.values():
             assert s.num_kv_tokens <= len(s.token_ids), f"{s.req_id}: KV past its tokens"
@@ -327,7 +335,7 @@ class SimEngine:
             # KV recomputes later. The pool holds a max_model_len request, so this ends.
             holders = [s for s in self.seqs.values() if s.num_blocks]
             victim = max(holders, key=lambda s: s.req.arrival_s)
-            self.preempt(victim.req_id)
+            self.recompute(victim.req_id)
             self.num_recompute_preemptions += 1
 
     def _prepare(self, num_tokens: dict[str, int]) -> list[Item]:
@@ -436,6 +444,15 @@ class SimEngine:
             elif seq.num_output >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 finish = FinishReason.LENGTH
         seq.text += delta
+        lps: tuple[float, ...] = ()
+        tops: tuple[tuple[tuple[int, float], ...], ...] = ()
+        if sp.logprobs is not None:
+            # The emulated output draws each token uniformly from `word_ids`: that is its
+            # distribution, so every word has log(1 / len(word_ids)); the chosen one is listed
+            # first among equals.
+            lp = -math.log(len(self.word_ids))
+            alts = [tok] + [w for w in self.word_ids if w != tok]
+            lps, tops = (lp,), (tuple((w, lp) for w in alts[: sp.logprobs]),)
         return TokenEvent(
             req_id=seq.req_id,
             token_ids=(tok,),
@@ -443,4 +460,6 @@ class SimEngine:
             finish_reason=finish,
             num_prompt_tokens=seq.num_prompt,
             num_output_tokens=seq.num_output,
+            logprobs=lps,
+            top_logprobs=tops,
         )

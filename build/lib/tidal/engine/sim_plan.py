@@ -17,7 +17,7 @@ Item = tuple[SimSeq, int]  # (request, tokens this step)
 
 
 def tokens_of(plan: Any) -> dict[str, int]:
-    """req_id -> tokens this step, from a `tidal.policy.plan.StepPlan` (or any plan with
+    """req_id -> tokens this step, from a `tidal.plan.StepPlan` (or any plan with
     `num_tokens`); a decode computes 1."""
     num_tokens = getattr(plan, "num_tokens", None)
     if num_tokens is None:

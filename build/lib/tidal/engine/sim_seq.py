@@ -5,11 +5,12 @@ the tokens whose KV is written for every layer, ``num_pending = len(token_ids) -
 a request preempted by recompute prefills prompt + output[:-1] again and then decodes on, so no
 token is emitted twice.
 
-An exported request is one MessagePack map (never pickled): its tokens, sampling, progress, any
-layer-preempted partial chunk, and a KV blob of exactly ``num_kv_tokens * kv_bytes_per_token``
-bytes, so a transfer costs what the real engine's would. The blob's bytes derive from the
-request's tokens (a repeated blake2b digest) and are checked on import: a corrupted transfer is a
-`ValueError`, not a silently wrong request.
+An exported request's state is one MessagePack map (never pickled): its tokens, sampling,
+progress and any layer-preempted partial chunk. Its emulated KV is ``num_kv_tokens *
+kv_bytes_per_token`` bytes, moved in chunks (`tidal.engine.migrate`), so a transfer costs what the
+real engine's would. The KV bytes derive from the request's tokens (a repeated blake2b digest)
+and every chunk is checked on import: a corrupted transfer is a `ValueError`, not a silently
+wrong request.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import msgspec
 from tidal.engine.api import EngineRequest, RequestClass, SamplingParams
 from tidal.engine.sim_tokens import prompt_key
 
-__all__ = ["FORMAT", "SimSeq", "decode_seq", "encode_seq", "kv_blob"]
+__all__ = ["FORMAT", "SimSeq", "decode_state", "encode_state", "kv_digest", "kv_slice"]
 
-FORMAT = "tidal-sim-request/1"
+FORMAT = "tidal-sim-request/2"
 WAITING, RUNNING, SWAPPED = "waiting", "running", "swapped"  # SeqSnapshot.status values
 
 
@@ -82,17 +83,21 @@ class _Payload(msgspec.Struct, forbid_unknown_fields=True):
     partial_tokens: int
     partial_layer: int
     text: str
-    kv: bytes  # num_kv_tokens * kv_bytes_per_token bytes
 
 
-def kv_blob(token_ids: list[int], num_tokens: int, bytes_per_token: int) -> bytes:
-    """The emulated KV of the first `num_tokens` tokens: deterministic, the size a real one has."""
-    size = num_tokens * bytes_per_token
-    digest = hashlib.blake2b(array("q", token_ids[:num_tokens]).tobytes()).digest()  # 64 B
-    return (digest * math.ceil(size / len(digest)))[:size]
+def kv_digest(token_ids: list[int], num_tokens: int) -> bytes:
+    """64 bytes the emulated KV of the first `num_tokens` tokens repeats."""
+    return hashlib.blake2b(array("q", token_ids[:num_tokens]).tobytes()).digest()
 
 
-def encode_seq(seq: SimSeq, model: str, bytes_per_token: int) -> bytes:
+def kv_slice(digest: bytes, start: int, end: int) -> bytes:
+    """Bytes [start, end) of the emulated KV: `digest` repeated, the size a real one has."""
+    skip = start % len(digest)
+    reps = math.ceil((skip + end - start) / len(digest))
+    return (digest * reps)[skip : skip + end - start]
+
+
+def encode_state(seq: SimSeq, model: str) -> bytes:
     return msgspec.msgpack.encode(
         _Payload(
             format=FORMAT,
@@ -107,13 +112,12 @@ def encode_seq(seq: SimSeq, model: str, bytes_per_token: int) -> bytes:
             partial_tokens=seq.partial_tokens,
             partial_layer=seq.partial_layer,
             text=seq.text,
-            kv=kv_blob(seq.token_ids, seq.num_kv_tokens, bytes_per_token),
         )
     )
 
 
-def decode_seq(data: bytes, model: str, bytes_per_token: int, num_layers: int) -> SimSeq:
-    """A `SimSeq` (WAITING, no blocks yet: the engine places its KV) from `encode_seq` bytes.
+def decode_state(data: bytes, model: str, num_layers: int) -> SimSeq:
+    """A `SimSeq` (WAITING, no blocks yet: the engine places its KV) from `encode_state` bytes.
     ValueError for a foreign, inconsistent or corrupted payload."""
     try:
         p = msgspec.msgpack.decode(data, type=_Payload)
@@ -131,13 +135,6 @@ def decode_seq(data: bytes, model: str, bytes_per_token: int, num_layers: int) -
         raise ValueError(f"{p.req_id!r}: inconsistent computed/partial token counts")
     if p.partial_tokens and not 0 < p.partial_layer < num_layers:
         raise ValueError(f"{p.req_id!r}: partial chunk at layer {p.partial_layer} of {num_layers}")
-    if len(p.kv) != num_kv * bytes_per_token:
-        raise ValueError(
-            f"{p.req_id!r}: KV blob of {len(p.kv)} bytes, expected {num_kv} tokens * "
-            f"{bytes_per_token} bytes (a different model, or a truncated transfer)"
-        )
-    if p.kv != kv_blob(token_ids, num_kv, bytes_per_token):
-        raise ValueError(f"{p.req_id!r}: KV blob does not match its tokens (corrupted transfer)")
     req = EngineRequest(p.req_id, p.prompt_token_ids, p.sampling, p.req_class, p.arrival_s)
     return SimSeq(
         req=req,

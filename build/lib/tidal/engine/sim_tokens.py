@@ -113,7 +113,7 @@ def shipped_tokenizer_dir() -> Path:
     packed = (data / "tokenizer.json.gz").read_bytes()
     config = (data / "tokenizer_config.json").read_bytes()
     key = hashlib.blake2b(packed + config, digest_size=8).hexdigest()
-    out = cache_dir() / f"smollm2-tokenizer-{key}"
+    out = cache_dir() / f"smollm2-{key}-tokenizer"
     if (out / "tokenizer.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
+import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 # GGUF token types (gguf.TokenType): 3 = control, 4 = user defined -> special tokens.
@@ -85,7 +87,11 @@ class TidalTokenizer:
         self.eos_token = eos_token or ""
         self._template: jinja2.Template | None = None
         if chat_template:
-            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+            # A model directory's template is untrusted code: sandboxed, as HF and vLLM render
+            # it (no attribute access to Python internals, no mutation of the messages).
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            )
             env.globals["raise_exception"] = _raise
             self._template = env.from_string(chat_template)
 

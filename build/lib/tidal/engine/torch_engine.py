@@ -3,7 +3,7 @@
 Implements `tidal.engine.api.Engine` (add / abort / has_work / step / load). Beyond it, the
 instance service may call:
 
-- `request_preempt() -> bool` — thread-safe, from any thread while `step()` runs in another: the
+- `request_layer_cut() -> bool` — thread-safe, from any thread while `step()` runs in another: the
   step stops after the current transformer layer and returns with no events. Each interrupted
   chunk keeps its hidden states and the KV of the layers already run, and a later step resumes it
   from that layer without recompute (OOCO §3.4.1). `last_preempt_latency_s` is the measured
@@ -12,9 +12,9 @@ instance service may call:
   without one, `self.planner` (default `FcfsChunkedPlanner`: decodes, then FCFS prefill chunks
   under a token budget) decides. `set_planner()` swaps it (TaiChi chunk sizes, HyGen budgets).
   `schedulable()` lists what a planner may schedule.
-- `export_request(req_id, remove=True) -> bytes` / `import_request(data)` — a request's tokens,
-  sampling state (RNG included) and KV of all layers, so another engine continues it with
-  identical output (push/pull migration).
+- `begin_export`/`end_export`/`begin_import`/`end_import` (`tidal.engine.migrate`) — a
+  request's tokens, sampling state (RNG included) and KV of all layers, chunk by chunk, so
+  another engine continues it with identical output (push/pull migration).
 - `swap_out(req_id)` / `swap_in(req_id)` — move a request's KV to host memory and back.
 - `free_kv_tokens()`, `check_integrity()`.
 
@@ -56,14 +56,15 @@ from tidal.engine.sampling import Detokenizer, make_generator
 from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView, StepPlanner
 from tidal.engine.sequence import SeqStatus, Sequence
 from tidal.engine.tokenizer import TidalTokenizer
-from tidal.policy.plan import StepPlan
+from tidal.engine.torch_migrate import TorchMigrateMixin
+from tidal.plan import EngineCapabilities, MigrationMode, StepPlan
 
 __all__ = ["EngineConfig", "TorchEngine", "default_dtype", "load_torch_engine"]
 
 _DECODING = (SeqStatus.RUNNING, SeqStatus.OFFLOADED)  # counted as running in `load()`
 
 
-class TorchEngine(CpuOffloadMixin):
+class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
     name = "torch"
     is_emulated = False
 
@@ -106,6 +107,8 @@ class TorchEngine(CpuOffloadMixin):
         self.max_model_len = min(
             cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
+        if mc.sliding_window:  # full attention is exact only within the window
+            self.max_model_len = min(self.max_model_len, mc.sliding_window)
         self.planner: StepPlanner = planner or FcfsChunkedPlanner(
             cfg.token_budget, cfg.chunk_size, cfg.max_num_seqs
         )
@@ -118,6 +121,7 @@ class TorchEngine(CpuOffloadMixin):
         self.last_preempt_latency_s: float | None = None
         self.num_recompute_preemptions = 0  # requests that lost their KV to memory pressure
         self._last_step_s = 0.0
+        self._init_migration()
         self._log: TextIO | None = None
         if cfg.step_log:
             Path(cfg.step_log).parent.mkdir(parents=True, exist_ok=True)
@@ -140,6 +144,7 @@ class TorchEngine(CpuOffloadMixin):
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt holds token ids outside [0, {vocab})")
         sp = request.sampling
+        sp.check_vocab(vocab)
         self.seqs[request.req_id] = Sequence(
             req=request,
             token_ids=list(request.prompt_token_ids),
@@ -231,7 +236,20 @@ class TorchEngine(CpuOffloadMixin):
             return StepResult(events=events, telemetry=tel)
 
     # ---- control beyond the protocol -------------------------------------------------------
-    def request_preempt(self) -> bool:
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            layer_cut=True,
+            num_layers=self.model.config.num_hidden_layers,
+            migration=MigrationMode.KV,
+            cpu_attention=self.cpu_link is not None,
+            priority=True,  # the own planner runs online requests first
+        )
+
+    def wake_step(self) -> None:
+        """Nothing to wake: a step here never waits for work."""
+
+    def request_layer_cut(self) -> bool:
         """Stop the running step after its current layer; False if no step is running."""
         return self.preemption.request()
 
@@ -274,7 +292,7 @@ class TorchEngine(CpuOffloadMixin):
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
 
-    def preempt(self, req_id: str) -> None:
+    def recompute(self, req_id: str) -> None:
         """Preemption by recompute: drop the request's KV; it prefills prompt + output again."""
         seq = self.seqs[req_id]
         if seq.status == SeqStatus.SWAPPED:
@@ -290,7 +308,8 @@ class TorchEngine(CpuOffloadMixin):
         return self.allocator.num_free * self.block_size
 
     def check_integrity(self) -> None:
-        self.allocator.check_integrity([s.block_ids for s in self.seqs.values()])
+        moving = [*self.exporting.values(), *(seq for seq, _ in self.importing.values())]
+        self.allocator.check_integrity([s.block_ids for s in [*self.seqs.values(), *moving]])
         for s in self.seqs.values():
             if s.status != SeqStatus.RUNNING:
                 assert not s.block_ids, f"{s.req_id}: {s.status} but holds KV blocks"
@@ -301,9 +320,6 @@ class TorchEngine(CpuOffloadMixin):
                 assert s.swapped_kv is not None and s.swapped_kv.shape[2] == held
 
     # ---- KV movement -----------------------------------------------------------------------
-    def _kv_tokens(self, seq: Sequence) -> int:
-        return seq.num_computed + (seq.partial.num_tokens if seq.partial else 0)
-
     def swap_out(self, req_id: str) -> None:
         seq = self.seqs[req_id]
         if seq.status != SeqStatus.RUNNING:
@@ -323,35 +339,6 @@ class TorchEngine(CpuOffloadMixin):
         seq.swapped_kv = None
         if seq.partial is not None:
             seq.partial.hidden = seq.partial.hidden.to(self.model.device)
-
-    def export_request(self, req_id: str, remove: bool = True) -> bytes:
-        """The request as bytes (tokens, sampling and RNG state, KV of all layers, any
-        preempted partial chunk); with `remove` it also leaves this engine."""
-        seq = self.seqs[req_id]
-        if seq.status == SeqStatus.OFFLOADED:
-            raise ValueError(f"{req_id!r} is offloaded to a CPU-attention worker; recall it first")
-        n = self._kv_tokens(seq)
-        kv = seq.swapped_kv
-        if seq.status == SeqStatus.RUNNING and n:
-            kv = kvt.gather_kv(self.kv, kvt.token_slots(seq.block_ids, 0, n, self.block_size))
-        data = kvt.export_seq(seq, kv, self.model_name, self._kv_shape())
-        if remove:
-            self.abort(req_id)
-        return data
-
-    def import_request(self, data: bytes) -> None:
-        """Continue a request exported by an engine of the same model."""
-        seq, kv = kvt.import_seq(data, self.tokenizer, self._kv_shape(), self.model.device)
-        if seq.req_id in self.seqs:
-            raise ValueError(f"request id {seq.req_id!r} is already in this engine")
-        if seq.partial is not None:
-            seq.partial.hidden = seq.partial.hidden.to(self.model.dtype)
-        if kv is not None:
-            self._place_kv(seq, kv)
-        self.seqs[seq.req_id] = seq
-
-    def _kv_shape(self) -> list[int]:
-        return list(self.kv.shape[:2]) + list(self.kv.shape[3:])  # (L, 2, Hk, D)
 
     def _place_kv(self, seq: Sequence, kv: torch.Tensor) -> None:
         n = kv.shape[2]

@@ -41,7 +41,7 @@ def record_engine_log(
 
     from tidal.engine.api import EngineRequest, SamplingParams
     from tidal.engine.torch_engine import load_torch_engine
-    from tidal.policy.plan import StepPlan
+    from tidal.plan import StepPlan
 
     if threads:
         torch.set_num_threads(threads)  # NOTE: oversubscribed threads make CPU steps erratic

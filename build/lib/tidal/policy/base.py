@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from tidal.perf.api import BatchShape, StepModel
-from tidal.policy.plan import StepPlan
+from tidal.plan import PolicyError, StepPlan
 from tidal.schemas.enums import RequestClass
 
 __all__ = [
@@ -103,10 +103,6 @@ __all__ = [
     "parse_params",
     "shape_of",
 ]
-
-
-class PolicyError(RuntimeError):
-    """A decision the caller cannot carry out (a bug in the policy, not in the workload)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +228,8 @@ class InstanceState:
     kv_bytes_per_token: float  # on one GPU of this instance
     pcie_bytes_per_s: float  # GPU <-> host copy bandwidth (swap, offload)
     cpu: CpuPoolState | None = None  # CPU-attention workers this instance may use
+    num_layers: int = 32  # layer boundaries a `StepPlan.layer_cut` step can be cut at (1: the
+    # engine cannot cut a step; a policy then never sets `layer_cut`)
     waiting: list[ReqState] = field(default_factory=list)  # FIFO; preempted ones at the head
     running: list[ReqState] = field(default_factory=list)  # KV on GPU (prefilling or decoding)
     swapped: list[ReqState] = field(default_factory=list)

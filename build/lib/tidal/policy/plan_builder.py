@@ -105,7 +105,7 @@ def make_room_for_decodes(
     inst: InstanceState, decodes: list[ReqState], decoding_first: bool = False
 ) -> list[ReqState]:
     """vLLM-style: when the next token of every decode does not fit in the free KV blocks, evict
-    the newest running requests (offline before online) until it does. Returns the victims.
+    the newest running offline requests until it does (never an online one). Returns the victims.
     `decoding_first`: offline decodes go before offline prefills (a caller that can offload a
     decode keeps its KV, where an evicted prefill recomputes every chunk it had)."""
     bs = inst.block_size
@@ -117,17 +117,34 @@ def make_room_for_decodes(
     if need <= free:
         return []
     run = [r for r in inst.running if r.phase is Phase.RUNNING]
-    # Offline first, newest first.
-    pool = [r for r in reversed(run) if not r.is_online] + [r for r in reversed(run) if r.is_online]
+    # Offline only, newest first (the plan contract: online work is never evicted).
+    pool = [r for r in reversed(run) if not r.is_online]
     if decoding_first:
         pool.sort(key=lambda r: (r.is_online, not r.is_decoding))  # stable: newest first within
     victims: list[ReqState] = []
     members = {id(r) for r in decodes}
     for v in pool:
-        if need <= free or len(pool) - len(victims) <= 1:
+        if need <= free or (len(pool) - len(victims) <= 1 and len(pool) == len(run)):
             break
         victims.append(v)
         free += v.num_blocks
         if id(v) in members and (v.num_computed_tokens + bs) // bs > v.num_blocks:
             need -= 1
     return victims
+
+
+def stuck_online(inst: InstanceState) -> tuple[str, ...]:
+    """The newest online request when nothing on `inst` can move for lack of KV memory: no
+    free block, no offline work holding any to evict, and every running request needs a new
+    block for its next token. The plan contract never evicts online work, so that request ends
+    with an error (`StepPlan.abort_no_kv`) and the others go on with its blocks."""
+    if inst.num_free_blocks > 0:
+        return ()
+    run = [r for r in inst.running if r.phase is Phase.RUNNING]
+    if not run or any(not r.is_online and r.num_blocks for r in run):
+        return ()
+    bs = inst.block_size
+    for r in run:
+        if r.num_blocks * bs > r.num_computed_tokens:  # room in its last block: it can move
+            return ()
+    return (run[-1].req_id,)

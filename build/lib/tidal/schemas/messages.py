@@ -71,6 +71,10 @@ class RouteReply(msgspec.Struct, frozen=True):
     # The routed instance's process, as its latest report names it (`started_unix_s`): if it
     # does not take the request, the gateway excludes that process and no later one.
     instance_started_unix_s: float = 0.0
+    # The scheduler's default SLO, which an online request that names none is held to (0: none
+    # configured). The gateway counts SLO attainment against it.
+    default_ttft_slo_s: float = 0.0
+    default_tpot_slo_s: float = 0.0
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -90,7 +94,10 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = None  # top log-probs per token (0: only the chosen token's)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: list[tuple[int, float]] = []  # (token id, bias)
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):
@@ -135,6 +142,9 @@ class TokenChunk(msgspec.Struct, frozen=True):
     instance_id: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     logprobs: list[float] = []
+    # with logprobs: each token's text, and its top alternatives as (text, log-prob) pairs
+    tokens: list[str] = []
+    top_logprobs: list[list[tuple[str, float]]] = []
     token_ids: list[int] = []  # the chunk's tokens (a recompute resumes from them)
     # Not tokens: the request migrated to this instance id; its next chunk (this `seq`) comes
     # from there. The gateway follows it.
@@ -193,20 +203,13 @@ class InstanceReport(msgspec.Struct, frozen=True):
     started_unix_s: float = 0.0  # when this process started (a restart under the same id
     # starts `seq` again at 1)
     num_preemptions: int = 0  # layer-boundary preemptions since start
+    plan_refusals: dict[str, int] = {}  # `tidal.plan.RefusalReason` -> plans refused since start
     num_steps: int = 0
     last_step_ms: float = 0.0
     emulated: bool = False
     # Requests that ended here since the previous report: the scheduler stops counting a routed
     # request that finished before any report showed it (a short one ends within one interval).
     finished_req_ids: list[str] = []
-
-
-class PreemptSignal(msgspec.Struct, frozen=True):
-    """Scheduler -> instance on `subjects.instance_preempt(id)`: cut the offline step in flight
-    at the next layer boundary (OOCO §3.4.1); `req_id` is the online arrival that needs it."""
-
-    req_id: str = ""
-    reason: str = ""
 
 
 class MigrateCommand(msgspec.Struct, frozen=True):
@@ -268,8 +271,7 @@ class MigrateOffer(msgspec.Struct, frozen=True):
     src_instance_id: str
     kind: str  # "push" | "pull"
     num_kv_tokens: int
-    num_bytes: int
-    checksum: str  # blake2b hex of the payload
+    num_bytes: int  # KV bytes that follow on the data plane (each chunk carries its CRC32C)
     reply_subject: str  # where the request's tokens go (the gateway's subject)
     next_seq: int  # seq of the next chunk the request will stream
     req_class: str

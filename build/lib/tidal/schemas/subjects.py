@@ -42,6 +42,13 @@ def check_token(value: str, what: str = "id") -> str:
     return value
 
 
+def ping(kind: str, service_id: str) -> str:
+    """Liveness probe (request/reply): a service answers while its loop runs."""
+    if kind not in SERVICE_KINDS:
+        raise ValueError(f"unknown service kind {kind!r}; expected one of {SERVICE_KINDS}")
+    return f"{PREFIX}.ping.{kind}.{check_token(service_id, 'service id')}"
+
+
 def heartbeat(kind: str, service_id: str) -> str:
     if kind not in SERVICE_KINDS:
         raise ValueError(f"unknown service kind {kind!r}; expected one of {SERVICE_KINDS}")
@@ -59,11 +66,6 @@ def gateway_tokens(gateway_id: str) -> str:
 def instance_state(instance_id: str) -> str:
     """Instance -> scheduler: `InstanceReport`s."""
     return f"{PREFIX}.inst.{check_token(instance_id, 'instance id')}.state"
-
-
-def instance_preempt(instance_id: str) -> str:
-    """Scheduler -> instance: `PreemptSignal`."""
-    return f"{PREFIX}.inst.{check_token(instance_id, 'instance id')}.preempt"
 
 
 def instance_migrate(instance_id: str) -> str:

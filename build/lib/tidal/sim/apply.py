@@ -1,8 +1,9 @@
-"""Carrying out one `StepPlan` on one instance: checks, KV block accounting, step time, tokens.
+"""Carrying out one `StepPlan` on one simulated instance: the simulator's kernel of the one
+plan interpreter (`tidal.plan.carry_out`), KV block accounting, step time, tokens.
 
-`start_span` applies the plan's state changes, allocates blocks and computes the step times;
-`finish_span` credits the tokens at the end. Every check that fails raises `PolicyError`:
-the plan asked for something the instance cannot do.
+`start_span` carries the plan out (moves, blocks, the step times); `finish_span` credits the
+tokens at the end. A plan that cannot be carried out raises `PlanRefused` (a `PolicyError`:
+the plan asked for something the instance cannot do) and leaves the instance as it was.
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from tidal.perf.api import BatchShape
-from tidal.policy.base import InstanceState, Phase, PolicyError, ReqState, StepPlan
+from tidal.plan import (
+    EngineCapabilities,
+    MigrationMode,
+    PlanRefused,
+    RefusalReason,
+    StepPlan,
+    carry_out,
+)
+from tidal.policy.base import InstanceState, Phase, ReqState
 from tidal.sim.recorder import Recorder
 
 _versions = itertools.count(1)
@@ -33,6 +42,7 @@ class Span:
     k: int = 1  # steps in the span
     layers: int = 0  # > 0: preemptible at this many layer boundaries (one-step spans only)
     discard: bool = False  # cut by a layer-level preemption: credit nothing
+    num_aborted: int = 0  # requests the plan ended for lack of KV memory (`abort_no_kv`)
 
     @property
     def end_s(self) -> float:
@@ -69,8 +79,10 @@ def _get(reqs: dict[str, ReqState], rid: str, inst: InstanceState, phase: Phase)
     r = reqs.get(rid)
     if r is None or r.instance_id != inst.instance_id or r.phase is not phase:
         got = "unknown" if r is None else f"{r.phase} on instance {r.instance_id}"
-        raise PolicyError(
-            f"instance {inst.instance_id}: {rid} must be {phase} here for this plan, is {got}"
+        reason = RefusalReason.UNKNOWN_REQUEST if r is None else RefusalReason.WRONG_STATE
+        raise PlanRefused(
+            reason,
+            f"instance {inst.instance_id}: {rid} must be {phase} here for this plan, is {got}",
         )
     return r
 
@@ -79,9 +91,10 @@ def _alloc(inst: InstanceState, r: ReqState, num_tokens: int) -> None:
     need = inst.blocks_for(num_tokens) - r.num_blocks
     if need > 0:
         if need > inst.num_free_blocks:
-            raise PolicyError(
+            raise PlanRefused(
+                RefusalReason.OUT_OF_KV,
                 f"instance {inst.instance_id}: out of KV blocks for {r.req_id} "
-                f"(needs {need}, {inst.num_free_blocks} free)"
+                f"(needs {need}, {inst.num_free_blocks} free)",
             )
         inst.num_free_blocks -= need
         r.num_blocks += need
@@ -100,94 +113,162 @@ def _release(inst: InstanceState, r: ReqState) -> None:
     r.num_blocks = 0
 
 
+class SimKernel:
+    """Each stage of a plan on the simulator's records (`tidal.plan.PlanKernel`). Moves keep
+    the instance's lists in step at once, so an undo (`tidal.plan.carry_out`) restores them."""
+
+    __slots__ = ("capabilities", "copy_tokens", "head", "inst", "now", "num_aborted", "rec", "reqs")
+
+    def __init__(
+        self, inst: InstanceState, reqs: dict[str, ReqState], now: float, rec: Recorder
+    ) -> None:
+        self.inst = inst
+        self.reqs = reqs
+        self.now = now
+        self.rec = rec
+        self.copy_tokens = 0  # KV tokens crossing PCIe before the step
+        self.head = 0  # where the next recomputed request goes in the waiting queue
+        self.num_aborted = 0
+        self.capabilities = EngineCapabilities(
+            layer_cut=inst.num_layers > 1,
+            num_layers=inst.num_layers,
+            migration=MigrationMode.KV,
+            cpu_attention=inst.cpu is not None,
+            priority=True,
+        )
+
+    def is_online(self, req_id: str) -> bool:
+        return self.reqs[req_id].is_online
+
+    def abort_no_kv(self, req_id: str) -> None:
+        inst = self.inst
+        r = self.reqs.get(req_id)
+        if r is None or r.instance_id != inst.instance_id:
+            raise PlanRefused(RefusalReason.UNKNOWN_REQUEST, f"{req_id} is not here")
+        for lst in (inst.waiting, inst.running, inst.swapped, inst.offloaded):
+            if r in lst:
+                lst.remove(r)
+        if r.phase is Phase.WAITING:
+            inst.num_waiting_tokens -= r.num_prefill_left
+        if r.phase in (Phase.SWAPPED, Phase.OFFLOADED) and inst.cpu is not None:
+            inst.cpu.host_kv_tokens -= r.num_computed_tokens
+        _release(inst, r)
+        r.phase = Phase.REJECTED
+        r.finish_s = self.now
+        self.rec.rejections["out_of_kv"] += 1
+        self.num_aborted += 1
+
+    def recompute(self, req_id: str) -> None:
+        inst = self.inst
+        r = self.reqs.get(req_id)
+        if r is not None and r.phase is Phase.OFFLOADED and r.instance_id == inst.instance_id:
+            inst.offloaded.remove(r)
+            if inst.cpu is not None:
+                inst.cpu.host_kv_tokens -= r.num_computed_tokens
+        else:
+            r = _get(self.reqs, req_id, inst, Phase.RUNNING)
+            inst.running.remove(r)
+        _release(inst, r)
+        r.num_computed_tokens = 0
+        r.phase = Phase.WAITING
+        r.queued_s = self.now
+        r.num_preemptions += 1
+        inst.num_waiting_tokens += r.num_prefill_left
+        inst.waiting.insert(self.head, r)  # vLLM recompute: preempted requests go first
+        self.head += 1
+        self.rec.num_preemptions += 1
+
+    def _park(self, req_id: str, to: Phase) -> None:
+        inst, cpu = self.inst, self.inst.cpu
+        r = _get(self.reqs, req_id, inst, Phase.RUNNING)
+        if to is Phase.OFFLOADED and (cpu is None or not r.is_decoding):
+            raise PlanRefused(
+                RefusalReason.WRONG_STATE,
+                f"cannot offload {req_id}: no CPU workers or not decoding",
+            )
+        if cpu is not None:
+            cap = cpu.host_kv_capacity_tokens
+            if 0 < cap < cpu.host_kv_tokens + r.num_computed_tokens:
+                raise PlanRefused(
+                    RefusalReason.HOST_MEMORY_FULL,
+                    f"host memory full: {cpu.host_kv_tokens} KV tokens parked, capacity {cap}",
+                )
+            cpu.host_kv_tokens += r.num_computed_tokens
+        _release(inst, r)
+        inst.running.remove(r)
+        r.phase = to
+        (inst.swapped if to is Phase.SWAPPED else inst.offloaded).append(r)
+        self.copy_tokens += r.num_computed_tokens
+        if to is Phase.SWAPPED:
+            self.rec.num_swaps += 1
+        else:
+            self.rec.num_offloads += 1
+
+    def _unpark(self, req_id: str, frm: Phase) -> None:
+        inst, cpu = self.inst, self.inst.cpu
+        r = _get(self.reqs, req_id, inst, frm)
+        _alloc(inst, r, r.num_computed_tokens)
+        (inst.swapped if frm is Phase.SWAPPED else inst.offloaded).remove(r)
+        r.phase = Phase.RUNNING
+        inst.running.append(r)
+        self.copy_tokens += r.num_computed_tokens
+        if cpu is not None:
+            cpu.host_kv_tokens -= r.num_computed_tokens
+
+    def swap_out(self, req_id: str) -> None:
+        self._park(req_id, Phase.SWAPPED)
+
+    def offload(self, req_id: str) -> None:
+        self._park(req_id, Phase.OFFLOADED)
+
+    def swap_in(self, req_id: str) -> None:
+        self._unpark(req_id, Phase.SWAPPED)
+
+    def recall(self, req_id: str) -> None:
+        self._unpark(req_id, Phase.OFFLOADED)
+
+    def run(self, plan: StepPlan) -> Span:
+        return _compute(self.inst, plan, self.reqs, self.now, self.copy_tokens)
+
+
 def start_span(
     inst: InstanceState, plan: StepPlan, reqs: dict[str, ReqState], now: float, rec: Recorder
 ) -> Span:
-    """Apply `plan`'s moves, allocate its blocks, and time its step(s)."""
-    iid = inst.instance_id
-    copy_tokens = 0  # KV tokens crossing PCIe before the step
-    cpu = inst.cpu
-    changed = False
-    if plan.preempt:
-        pre = [_get(reqs, rid, inst, Phase.RUNNING) for rid in plan.preempt]
-        for r in pre:
-            _release(inst, r)
-            r.num_computed_tokens = 0
-            r.phase = Phase.WAITING
-            r.queued_s = now
-            r.num_preemptions += 1
-            inst.num_waiting_tokens += r.num_prefill_left
-        inst.waiting[0:0] = pre  # vLLM recompute: preempted requests go first
-        rec.num_preemptions += len(pre)
-        changed = True
-    for rids, to, lst in (
-        (plan.swap_out, Phase.SWAPPED, inst.swapped),
-        (
-            plan.offload,
-            Phase.OFFLOADED,
-            inst.offloaded,
-        ),
-    ):
-        for rid in rids:
-            r = _get(reqs, rid, inst, Phase.RUNNING)
-            if to is Phase.OFFLOADED and (cpu is None or not r.is_decoding):
-                raise PolicyError(f"cannot offload {rid}: no CPU workers or not decoding")
-            _release(inst, r)
-            r.phase = to
-            lst.append(r)
-            copy_tokens += r.num_computed_tokens
-            if cpu is not None:
-                cpu.host_kv_tokens += r.num_computed_tokens
-            changed = True
-        if to is Phase.SWAPPED:
-            rec.num_swaps += len(rids)
-        else:
-            rec.num_offloads += len(rids)
-    if cpu is not None and 0 < cpu.host_kv_capacity_tokens < cpu.host_kv_tokens:
-        raise PolicyError(
-            f"host memory full: {cpu.host_kv_tokens} KV tokens parked, "
-            f"capacity {cpu.host_kv_capacity_tokens}"
-        )
-    for rids, frm in ((plan.swap_in, Phase.SWAPPED), (plan.recall, Phase.OFFLOADED)):
-        for rid in rids:
-            r = _get(reqs, rid, inst, frm)
-            _alloc(inst, r, r.num_computed_tokens)
-            r.phase = Phase.RUNNING
-            inst.running.append(r)
-            copy_tokens += r.num_computed_tokens
-            if cpu is not None:
-                cpu.host_kv_tokens -= r.num_computed_tokens
-            changed = True
-    if changed:
-        inst.running = [r for r in inst.running if r.phase in _ON_GPU]
-        inst.swapped = [r for r in inst.swapped if r.phase is Phase.SWAPPED]
-        inst.offloaded = [r for r in inst.offloaded if r.phase is Phase.OFFLOADED]
+    """Carry out `plan` through the one interpreter (`tidal.plan.carry_out`): its moves, its
+    blocks, and the time of its step(s). `PlanRefused` (a `PolicyError`) when it cannot be;
+    nothing of it is then done."""
+    kernel = SimKernel(inst, reqs, now, rec)
+    out = carry_out(kernel, plan)
+    span = out.result
+    if span is None:  # moves only: an empty step, plus the PCIe copies
+        span = _compute(inst, StepPlan(), reqs, now, kernel.copy_tokens)
+    span.num_aborted = kernel.num_aborted
+    return span
 
+
+def _compute(
+    inst: InstanceState, plan: StepPlan, reqs: dict[str, ReqState], now: float, copy_tokens: int
+) -> Span:
+    """The compute stage: every check first, then the blocks, so a refusal changes nothing."""
+    iid = inst.instance_id
+    cpu = inst.cpu
+    bs = inst.block_size
     prefill: list[tuple[ReqState, int]] = []
-    num_admitted = 0
+    admitted: list[ReqState] = []
+    need_blocks = 0
     for rid, n in plan.prefill.items():
         w = reqs.get(rid)
         if w is not None and w.phase is Phase.WAITING and w.instance_id == iid:
             r = w
-            inst.num_waiting_tokens -= r.num_prefill_left
-            r.phase = Phase.RUNNING
-            inst.running.append(r)
-            num_admitted += 1
+            admitted.append(r)
         else:
             r = _get(reqs, rid, inst, Phase.RUNNING)
         if not 0 < n <= r.num_prefill_left:
-            raise PolicyError(f"{rid}: prefill of {n} tokens, {r.num_prefill_left} left")
-        _alloc(inst, r, r.num_computed_tokens + n)
+            raise PlanRefused(
+                RefusalReason.BAD_CHUNK, f"{rid}: prefill of {n} tokens, {r.num_prefill_left} left"
+            )
+        need_blocks += max(0, inst.blocks_for(r.num_computed_tokens + n) - r.num_blocks)
         prefill.append((r, n))
-    if num_admitted:
-        wq = inst.waiting
-        j = 0
-        while j < len(wq) and wq[j].phase is not Phase.WAITING:
-            j += 1
-        if j == num_admitted:
-            del wq[:j]
-        else:
-            inst.waiting = [x for x in wq if x.phase is Phase.WAITING]
 
     decode: list[ReqState] = []
     get, running_phase = reqs.get, Phase.RUNNING
@@ -195,10 +276,23 @@ def start_span(
         r = get(rid)  # type: ignore[assignment]
         if r is None or r.phase is not running_phase or r.instance_id != iid:
             r = _get(reqs, rid, inst, Phase.RUNNING)  # raises with the reason
+        o, c = r.num_output_tokens, r.num_computed_tokens
+        if not o or c < r.num_prompt_tokens + o - 1:  # NOTE: `r.is_decoding`, inlined
+            raise PlanRefused(
+                RefusalReason.WRONG_STATE,
+                f"{r.req_id} is not decoding yet ({r.num_prefill_left} to prefill)",
+            )
         decode.append(r)
     n = len(decode)
+    cpu_reqs = [_get(reqs, rid, inst, Phase.OFFLOADED) for rid in plan.cpu_decode]
+    if cpu_reqs:
+        assert cpu is not None
+        if cpu.busy_until_s > now + 1e-12:
+            raise PlanRefused(
+                RefusalReason.CPU_WORKERS_BUSY,
+                f"CPU-attention workers busy until {cpu.busy_until_s:.6f} s",
+            )
     k = 1
-    bs = inst.block_size
     if plan.max_repeat > 1 and n and not prefill and not plan.cpu_decode:
         # Largest k such that every request still has tokens to go and its k new tokens fit
         # in an equal share of the free blocks.
@@ -213,19 +307,38 @@ def start_span(
                 k = room
         if k < 1:
             k = 1
+    for r in decode:
+        c = r.num_computed_tokens + k
+        if -(-c // bs) > r.num_blocks:
+            need_blocks += -(-c // bs) - r.num_blocks
+    if need_blocks > inst.num_free_blocks:
+        raise PlanRefused(
+            RefusalReason.OUT_OF_KV,
+            f"instance {iid}: the step needs {need_blocks} KV blocks, {inst.num_free_blocks} free",
+        )
+
+    # Checked: from here on nothing fails.
+    for r in admitted:
+        inst.num_waiting_tokens -= r.num_prefill_left
+        r.phase = Phase.RUNNING
+        inst.running.append(r)
+    if admitted:
+        wq = inst.waiting
+        j = 0
+        while j < len(wq) and wq[j].phase is not Phase.WAITING:
+            j += 1
+        if j == len(admitted):
+            del wq[:j]
+        else:
+            inst.waiting = [x for x in wq if x.phase is Phase.WAITING]
+    for r, m in prefill:
+        _alloc(inst, r, r.num_computed_tokens + m)
     ctx = 0
     for r in decode:
-        o, c = r.num_output_tokens, r.num_computed_tokens
-        if not o or c < r.num_prompt_tokens + o - 1:  # NOTE: `r.is_decoding`, inlined
-            raise PolicyError(f"{r.req_id} is not decoding yet ({r.num_prefill_left} to prefill)")
+        c = r.num_computed_tokens
         if -(-(c + k) // bs) > r.num_blocks:
             _alloc(inst, r, c + k)
         ctx += c
-    cpu_reqs = [_get(reqs, rid, inst, Phase.OFFLOADED) for rid in plan.cpu_decode]
-    if len({id(r) for r in decode}) + len({id(r) for r in cpu_reqs}) + len(
-        {id(r) for r, _ in prefill}
-    ) != n + len(cpu_reqs) + len(prefill) or (set(plan.decode) & plan.prefill.keys()):
-        raise PolicyError(f"instance {iid}: a request appears twice in one plan")
 
     p_tok = p_pairs = p_sq = 0
     for r, m in prefill:
@@ -244,12 +357,10 @@ def start_span(
         t += model.step_s(BatchShape(0, 0, 0, n, ctx + j * n))
         bounds.append(t)
     span = Span(now, bounds, prefill, decode, cpu_reqs, version=next(_versions), k=k)
-    if k == 1 and not cpu_reqs:
-        span.layers = plan.preemptible_layers
+    if k == 1 and not cpu_reqs and plan.layer_cut:
+        span.layers = inst.num_layers
     if cpu_reqs:
         assert cpu is not None
-        if cpu.busy_until_s > now + 1e-12:
-            raise PolicyError(f"CPU-attention workers busy until {cpu.busy_until_s:.6f} s")
         cctx = sum(r.num_computed_tokens for r in cpu_reqs)
         cpu.busy_until_s = now + cpu.model.attn_s(len(cpu_reqs), cctx, cpu.num_workers)
         span.cpu_token_s = max(bounds[0], cpu.busy_until_s)

@@ -49,6 +49,7 @@ class InstanceSetup:
     block_size: int = 16
     max_batch_reqs: int = 256
     pcie_bytes_per_s: float = 25e9  # GPU <-> host copies (swap, offload)
+    num_layers: int = 32  # layer boundaries a `StepPlan.layer_cut` step is cut at
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1 or self.num_blocks < 1 or self.block_size < 1:
@@ -87,6 +88,7 @@ class Simulator:
                 kv_bytes_per_token=s.kv_bytes_per_token,
                 pcie_bytes_per_s=s.pcie_bytes_per_s,
                 cpu=cpu,
+                num_layers=s.num_layers,
             )
             for i, s in enumerate(setups)
         ]
@@ -228,6 +230,7 @@ class Simulator:
                 self._push(cpu.busy_until_s, _TICK, None)  # wake up when the CPU is free
             return
         span = start_span(inst, plan, self.reqs, now, self.rec)
+        self._num_open -= span.num_aborted
         self._spans[inst.instance_id] = span
         inst.busy_until_s = span.end_s
         self._push(span.end_s, _STEP, (inst.instance_id, span.version))

@@ -1,7 +1,9 @@
 """OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
 
 Streaming follows OpenAI's SSE format exactly (`data: {chunk}` events, then `data: [DONE]`).
-A client that disconnects cancels its request on every instance. Responses from an emulated
+A client that disconnects cancels its request on every instance. `n` > 1 runs `n` requests
+(seeds `seed`, `seed + 1`, ... when a seed is given) and merges their choices by `index`.
+Responses from an emulated
 engine carry `system_fingerprint: "tidal-sim-emulated"`, an `X-Tidal-Emulated: true` header and
 a `tidal.emulated: true` field.
 """
@@ -9,10 +11,10 @@ a `tidal.emulated: true` field.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -21,9 +23,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.gateway.bus_client import GatewayBus, RequestHandle
+from services.gateway.call import FAILED, Call, usage
 from services.gateway.dependencies import get_bus, get_metrics
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (
+    SEED_MAX,
+    SEED_MIN,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,123 +39,13 @@ from tidal.schemas.messages import GenerateRequest, TokenChunk
 router = APIRouter(prefix="/v1")
 
 _DISCONNECT_POLL_S = 0.25
-_FAILED = ("error", "abort")
 
 
-@dataclass
-class _Call:
-    """One request's bookkeeping: ids, timing and what the client asked for."""
-
-    kind: str  # "chat" | "completion"
-    model: str
-    req_class: str
-    handle: RequestHandle
-    metrics: GatewayMetrics
-    arrival_s: float
-    created: int = field(default_factory=lambda: int(time.time()))
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-    num_output: int = 0
-
-    @property
-    def id(self) -> str:
-        prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
-        return prefix + self.handle.client_req_id
-
-    @property
-    def emulated(self) -> str:
-        return "true" if self.handle.ack.is_emulated else "false"
-
-    def envelope(self, chunk: bool = False) -> dict[str, Any]:
-        obj = "text_completion"
-        if self.kind == "chat":
-            obj = "chat.completion.chunk" if chunk else "chat.completion"
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": "tidal-sim-emulated"
-            if self.handle.ack.is_emulated
-            else f"tidal-{self.handle.ack.engine}",
-        }
-
-    def tidal_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {
-            "request_class": self.req_class,
-            "instance": self.handle.instance_id,
-            "engine": self.handle.ack.engine,
-            "emulated": self.handle.ack.is_emulated,
-        }
-        if self.first_token_s is not None:
-            # From the request reaching the gateway to its first token leaving the instance:
-            # the server's share of TTFT, without the client's own time.
-            info["server_ttft_ms"] = round((self.first_token_s - self.arrival_s) * 1e3, 3)
-        return info
-
-    def headers(self) -> dict[str, str]:
-        return {
-            "X-Tidal-Emulated": self.emulated,
-            "X-Tidal-Instance": self.handle.instance_id,
-            "X-Tidal-Request-Id": self.handle.client_req_id,
-        }
-
-    def observe(self, chunk: TokenChunk) -> None:
-        if chunk.num_tokens == 0:
-            return
-        now = time.monotonic()
-        if self.first_token_s is None:
-            self.first_token_s = now
-            self.metrics.ttft.labels(self.req_class, self.emulated).observe(now - self.arrival_s)
-        self.last_token_s = now
-        self.num_output += chunk.num_tokens
-        self.metrics.output_tokens.labels(self.req_class, self.emulated).inc(chunk.num_tokens)
-
-    def finish(self) -> None:
-        tpot = 0.0
-        if self.first_token_s is not None and self.last_token_s is not None and self.num_output > 1:
-            tpot = (self.last_token_s - self.first_token_s) / (self.num_output - 1)
-            self.metrics.tpot.labels(self.req_class, self.emulated).observe(tpot)
-        req = self.handle.request
-        if self.req_class == "online" and self.first_token_s is not None:
-            ttft_ok = req.ttft_slo_ms is None or (
-                (self.first_token_s - self.arrival_s) * 1e3 <= req.ttft_slo_ms
-            )
-            tpot_ok = req.tpot_slo_ms is None or tpot * 1e3 <= req.tpot_slo_ms
-            ok = "true" if ttft_ok and tpot_ok else "false"
-            self.metrics.slo.labels(self.req_class, ok, self.emulated).inc()
-
-    def usage(self) -> dict[str, int]:
-        prompt = self.handle.ack.num_prompt_tokens
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": self.num_output,
-            "total_tokens": prompt + self.num_output,
-        }
-
-    def choice(self, text: str | None, finish: str | None, chunk: TokenChunk | None) -> dict:
-        logprobs = _logprobs(self.kind, chunk) if chunk is not None and chunk.logprobs else None
-        if self.kind == "chat":
-            delta: dict[str, Any] = {} if text is None else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-
-
-def _logprobs(kind: str, chunk: TokenChunk) -> dict[str, Any]:
-    tokens = [chunk.text] if len(chunk.logprobs) == 1 else [""] * len(chunk.logprobs)
-    if kind == "chat":
-        return {
-            "content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(tokens, chunk.logprobs, strict=True)
-            ]
-        }
-    return {
-        "tokens": tokens,
-        "token_logprobs": list(chunk.logprobs),
-        "top_logprobs": None,
-        "text_offset": [],
-    }
+def _seed(seed: int | None, index: int) -> int | None:
+    """Choice `index`'s seed: `seed + index`, wrapped into int64."""
+    if seed is None:
+        return None
+    return (seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
 
 
 async def _start(
@@ -159,24 +54,41 @@ async def _start(
     request: Request,
     bus: GatewayBus,
     metrics: GatewayMetrics,
-) -> _Call:
-    """Resolve the request class and SLOs (ApiError on a bad header), then route and submit."""
+) -> list[Call]:
+    """Refuse what cannot be honoured, resolve the request class and SLOs (ApiError on a bad
+    header), then route and submit each of the `n` choices."""
+    if (refusal := body.unsupported()) is not None:
+        raise refusal
     req_class, ttft_ms, tpot_ms = resolve_class_and_slo(body, dict(request.headers))
-    gen = GenerateRequest(
-        req_id=uuid.uuid4().hex,
-        model=body.model,
-        sampling=body.sampling(),
-        reply_subject=bus.reply_subject,
-        req_class=req_class,
-        prompt=body.prompt_text() if isinstance(body, CompletionRequest) else None,
-        messages=body.chat_messages() if isinstance(body, ChatCompletionRequest) else None,
-        ttft_slo_ms=ttft_ms,
-        tpot_slo_ms=tpot_ms,
-        arrival_unix_s=time.time(),
-    )
+    response_id = uuid.uuid4().hex
+    sampling = body.sampling()
+    gens = [
+        GenerateRequest(
+            req_id=response_id if body.n == 1 else f"{response_id}-{i}",
+            model=body.model,
+            sampling=msgspec.structs.replace(sampling, seed=_seed(sampling.seed, i)),
+            reply_subject=bus.reply_subject,
+            req_class=req_class,
+            prompt=body.prompt_text() if isinstance(body, CompletionRequest) else None,
+            messages=body.chat_messages() if isinstance(body, ChatCompletionRequest) else None,
+            ttft_slo_ms=ttft_ms,
+            tpot_slo_ms=tpot_ms,
+            arrival_unix_s=time.time(),
+        )
+        for i in range(body.n)
+    ]
     arrival = getattr(request.state, "arrival_s", time.monotonic())
-    handle = await bus.submit(gen)
-    return _Call(kind, body.model, req_class, handle, metrics, arrival)
+    results = await asyncio.gather(*(bus.submit(g) for g in gens), return_exceptions=True)
+    handles = [r for r in results if isinstance(r, RequestHandle)]
+    failed = [r for r in results if not isinstance(r, RequestHandle)]
+    if failed:
+        for h in handles:  # all choices or none
+            await h.cancel("another choice of the request failed")
+        raise failed[0]
+    return [
+        Call(kind, body.model, req_class, h, metrics, arrival, index=i, response_id=response_id)
+        for i, h in enumerate(handles)
+    ]
 
 
 async def _serve(
@@ -184,7 +96,7 @@ async def _serve(
 ) -> Any:
     endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     try:
-        call = await _start(kind, body, request, bus, metrics)
+        calls = await _start(kind, body, request, bus, metrics)
     except ApiError as exc:
         # NOTE: a metric label never takes a client's raw value: a rejected request is counted
         # under its class only when that class was valid.
@@ -193,22 +105,22 @@ async def _serve(
         label = req_class if req_class in ("online", "offline") else "invalid"
         metrics.requests.labels(label, endpoint, str(exc.status)).inc()
         raise
-    metrics.requests.labels(call.req_class, endpoint, "200").inc()
+    metrics.requests.labels(calls[0].req_class, endpoint, "200").inc()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _stream(call, include_usage), media_type="text/event-stream", headers=call.headers()
-        )
-    return await _complete(call, request)
+        events = _stream(calls, include_usage)
+        headers = calls[0].headers()
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return await _complete(calls, request)
 
 
 def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
 
 
-def _sse_events(call: _Call, chunk: TokenChunk) -> list[bytes]:
+def _sse_events(call: Call, chunk: TokenChunk) -> list[bytes]:
     """The SSE events for one token chunk, in OpenAI's format."""
-    if chunk.finish_reason in _FAILED:
+    if chunk.finish_reason in FAILED:
         error = {
             "message": chunk.error or "request aborted",
             "type": "server_error",
@@ -218,111 +130,144 @@ def _sse_events(call: _Call, chunk: TokenChunk) -> list[bytes]:
     events = []
     if chunk.text or chunk.logprobs:
         events.append(
-            _sse(call.envelope(True) | {"choices": [call.choice(chunk.text, None, chunk)]})
+            _sse(call.envelope(True) | {"choices": [call.choice(chunk.text, None, [chunk])]})
         )
     if chunk.finish_reason is not None:
-        final = call.choice(None if call.kind == "chat" else "", chunk.finish_reason, None)
+        final = call.choice(None if call.kind == "chat" else "", chunk.finish_reason, [])
         events.append(_sse(call.envelope(True) | {"choices": [final]}))
     return events
 
 
-async def _stream(call: _Call, include_usage: bool) -> AsyncIterator[bytes]:
-    gauge = call.metrics.inflight.labels(call.req_class)
-    gauge.inc()
+async def _merged(calls: list[Call]) -> AsyncIterator[tuple[Call, list[TokenChunk]]]:
+    """Each call's batches of chunks as they arrive, from all calls at once."""
+    if len(calls) == 1:  # no task hop for the common case
+        async for batch in calls[0].handle.batches():
+            yield calls[0], batch
+        return
+    queue: asyncio.Queue[tuple[Call, list[TokenChunk] | None]] = asyncio.Queue()
+
+    async def pump(call: Call) -> None:
+        try:
+            async for got in call.handle.batches():
+                queue.put_nowait((call, got))
+        finally:
+            queue.put_nowait((call, None))
+
+    tasks = [asyncio.create_task(pump(c)) for c in calls]
     try:
-        if call.kind == "chat":
-            role = {"role": "assistant", "content": ""}
-            first = {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
-            yield _sse(call.envelope(True) | {"choices": [first]})
+        left = len(calls)
+        while left:
+            which, item = await queue.get()
+            if item is None:
+                left -= 1
+            else:
+                yield which, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _stream(calls: list[Call], include_usage: bool) -> AsyncIterator[bytes]:
+    first = calls[0]
+    gauge = first.metrics.inflight.labels(first.req_class)
+    gauge.inc()
+    reasons: dict[int, str | None] = {c.index: None for c in calls}
+    try:
+        if first.kind == "chat":
+            for call in calls:
+                role = {"role": "assistant", "content": ""}
+                opening = {"index": call.index, "delta": role, "logprobs": None}
+                yield _sse(call.envelope(True) | {"choices": [opening | {"finish_reason": None}]})
         failed = False
-        async for batch in call.handle.batches():
+        async for call, batch in _merged(calls):
             # NOTE: events that arrived together go out in one write; each is still its own
             # `data:` event, so the stream is byte-for-byte OpenAI's format.
             events: list[bytes] = []
             for chunk in batch:
                 call.observe(chunk)
                 events += _sse_events(call, chunk)
-                failed = chunk.finish_reason in _FAILED
+                failed = failed or chunk.finish_reason in FAILED
+                reasons[call.index] = chunk.finish_reason or reasons[call.index]
             yield b"".join(events)
             if failed:
                 break
-        call.finish()
+        for call in calls:
+            call.finish(reasons[call.index])
         if include_usage and not failed:
-            usage = {"choices": [], "usage": call.usage(), "tidal": call.tidal_info()}
-            yield _sse(call.envelope(True) | usage)
+            body = {"choices": [], "usage": usage(calls), "tidal": first.tidal_info()}
+            yield _sse(first.envelope(True) | body)
         yield b"data: [DONE]\n\n"
     finally:
         gauge.dec()
-        if not call.handle.is_finished:
-            # The client went away mid-stream: cancel everywhere. Shielded, because anyio
-            # re-cancels every await inside the cancelled response task.
-            call.metrics.cancelled.labels(call.req_class).inc()
+        unfinished = [c for c in calls if not c.handle.is_finished]
+        if unfinished:
+            # The client went away mid-stream (or a choice failed): cancel everywhere.
+            # Shielded, because anyio re-cancels every await inside the cancelled response task.
+            first.metrics.cancelled.labels(first.req_class).inc()
             with anyio.CancelScope(shield=True):
-                await call.handle.cancel()
+                for call in unfinished:
+                    await call.handle.cancel()
 
 
-async def _complete(call: _Call, request: Request) -> JSONResponse:
-    gauge = call.metrics.inflight.labels(call.req_class)
+async def _complete(calls: list[Call], request: Request) -> JSONResponse:
+    first = calls[0]
+    gauge = first.metrics.inflight.labels(first.req_class)
     gauge.inc()
-    chunks: list[TokenChunk] = []
+    chunks: dict[int, list[TokenChunk]] = {c.index: [] for c in calls}
 
-    async def collect() -> None:
+    async def collect(call: Call) -> None:
         async for chunk in call.handle:
             call.observe(chunk)
-            chunks.append(chunk)
+            chunks[call.index].append(chunk)
 
-    task = asyncio.create_task(collect())
+    tasks = {asyncio.create_task(collect(c)) for c in calls}
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                call.metrics.cancelled.labels(call.req_class).inc()
-                await call.handle.cancel()
+        while not all(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=_DISCONNECT_POLL_S)
+            if not all(t.done() for t in tasks) and await request.is_disconnected():
+                first.metrics.cancelled.labels(first.req_class).inc()
+                for call in calls:
+                    await call.handle.cancel()
                 raise ApiError(499, "client disconnected", code="client_closed_request")
-        task.result()
+        for t in tasks:
+            t.result()
     finally:
         gauge.dec()
-        if not task.done():
-            task.cancel()
-    call.finish()
-    last = chunks[-1] if chunks else None
-    if last is None or last.finish_reason in _FAILED:
-        reason = last.error if last is not None else "no output"
-        raise ApiError(
-            502, f"generation failed: {reason}", type_="server_error", code="generation_failed"
-        )
-    text = "".join(c.text for c in chunks)
-    lps = [lp for c in chunks for lp in c.logprobs]
-    merged = (
-        TokenChunk(
-            req_id="",
-            seq=0,
-            text=text,
-            num_tokens=0,
-            num_prompt_tokens=0,
-            num_output_tokens=0,
-            instance_id="",
-            logprobs=lps,
-        )
-        if lps
-        else None
-    )
-    if call.kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": _logprobs("chat", merged) if merged else None,
-            "finish_reason": last.finish_reason,
-        }
-    else:
-        choice = call.choice(text, last.finish_reason, merged)
-    body = call.envelope() | {
-        "choices": [choice],
-        "usage": call.usage(),
-        "tidal": call.tidal_info(),
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*tasks, return_exceptions=True)
+    choices = []
+    for call in calls:
+        got = chunks[call.index]
+        last = got[-1] if got else None
+        call.finish(last.finish_reason if last is not None else None)
+        if last is None or last.finish_reason in FAILED:
+            reason = last.error if last is not None else "no output"
+            raise ApiError(
+                502, f"generation failed: {reason}", type_="server_error", code="generation_failed"
+            )
+        text = "".join(c.text for c in got)
+        if call.kind == "chat":
+            lps = call.logprobs(got) if any(c.logprobs for c in got) else None
+            choices.append(
+                {
+                    "index": call.index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": lps,
+                    "finish_reason": last.finish_reason,
+                }
+            )
+        else:
+            choices.append(call.choice(text, last.finish_reason, got))
+    body = first.envelope() | {
+        "choices": choices,
+        "usage": usage(calls),
+        "tidal": first.tidal_info(),
     }
-    return JSONResponse(body, headers=call.headers())
+    return JSONResponse(body, headers=first.headers())
 
 
 @router.post("/chat/completions")

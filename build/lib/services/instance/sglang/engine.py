@@ -1,7 +1,7 @@
 """`--engine sglang`: a `ControllableEngine` whose steps run in a real SGLang server.
 
 SGLang runs its own continuous-batching loop; this engine cannot plan its steps. What the
-policy's `StepPlan` controls here (README, "SGLang backend"):
+policy's `StepPlan` controls here (docs/sglang.md):
 
 - **admission**: a request enters SGLang only once a plan names it (`prefill` or `decode`), so
   the policy's per-step budget becomes how many requests (offline ones above all) the worker
@@ -46,6 +46,7 @@ from tidal.engine.api import (
 )
 from tidal.engine.sampling import Detokenizer
 from tidal.engine.sglang_api import RecomputePayload, generate_body, new_rid, parse_chunk
+from tidal.plan import EngineCapabilities, MigrationMode, PlanRefused, RefusalReason
 
 log = logging.getLogger("tidal.instance.sglang")
 
@@ -196,7 +197,7 @@ class SglangEngine:
         """Thread-safe: end the running step's wait for tokens (new work is waiting)."""
         self._wake.set()
 
-    def request_preempt(self) -> bool:
+    def request_layer_cut(self) -> bool:
         """An online request arrived: end the step's wait so it is admitted now. SGLang's
         priority scheduling then retracts offline work itself; nothing is cut here."""
         self._wake.set()
@@ -309,7 +310,22 @@ class SglangEngine:
 
     # ---- ControllableEngine: recompute in place of KV moves ----
 
-    def preempt(self, req_id: str) -> None:
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            migration=MigrationMode.RECOMPUTE,
+            swap_is_recompute=True,  # SGLang's KV cannot leave it: a swap is an abort
+            priority=True,  # SGLang's priority scheduling retracts offline work itself
+            self_driven=True,
+        )
+
+    def offload(self, req_id: str) -> None:
+        raise PlanRefused(RefusalReason.NO_CPU_ATTENTION, "SGLang has no CPU-attention path")
+
+    def recall(self, req_id: str) -> None:
+        raise PlanRefused(RefusalReason.NO_CPU_ATTENTION, "SGLang has no CPU-attention path")
+
+    def recompute(self, req_id: str) -> None:
         r = self._get(req_id)
         if r.rid:
             self._stop_submission(r)
@@ -317,7 +333,7 @@ class SglangEngine:
 
     def swap_out(self, req_id: str) -> None:
         """SGLang's KV cannot be moved out over its API: a swap is a recompute here."""
-        self.preempt(req_id)
+        self.recompute(req_id)
 
     def swap_in(self, req_id: str) -> None:
         """Back into SGLang now (a recompute of prompt + generated ids): the plan that swaps a

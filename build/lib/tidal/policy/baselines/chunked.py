@@ -9,6 +9,7 @@ treated alike in arrival order (Sarathi-Serve; OOCO's *base P/D*).
 from __future__ import annotations
 
 from tidal.policy.base import BlockBudget, InstanceState, Phase, ReqState, StepPlan
+from tidal.policy.plan_builder import stuck_online
 
 MAX_REPEAT = 1024  # decode-only plans: let the simulator run them back to back
 
@@ -37,13 +38,16 @@ def chunked_plan(
     """One step for `inst`. `offline_decode_cap` caps the decode batch for offline requests
     (online decodes always go first); `swap_victims` swaps victims to host instead of dropping
     their KV; `watermark` is the fraction of blocks kept free when admitting new requests."""
+    if stuck := stuck_online(inst):
+        return StepPlan(abort_no_kv=stuck)
     bb = BlockBudget(inst)
     tokens, slots = inst.chunk_size, inst.max_batch_reqs
     reserve = int(watermark * inst.num_blocks)
     running = [r for r in inst.running if r.phase is Phase.RUNNING]
     if online_first:  # stable partition: keeps admission order within each class
         running = [r for r in running if r.is_online] + [r for r in running if not r.is_online]
-    victims = list(running)  # lowest priority last
+    # Tidal's contract: only offline work is evicted; an online request without room waits.
+    victims = [r for r in running if not r.is_online]  # lowest priority last
     dropped: set[str] = set()
     chosen: set[str] = set()
     dec: list[str] = []
@@ -123,7 +127,7 @@ def chunked_plan(
     return StepPlan(
         prefill=pf,
         decode=tuple(dec),
-        preempt=preempt,
+        recompute=preempt,
         swap_out=swap_out,
         swap_in=tuple(swap_in),
         max_repeat=repeat,

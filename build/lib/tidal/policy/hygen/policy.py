@@ -28,7 +28,7 @@ from tidal.policy.base import (
 from tidal.policy.hygen.batch import HyReq, two_phase_schedule
 from tidal.policy.hygen.config import HygenConfig
 from tidal.policy.hygen.prefix_order import OfflineOrder
-from tidal.policy.plan_builder import make_room_for_decodes
+from tidal.policy.plan_builder import make_room_for_decodes, stuck_online
 from tidal.policy.registry import register_policy
 
 
@@ -132,12 +132,11 @@ class HygenPolicy(Policy):
         victims = make_room_for_decodes(
             inst, [r for r in run if r.is_decoding and (r.is_online or not swap)]
         )
-        if victims:
-            off = tuple(r.req_id for r in victims if not r.is_online)
-            on = tuple(r.req_id for r in victims if r.is_online)
-            if swap:
-                return StepPlan(swap_out=off, preempt=on)
-            return StepPlan(preempt=off + on)
+        if victims:  # offline only (the plan contract never evicts online work)
+            off = tuple(r.req_id for r in victims)
+            return StepPlan(swap_out=off) if swap else StepPlan(recompute=off)
+        if stuck := stuck_online(inst):
+            return StepPlan(abort_no_kv=stuck)
         b = two_phase_schedule(
             inst.step_model,
             cfg.latency_budget_s,
@@ -168,7 +167,7 @@ class HygenPolicy(Policy):
             prefill=prefill,
             decode=decode,
             swap_out=preempted if swap else (),
-            preempt=() if swap else preempted,
+            recompute=() if swap else preempted,
             swap_in=tuple(swap_in),
             max_repeat=repeat,
         )

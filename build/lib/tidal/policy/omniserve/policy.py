@@ -152,7 +152,7 @@ def omni_step(
         # NOTE: in victim order; iterating a set of req_ids made runs depend on PYTHONHASHSEED.
         return StepPlan(
             offload=tuple(to_cpu),
-            preempt=tuple(r.req_id for r in victims if r.req_id not in to_cpu),
+            recompute=tuple(r.req_id for r in victims if r.req_id not in to_cpu),
         )
     b = PlanBuilder(inst)
     for r in dec:  # ① LS decode: always
@@ -228,7 +228,7 @@ def omni_step(
             break
     if not (b.prefill or b.decode or offload or cpu_decode or recall):
         run = [r for r in inst.running if r.phase is Phase.RUNNING and not r.is_online]
-        return StepPlan(preempt=(run[-1].req_id,)) if run and ls_pre else StepPlan()
+        return StepPlan(recompute=(run[-1].req_id,)) if run and ls_pre else StepPlan()
     plain = not (b.prefill or offload or cpu_decode or recall or inst.waiting or inst.offloaded)
     return StepPlan(
         prefill=b.prefill,

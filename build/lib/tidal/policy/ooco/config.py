@@ -50,6 +50,12 @@ class OocoConfig:
     offline_buffer: int = 2
     """Policy: offline requests dispatched to a relaxed instance at a time (the rest are held
     in the cluster queue until gating admits them)."""
+    stand_in: bool = True
+    """Policy: roles heal (`tidal.cluster.healing`). An instance the scheduler sets to
+    `aggregated` — standing in for a role no live instance has — prefills and decodes both
+    classes, online first (Sarathi-Serve chunked prefill), and a strict instance left with
+    online prefill work from its time as a stand-in finishes it; False keeps every instance to
+    its OOCO role (online work for a lost role then waits for it)."""
 
     def __post_init__(self) -> None:
         if self.tpot_slo_s <= 0 or self.ttft_slo_s <= 0:

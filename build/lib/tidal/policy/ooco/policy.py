@@ -31,6 +31,7 @@ from tidal.policy.base import (
     StepPlan,
     parse_params,
 )
+from tidal.policy.baselines.chunked import chunked_plan
 from tidal.policy.batch_shape import add_prefill, decode_shape
 from tidal.policy.ooco.config import OocoConfig
 from tidal.policy.ooco.eviction import choose_victims, is_compute_bound
@@ -255,9 +256,20 @@ class OocoPolicy(Policy):
 
     # ------------------------------------------------------------------ steps
     def schedule(self, inst: InstanceState, now: float) -> StepPlan:
+        if self.cfg.stand_in and self.is_standing_in(inst):
+            return chunked_plan(inst, online_first=True)
         if self.roles[inst.instance_id] is InstanceRole.STRICT:
             return self.schedule_strict(inst, now)
         return self.schedule_relaxed(inst, now)
+
+    def is_standing_in(self, inst: InstanceState) -> bool:
+        """Set to `aggregated` by the scheduler (roles heal), or a strict instance that still
+        has online prefill work from that time (a strict step never prefills, §3.2.2)."""
+        if inst.role is InstanceRole.AGGREGATED:
+            return True
+        return (
+            self.roles[inst.instance_id] is InstanceRole.STRICT and _online_waiting_tokens(inst) > 0
+        )
 
     def schedule_relaxed(self, inst: InstanceState, now: float) -> StepPlan:
         dec, pre = split_running(inst)
@@ -283,7 +295,7 @@ class OocoPolicy(Policy):
         ]
         need = min(online[0].num_prefill_left, b.chunk_left) - b.budget.free * inst.block_size
         victims = choose_victims(need, off, compute_bound=False) or [c.req_id for c in off]
-        return StepPlan(preempt=tuple(str(v) for v in victims))
+        return StepPlan(recompute=tuple(str(v) for v in victims))
 
     def offline_step(
         self, inst: InstanceState, dec: Sequence[ReqState], pre: Sequence[ReqState]
@@ -305,9 +317,13 @@ class OocoPolicy(Policy):
                 break
         if b.prefill or b.decode:
             repeat = self.cfg.decode_repeat if not b.prefill else 1
-            return StepPlan(prefill=b.prefill, decode=tuple(b.decode), max_repeat=repeat)
+            # §3.4.1: an online arrival cuts this offline-only step at its next layer boundary
+            cut = bool(b.prefill) and inst.num_layers > 1
+            return StepPlan(
+                prefill=b.prefill, decode=tuple(b.decode), max_repeat=repeat, layer_cut=cut
+            )
         stuck = [r for r in inst.running if r.phase is Phase.RUNNING and not r.is_online]
-        return StepPlan(preempt=(stuck[-1].req_id,)) if stuck else StepPlan()
+        return StepPlan(recompute=(stuck[-1].req_id,)) if stuck else StepPlan()
 
     def schedule_strict(self, inst: InstanceState, now: float) -> StepPlan:
         """OOCO Alg. 2 on a latency-strict instance, after making room for pushed requests."""

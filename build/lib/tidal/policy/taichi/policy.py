@@ -29,7 +29,12 @@ from tidal.policy.base import (
     parse_params,
 )
 from tidal.policy.batch_shape import decode_shape
-from tidal.policy.plan_builder import PlanBuilder, make_room_for_decodes, split_running
+from tidal.policy.plan_builder import (
+    PlanBuilder,
+    make_room_for_decodes,
+    split_running,
+    stuck_online,
+)
 from tidal.policy.registry import register_policy
 from tidal.policy.taichi.config import TaichiConfig
 from tidal.policy.taichi.flowing import (
@@ -210,10 +215,12 @@ def _movable(r: ReqState, asked: dict[str, tuple[int, float]]) -> bool:
 def chunked_prefill_step(inst: InstanceState) -> StepPlan:
     """Sarathi-style step: every decode, then prefill chunks FCFS up to the chunk size; when KV
     runs out the newest running request is preempted (recompute)."""
+    if stuck := stuck_online(inst):
+        return StepPlan(abort_no_kv=stuck)
     dec, pre = split_running(inst)
     victims = make_room_for_decodes(inst, [r for r in dec if r.phase is Phase.RUNNING])
     if victims:
-        return StepPlan(preempt=tuple(r.req_id for r in victims))
+        return StepPlan(recompute=tuple(r.req_id for r in victims))
     b = PlanBuilder(inst)
     for r in dec:
         if r.phase is Phase.RUNNING and len(b.decode) < inst.max_batch_reqs:
@@ -223,7 +230,8 @@ def chunked_prefill_step(inst: InstanceState) -> StepPlan:
             break
     if not b.prefill and not b.decode:
         run = [r for r in inst.running if r.phase is Phase.RUNNING]
-        return StepPlan(preempt=(run[-1].req_id,)) if len(run) > 1 else StepPlan()
+        off = [r for r in run if not r.is_online]
+        return StepPlan(recompute=(off[-1].req_id,)) if len(run) > 1 and off else StepPlan()
     repeat = 4 if not b.prefill and not inst.waiting else 1
     return StepPlan(prefill=b.prefill, decode=tuple(b.decode), max_repeat=repeat)
 

@@ -6,6 +6,7 @@ knobs (SLOs, K, bs_sat, step cap) come from the `ooco` sub-section of the params
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 
@@ -133,16 +134,7 @@ class TidalPolicy(OocoPolicy):
         n = piggyback_admission(inst.step_model, shape, [len(inst.offloaded)], bound)[0]
         if n <= 0:
             return plan
-        return StepPlan(
-            prefill=plan.prefill,
-            decode=plan.decode,
-            cpu_decode=oldest_first(inst.offloaded, n),
-            preempt=plan.preempt,
-            swap_out=plan.swap_out,
-            swap_in=plan.swap_in,
-            offload=plan.offload,
-            recall=plan.recall,
-        )
+        return dataclasses.replace(plan, cpu_decode=oldest_first(inst.offloaded, n))
 
     def offline_step(
         self, inst: InstanceState, dec: Sequence[ReqState], pre: Sequence[ReqState]
@@ -150,11 +142,11 @@ class TidalPolicy(OocoPolicy):
         plan = super().offline_step(inst, dec, pre)
         if not self._cpu(inst):
             return plan
-        if plan.preempt:  # out of KV: decode the victim on the CPU instead of recomputing it
+        if plan.recompute:  # out of KV: decode the victim on the CPU instead of recomputing it
             by_id = {r.req_id: r for r in inst.running}
-            off = tuple(x for x in plan.preempt if by_id[x].is_decoding)
-            rest = tuple(x for x in plan.preempt if x not in off)
-            return StepPlan(preempt=rest, offload=off)
+            off = tuple(x for x in plan.recompute if by_id[x].is_decoding)
+            rest = tuple(x for x in plan.recompute if x not in off)
+            return StepPlan(recompute=rest, offload=off)
         return self._cpu_batch(inst, plan, 0.0, self.cfg.offline_step_cap_s)
 
     def schedule_strict(self, inst: InstanceState, now: float) -> StepPlan:
@@ -165,7 +157,7 @@ class TidalPolicy(OocoPolicy):
         if (
             self._cpu(inst)
             and self.tcfg.cpu_overflow
-            and not (plan.swap_in or plan.preempt or inst.pending_in)
+            and not (plan.swap_in or plan.recompute or inst.pending_in)
         ):
             return cpu_overflow_step(self, inst, plan, now)
         if self.tcfg.strict_offline_prefill:
@@ -177,7 +169,7 @@ class TidalPolicy(OocoPolicy):
     def _strict_prefill(self, inst: InstanceState, plan: StepPlan) -> StepPlan:
         """HyGen Alg. 1 offline phase on a strict instance: the decodes OOCO Alg. 2 chose stay;
         offline prefill chunks are added while the step stays within the latency budget."""
-        if plan.swap_out or plan.swap_in or plan.preempt or inst.pending_in:
+        if plan.swap_out or plan.swap_in or plan.recompute or inst.pending_in:
             return plan
         cands = offline_prefill_candidates(inst)
         if not cands:
