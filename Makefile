@@ -1,6 +1,7 @@
 # Two commands for a fresh Linux machine with Python 3.11: `make up` and `make test`.
-# PYTHON=python3.12 (or 3.13) works too, but PyPI's torch 2.13.0 for them is a CUDA build of several
-# GB; the control plane alone is installed and served on 3.11-3.13 by tests/packaging/test_wheel.py.
+# PYTHON=python3.12 (or 3.13) would install PyPI's torch 2.13.0 for it, a CUDA build of several GB
+# (not tried here); the control plane alone is installed and served on 3.11-3.13 by
+# tests/packaging/test_wheel.py.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
