@@ -49,6 +49,15 @@ def build_request(endpoint: str, body: dict[str, Any], reply_subject: str) -> Ge
         raise ApiError(400, f"{where}: {first.get('msg', 'invalid')}", param=where) from None
     if req.stream:
         raise ApiError(400, "streaming is not available in a batch", param="stream")
+    if (refusal := req.unsupported()) is not None:
+        raise refusal
+    if req.n != 1:
+        raise ApiError(400, "n > 1 is not available in a batch line", param="n")
+    wants_logprobs = (
+        req.logprobs if isinstance(req, ChatCompletionRequest) else req.logprobs is not None
+    )
+    if wants_logprobs:  # a batch result carries no logprobs
+        raise ApiError(400, "logprobs are not available in a batch line", param="logprobs")
     return GenerateRequest(
         req_id=uuid.uuid4().hex,
         model=req.model,

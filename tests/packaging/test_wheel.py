@@ -24,6 +24,7 @@ from services.cli import natsd
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 REPO = Path(__file__).resolve().parents[2]
 OTHER_PYTHONS = ("3.12", "3.13")
+PACKAGED = ("pyproject.toml", "README.md", "LICENSE", "tidal", "services")
 
 
 def _python(version: str) -> str | None:
@@ -43,8 +44,13 @@ PYTHONS = {"3.11": sys.executable} | {v: p for v in OTHER_PYTHONS if (p := _pyth
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dist = tmp_path_factory.mktemp("dist")
-    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dist, REPO, cwd=dist)
+    # NOTE: built from a copy of what the package holds: setuptools writes build/ and *.egg-info
+    # beside the sources it builds, which must not land in the checkout.
+    src, dist = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
+    for name in PACKAGED:
+        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
+        copy(REPO / name, src / name)
+    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", dist, src, cwd=dist)
     (whl,) = dist.glob("tidal_serve-*.whl")
     return whl
 

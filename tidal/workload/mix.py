@@ -40,6 +40,10 @@ class StreamConfig:
     max_output_tokens: int | None = None  # clip outputs to this many tokens
     max_total_tokens: int | None = None  # drop requests whose input + output exceed this
     max_requests: int | None = None  # keep only the first N arrivals
+    # multiply every prompt's length (before the filters): a long-context variant of a trace
+    # with its own arrival times (e.g. the Azure conversation trace's prompts x6, capped by
+    # `max_input_tokens`, for long-prompt traffic at a real arrival pattern)
+    input_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.arrival not in ARRIVALS:
@@ -50,6 +54,8 @@ class StreamConfig:
             raise ValueError("give rate or scale, not both")
         if self.scale is not None and self.scale <= 0:
             raise ValueError(f"scale must be > 0, got {self.scale}")
+        if self.input_scale <= 0:
+            raise ValueError(f"input_scale must be > 0, got {self.input_scale}")
         if self.cv <= 0:
             raise ValueError(f"cv must be > 0, got {self.cv}")
         if self.start_s < 0:
@@ -70,6 +76,8 @@ def build_stream(
     """The requests of one stream arriving in [0, duration_s)."""
     tr = load_trace(cfg.source)
     inp, out = tr.input_tokens, tr.output_tokens
+    if cfg.input_scale != 1.0:
+        inp = np.maximum(1, np.round(inp * cfg.input_scale)).astype(inp.dtype)
     ok = np.ones(len(tr), dtype=bool)
     if cfg.max_input_tokens is not None:
         ok &= inp <= cfg.max_input_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -81,13 +82,16 @@ def test_logprobs_of_lists_the_top_alternatives_most_likely_first() -> None:
 
 
 def test_penalties_and_bias_survive_a_migration() -> None:
+
     from tidal.engine import kv_transfer as kvt
     from tidal.engine.api import EngineRequest
     from tidal.engine.sglang_api import RecomputePayload
 
     sp = SamplingParams(frequency_penalty=0.5, presence_penalty=-1.0, logit_bias=((7, -100.0),))
     req = EngineRequest("r", [1, 2], sp)
-    moved = kvt.request_from_dict(kvt.unpack(kvt.pack(kvt.request_to_dict(req))))
+    # as torch_migrate carries it: the request dict inside a MessagePack state
+    wire = msgspec.msgpack.encode(kvt.request_to_dict(req))
+    moved = kvt.request_from_dict(msgspec.msgpack.decode(wire))
     assert moved.sampling == sp
     payload = RecomputePayload("m", req, [3], [], "")
     assert RecomputePayload.decode(payload.encode()).req.sampling == sp

@@ -89,3 +89,13 @@ def test_real_azure_trace_shape() -> None:
     assert len(tr) == 19366
     assert tr.arrival_s is not None and tr.arrival_s[0] == 0.0
     assert 3500 < tr.arrival_s[-1] < 3502
+
+
+def test_input_scale_lengthens_prompts_before_the_filters(trace_dir: Path) -> None:
+    rng = np.random.default_rng(0)
+    long = StreamConfig("t.csv", input_scale=6.0, max_input_tokens=150)
+    reqs = build_stream(long, RequestClass.ONLINE, 10.0, rng)
+    # prompts 10/20/30/40 x6 = 60/120/180/240; the cap keeps the first two, at their arrivals
+    assert [(r.arrival_s, r.input_tokens) for r in reqs] == [(0.0, 60), (0.5, 120)]  # rebased
+    with pytest.raises(ValueError, match="input_scale"):
+        StreamConfig("t.csv", input_scale=0)

@@ -1,1 +1,0 @@
-"""Tidal services: thin asyncio adapters around the core; run each as `python -m services.NAME`."""

@@ -1,5 +1,0 @@
-import sys
-
-from services.batch.main import main
-
-sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from services.gateway.main import main
-
-sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from services.instance.main import main
-
-sys.exit(main())

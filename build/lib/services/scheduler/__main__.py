@@ -1,5 +1,0 @@
-import sys
-
-from services.scheduler.main import main
-
-sys.exit(main())

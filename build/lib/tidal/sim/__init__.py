@@ -1,4 +1,0 @@
-"""Discrete-event cluster simulator driving the same `tidal.policy` and `tidal.perf` code as the
-live services. Entry points: `tidal.sim.build.simulate` (one run from a config),
-`tidal.sim.search` (OOCO max-offline, TaiChi goodput), `tidal.sim.cli` (`tidal sim ...`).
-Everything it reports is simulated."""

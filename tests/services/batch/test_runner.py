@@ -1,0 +1,39 @@
+"""A batch line's body becomes a request, or a 400 naming the field a batch cannot honour."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.batch.runner import build_request
+from services.gateway.protocol import ApiError
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "extra", "param"),
+    [
+        (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+        (CHAT, {"n": 2}, "n"),
+        (CHAT, {"logprobs": True}, "logprobs"),
+        ("/v1/completions", {"logprobs": 0}, "logprobs"),
+    ],
+)
+def test_a_field_a_batch_cannot_honour_is_refused(
+    endpoint: str, extra: dict[str, Any], param: str
+) -> None:
+    body: dict[str, Any] = {"model": "m", **extra}
+    body |= {"messages": MESSAGES} if endpoint == CHAT else {"prompt": "hi"}
+    with pytest.raises(ApiError) as err:
+        build_request(endpoint, body, "tidal.gw.g.tokens")
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_penalties_reach_the_request() -> None:
+    body = {"model": "m", "messages": MESSAGES, "presence_penalty": 1.5, "logit_bias": {"5": -3}}
+    req = build_request(CHAT, body, "tidal.gw.g.tokens")
+    assert req.sampling.presence_penalty == 1.5 and req.sampling.logit_bias == [(5, -3.0)]
