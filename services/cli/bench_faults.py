@@ -22,7 +22,9 @@ import statistics
 from typing import Any
 
 from services.cli.benchkit import save_json
-from services.cli.faultkit import KILLS, Stack, run_mixed
+
+# The parts of a `tidal up` stack this benchmark kills, by their supervisor names.
+KILLS = ("gateway-0", "scheduler-0", "instance-0", "instance-1", "nats-server")
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -31,6 +33,10 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def _one(kill: str, args: argparse.Namespace) -> dict[str, Any]:
+    # NOTE: imported here: the fault kit needs `openai` (a dev dependency), and `tidal` must
+    # start without it.
+    from services.cli.faultkit import Stack, run_mixed
+
     stack = Stack(step_model=args.sim_step_model, heartbeat_s=args.heartbeat_s)
     try:
         stack.wait_ready()

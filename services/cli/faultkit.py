@@ -32,7 +32,6 @@ from services.cli import natsd
 
 MODEL = "tidal-sim"
 REPO = Path(__file__).resolve().parents[2]
-KILLS = ("gateway-0", "scheduler-0", "instance-0", "instance-1", "nats-server")
 _DONE = ("completed", "failed", "expired", "cancelled")
 
 

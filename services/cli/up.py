@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import importlib.util
 import os
 import secrets
 import signal
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.cli import natsd, state
+from services.cli.model_args import add_model_args, check_model_args, instance_model_argv
 from services.common import live_config
 from services.common.live_config import load_live_config
 from services.gateway.auth import API_KEYS_ENV, keys_from
@@ -109,7 +111,8 @@ class Supervisor:
         gib = ["--capacity-gib", str(a.cpu_attn_gib), *addr]
         gib += ["--host", a.data_host] if a.data_host else []
         children += [
-            self._service(f"cpu-attn-{i}", "services.cpu_attn", *gib) for i in range(a.cpu_attn)
+            self._service(f"cpu-attn-{i}", "services.cpu_attn", *gib)
+            for i in range(num_cpu_attn(a.cpu_attn))
         ]
         num_instances = len(load_live_config(a.config, a.policy, a.instances).slots)
         # NOTE: instances share this machine's cores; without a split, each torch engine would
@@ -139,8 +142,7 @@ class Supervisor:
             ]
             if a.data_host:
                 extra += ["--data-host", a.data_host]
-            if a.model:
-                extra += ["--model", a.model]
+            extra += instance_model_argv(a)
             if a.max_model_len:
                 extra += ["--max-model-len", str(a.max_model_len)]
             if a.kv_cache_tokens:
@@ -299,8 +301,25 @@ def parse_roles(spec: str) -> tuple[str, ...]:
     return roles
 
 
+def has_torch() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def num_cpu_attn(requested: int | None) -> int:
+    """CPU-attention workers to start: as asked, else one where torch is installed (they hold KV
+    as tensors) and none in a control-plane install."""
+    return (1 if has_torch() else 0) if requested is None else requested
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
+        check_model_args(args)
+        if not has_torch() and (args.engine == "torch" or (args.cpu_attn or 0) > 0):
+            what = "the torch engine" if args.engine == "torch" else "--cpu-attn workers"
+            raise ValueError(
+                f"{what} need PyTorch, which this install lacks: pip install "
+                "'tidal-serve[engine]' (or run the control plane alone with --engine sim)"
+            )
         if args.instances:
             parse_roles(args.instances)
         # A bad config, policy or role fails here, not in every child.
@@ -309,7 +328,7 @@ def _run(args: argparse.Namespace) -> int:
             sglang_args(args, 0, len(slots))  # --sglang-urls names one server per instance
         if args.port < 1 or args.port > 65535:
             raise ValueError(f"--port {args.port} is not a TCP port")
-        if args.cpu_attn < 0:
+        if args.cpu_attn is not None and args.cpu_attn < 0:
             raise ValueError("--cpu-attn must be >= 0")
         if args.cpu_attn_gib <= 0:
             raise ValueError("--cpu-attn-gib must be > 0")
@@ -338,19 +357,32 @@ def _http_ok(url: str, require_data: bool = False, api_key: str = "") -> bool:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    up = sub.add_parser(
         "up",
         help="start the embedded stack (nats + all services)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_args(up, model_required=False)
+    serve = sub.add_parser(
+        "serve",
+        help="serve MODEL (a local HF directory or GGUF file) with the whole stack, as "
+        "`vllm serve MODEL`: `tidal up MODEL`",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_args(serve, model_required=True)
+
+
+def _add_args(p: argparse.ArgumentParser, model_required: bool) -> None:
+    add_model_args(p, required=model_required)
     p.add_argument("--nats-url", default="", help="join this NATS server instead of starting one")
     p.add_argument(
         "--engine",
         default="torch",
         choices=("sim", "torch", "sglang"),
         help="instance engine: torch (real model), sim (emulated timings) or sglang (a real "
-        "SGLang server per instance; README, SGLang backend)",
+        "SGLang server per instance; docs/sglang.md)",
     )
     p.add_argument(
         "--sglang-urls",
@@ -366,7 +398,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--sglang-args", default="", help="sglang: extra launch_server arguments")
     p.add_argument("--sglang-python", default="", help="sglang: the Python that has sglang")
-    p.add_argument("--model", default="", help="model path (torch) or served name (sim)")
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
     p.add_argument(
         "--kv-cache-tokens", type=int, default=0, help="KV pool of each instance (0: default)"
@@ -387,7 +418,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="",
         help="comma-separated instance roles, one instance each (default: the config's)",
     )
-    p.add_argument("--cpu-attn", type=int, default=1, help="number of CPU-attention workers")
+    p.add_argument(
+        "--cpu-attn",
+        type=int,
+        default=None,
+        help="number of CPU-attention workers (default: 1, or 0 where PyTorch is not installed)",
+    )
     p.add_argument(
         "--max-offline-backlog",
         type=int,

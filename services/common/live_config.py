@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
+from tidal.configs import config_path
 from tidal.policy.base import InstanceRole, PolicyContext
 from tidal.policy.registry import available_policies
 from tidal.sim.config import InstanceGroup, SimConfig, load_config
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-DEFAULT_CONFIG = CONFIG_DIR / "embedded.yaml"
+DEFAULT_CONFIG = config_path("embedded.yaml")  # shipped in the package (`tidal.configs`)
+CONFIG_DIR = DEFAULT_CONFIG.parent
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,7 @@ def load_live_config(
     `roles` (e.g. 'aggregated,aggregated') replaces the config's instance slots, so that the
     scheduler and every instance give the policy the same roles.
     ValueError names what is wrong (a missing file, an unknown policy or role, a bad field)."""
-    p = Path(path) if path else DEFAULT_CONFIG
-    if not p.is_file():
-        raise ValueError(f"config {p} does not exist")
+    p = config_path(path or DEFAULT_CONFIG)
     cfg = load_config(p)
     name = (policy or cfg.policy).lower().replace("_", "-")
     if name not in available_policies():

@@ -14,7 +14,8 @@ import threading
 import torch
 
 from tidal.cpu_attn import wire
-from tidal.cpu_attn.kv_store import KvStore, LayerTimer, StoreFull
+from tidal.cpu_attn.kv_store import KvStore, StoreFull
+from tidal.cpu_attn.layer_timer import LayerTimer
 
 log = logging.getLogger("tidal.cpu_attn")
 

@@ -17,7 +17,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from tidal.cpu_attn.kv_store import LayerTimer
+from tidal.cpu_attn.layer_timer import LayerTimer
 from tidal.schemas.messages import Heartbeat
 
 FORGET_AFTER_S = 60.0

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.cpu_attn import wire
-from tidal.engine.piggyback import OffloadRefused
+from tidal.engine.api import OffloadRefused
 
 log = logging.getLogger("tidal.instance")
 

@@ -77,6 +77,7 @@ def emulated_geometry(spec: str) -> dict[str, int]:
 
 
 def build_engine(args: argparse.Namespace) -> ControllableEngine:
+    served = getattr(args, "served_model_name", "") or ""
     if args.engine == "sim":
         # The engine waits its emulated step time itself (interruptible at layer boundaries).
         sim: dict[str, Any] = emulated_geometry(args.sim_step_model)
@@ -84,11 +85,16 @@ def build_engine(args: argparse.Namespace) -> ControllableEngine:
             sim["num_kv_blocks"] = kv_tokens // SimEngineConfig.block_size
         if payload := envs.SIM_KV_PAYLOAD_BYTES_PER_TOKEN.get():
             sim["kv_payload_bytes_per_token"] = int(payload)
+        # A model directory (or GGUF) stands in with its tokenizer and its name; else MODEL is
+        # only a name.
+        is_path = bool(args.model) and Path(args.model).expanduser().exists()
+        tokenizer = getattr(args, "tokenizer", "") or (args.model if is_path else "")
+        name = Path(args.model).name if is_path else args.model
         config = SimEngineConfig(
-            model_name=args.model or "tidal-sim",
+            model_name=served or name or "tidal-sim",
             max_model_len=args.max_model_len or 8192,
             realtime=True,
-            tokenizer=getattr(args, "tokenizer", "") or "",
+            tokenizer=tokenizer,
             **sim,
         )
         return SimEngine(config, parse_step_model(args.sim_step_model))
@@ -99,10 +105,20 @@ def build_engine(args: argparse.Namespace) -> ControllableEngine:
             import torch
 
             torch.set_num_threads(args.num_threads)
-        kwargs = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+        kwargs: dict[str, Any] = {}
+        if args.max_model_len:
+            kwargs["max_model_len"] = args.max_model_len
         if kv_tokens := getattr(args, "kv_cache_tokens", 0):
             kwargs["kv_cache_tokens"] = kv_tokens
-        torch_eng = torch_engine.load_torch_engine(args.model or None, device=args.device, **kwargs)
+        if served:
+            kwargs["model_name"] = served
+        dtype = getattr(args, "dtype", "auto")
+        torch_eng = torch_engine.load_torch_engine(
+            args.model or None,
+            device=args.device,
+            dtype=None if dtype == "auto" else dtype,
+            **kwargs,
+        )
         if share := getattr(args, "core_share", ""):
             from tidal.engine.core_share import CoreShare
 

@@ -13,6 +13,8 @@ import dataclasses
 import logging
 import os
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -23,8 +25,6 @@ from services.common.bus import connect, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
 from services.common.live_config import LiveConfig, load_live_config
-from services.instance.cpu_attn_discovery import Discovery
-from services.instance.cpu_attn_link import CpuAttnPool
 from services.instance.dataplane import DataPlaneServer
 from services.instance.engines import ENGINES, build_engine, parse_step_model
 from services.instance.migration import Migrator
@@ -49,6 +49,9 @@ from tidal.schemas.messages import (
     MigrateCommit,
     MigrateOffer,
 )
+
+if TYPE_CHECKING:
+    from services.instance.cpu_attn_link import CpuAttnPool
 
 log = logging.getLogger("tidal.instance")
 ROLES = tuple(r.value for r in InstanceRole)
@@ -143,8 +146,11 @@ def build_adapter(
     if not 0 <= args.index < len(slots):
         raise ValueError(f"--index {args.index}: the config has {len(slots)} instance slot(s)")
     group = slots[args.index]
+    # A torch engine serving a local model directory plans with that model's shape.
+    hf_dir = args.engine == "torch" and args.model and (Path(args.model) / "config.json").is_file()
+    model = args.model if hf_dir else live.cfg.model
     spec = args.policy_step_model or (
-        args.sim_step_model if engine.is_emulated else f"{live.cfg.model}@{live.cfg.hardware}"
+        args.sim_step_model if engine.is_emulated else f"{model}@{live.cfg.hardware}"
     )
     return PolicyAdapter.build(
         policy=make_policy(live.policy, live.context()),
@@ -184,6 +190,11 @@ async def _serve(
 ) -> None:
     pool: CpuAttnPool | None = None
     if args.cpu_attn and callable(getattr(engine, "attach_cpu_attn", None)):
+        # Imported here: the CPU-attention link moves torch tensors, and a `sim` instance of a
+        # control-plane install (no torch) never uses it.
+        from services.instance.cpu_attn_discovery import Discovery
+        from services.instance.cpu_attn_link import CpuAttnPool
+
         pool = CpuAttnPool()
         engine.attach_cpu_attn(pool)  # type: ignore[attr-defined]
         adapter.cpu_capacity = pool.capacity
@@ -262,7 +273,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", default="sim", choices=ENGINES, help="engine to host")
     p.add_argument("--model", default="", help="model path (torch, sglang) or served name (sim)")
     p.add_argument("--tokenizer", default="", help="sim engine: tokenizer (default SmolLM2's)")
-    p.add_argument("--device", default="cpu", help="torch device (torch engine)")
+    p.add_argument("--device", default="cpu", help="torch device (torch engine): cpu, cuda[:N]")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="torch engine dtype (auto: measured fastest here, or $TIDAL_DTYPE)",
+    )
+    p.add_argument(
+        "--served-model-name", default="", help="the model name clients send (default: MODEL's)"
+    )
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's)")
     p.add_argument(
         "--core-share",

@@ -1,5 +1,5 @@
 """The image holds everything the services read: every path the compose commands name and the
-code's defaults point at (configs/, data/) is in the build context after .dockerignore, and
+code's defaults point at (tidal/configs/, data/) is in the build context after .dockerignore, and
 the Dockerfile copies it; the context carries no venv, caches or history."""
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def needed_paths() -> set[str]:
     needed = {
         "pyproject.toml",  # pip install
         "README.md",  # pyproject's readme
+        "LICENSE",  # pyproject's license-files
         "tidal",
         "services",
         str(live_config.DEFAULT_CONFIG.relative_to(ROOT)),
@@ -128,7 +129,7 @@ def test_every_path_the_services_read_is_in_the_context_and_copied() -> None:
             assert rel in files, f"{rel} is not in the build context"
         assert copied_to(rel, table) is not None, f"the Dockerfile does not copy {rel}"
     # where the code looks for them in the image
-    assert copied_to("configs/embedded.yaml", table) == f"{APP}/configs/embedded.yaml"
+    assert copied_to("tidal/configs/embedded.yaml", table) == f"{APP}/tidal/configs/embedded.yaml"
     data_dir = re.search(r"TIDAL_DATA_DIR=(\S+)", (ROOT / "Dockerfile").read_text())
     assert data_dir is not None and copied_to("data", table) == data_dir.group(1)
 

@@ -8,7 +8,7 @@ directory, or `embedded` (the default) for the embedded SmolLM2 exported as one.
 beside it, so a recompute can be compared token for token. SGLang allows that only with GPU
 attention backends; `make test-sglang` passes `--device cpu --attention-backend torch_native
 --dtype float32 ...` instead: in fp32 a batch's rounding does not flip a near-tie between two
-tokens, as bf16's does (README, the torch engine's dtype note).
+tokens, as bf16's does (docs/models.md, the torch engine's dtype note).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ import asyncio
 
 import pytest
 
-from services.cli.faultkit import KILLS, Outcome, run_mixed
+from services.cli.bench_faults import KILLS
+from services.cli.faultkit import Outcome, run_mixed
 from tests.fault.conftest import Up
 
 pytestmark = [pytest.mark.fault, pytest.mark.nats]

@@ -19,6 +19,12 @@ from typing import Protocol, runtime_checkable
 from tidal.plan import EngineCapabilities, StepPlan
 from tidal.schemas.enums import RequestClass
 
+
+class OffloadRefused(Exception):
+    """No CPU-attention worker took the request (the message says why); it stays on the
+    instance."""
+
+
 __all__ = [
     "ControllableEngine",
     "Engine",

@@ -23,26 +23,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from tidal.engine.bench_lib import (
-    QWEN25_7B,
-    HFGenerate,
-    copy_bandwidth,
-    engine_decode,
-    engine_prefill,
-    preempt_latency,
-    random_engine,
-    step_bytes,
-)
-from tidal.engine.bench_profile import format_table, profile_decode
-from tidal.engine.dtype_choice import choose_dtype
-from tidal.engine.torch_engine import load_torch_engine
+# NOTE: torch and the engine are imported in the functions that run: `tidal` registers this
+# command's options in a control-plane install too, which has no torch.
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    import torch
     from rich.console import Console
     from rich.progress import Progress
+
+    from tidal.engine.bench_lib import QWEN25_7B, copy_bandwidth
+    from tidal.engine.dtype_choice import choose_dtype
 
     console = Console()
     if args.threads:
@@ -92,6 +83,19 @@ def _bench_dtype(
     task: Any,
 ) -> dict[str, Any]:
     """Every figure of one dtype: ours, HF's (same dtype, threads), roofline."""
+    import torch
+
+    from tidal.engine.bench_lib import (
+        HFGenerate,
+        engine_decode,
+        engine_prefill,
+        preempt_latency,
+        random_engine,
+        step_bytes,
+    )
+    from tidal.engine.bench_profile import profile_decode
+    from tidal.engine.torch_engine import load_torch_engine
+
     device = torch.device(args.device)
     dt = getattr(torch, dtype)
     prog.update(task, advance=1, description=f"{dtype}: loading")
@@ -169,6 +173,8 @@ GOALS = {"batch1_vs_hf": 1.2, "batch1_pct_roofline": 50.0, "batch32_vs_hf_batch8
 
 def _report(console: Any, res: dict[str, Any], batches: list[int], prefills: list[int]) -> None:
     from rich.table import Table
+
+    from tidal.engine.bench_profile import format_table
 
     runs = res["runs"]
     first = next(iter(runs.values()))

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import torch
 
 from tidal.engine import kv_transfer as kvt
-from tidal.engine.piggyback import CpuAttnLink, CpuProgress, OffloadRefused, Piggyback
+from tidal.engine.api import OffloadRefused
+from tidal.engine.piggyback import CpuAttnLink, CpuProgress, Piggyback
 from tidal.engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger("tidal.engine")

@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from tidal.engine.api import ControllableEngine, StepResult
-from tidal.engine.piggyback import OffloadRefused
+from tidal.engine.api import ControllableEngine, OffloadRefused, StepResult
 from tidal.plan import EngineCapabilities, Outcome, PlanRefused, RefusalReason, StepPlan, carry_out
 from tidal.schemas.enums import RequestClass
 

@@ -46,7 +46,9 @@ def load_torch_engine(
             return choice.torch_dtype
 
         lm, tok = build_model(path, dev, measured)
-    name = kwargs.pop("model_name", None) or (EMBEDDED_NAME if model is None else path.stem)
+    name = kwargs.pop("model_name", None) or (
+        EMBEDDED_NAME if model is None else path.stem if path.is_file() else path.name
+    )
     planner = kwargs.pop("planner", None)
     engine = TorchEngine(lm, tok, name, EngineConfig(**kwargs), planner)
     engine.dtype_choice = choice

@@ -1,4 +1,5 @@
-"""Model configuration of the Llama-architecture decoder family (Llama 2/3, Qwen2/2.5, SmolLM2).
+"""Model configuration of the Llama-architecture decoder family (Llama 2/3, Qwen2/2.5, Mistral,
+SmolLM2).
 
 Parsed from an HF `config.json` (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
 `rope_parameters`) or from GGUF metadata. Only what the forward pass needs is kept.
@@ -33,6 +34,9 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Mistral / Qwen2 sliding-window attention span, tokens (0: none). The engine attends over
+    # the whole context, so it serves such a model only up to this many tokens.
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_ARCHS:
@@ -72,6 +76,10 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         model_type = str(d.get("model_type", "llama"))
+        # Mistral applies its window whenever one is set; Qwen2 only with use_sliding_window.
+        window = d.get("sliding_window") if model_type == "mistral" else None
+        if d.get("use_sliding_window"):
+            window = d.get("sliding_window")
         return cls(
             model_type=model_type,
             vocab_size=int(d["vocab_size"]),
@@ -90,6 +98,7 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
+            sliding_window=int(window or 0),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -27,10 +27,6 @@ if TYPE_CHECKING:
     from tidal.engine.sequence import Sequence
 
 
-class OffloadRefused(Exception):
-    """No worker took the request (the message says why); it stays on the instance."""
-
-
 class CpuAttnLink(Protocol):
     """The instance's CPU-attention workers, as the engine thread uses them. Every call is
     thread-safe and returns at once except `offload`, `recall` and `wait`."""

@@ -1,17 +1,24 @@
 """Tokens of the `sim` engine: the served model's tokenizer, and the emulated output words.
 
 The sim engine counts prompt tokens with the tokenizer of the model it stands in for, as a real
-server does (default: the embedded SmolLM2's, read from its GGUF without torch). Its output is a
-deterministic function of (prompt, index) drawn from ~20 whole-word tokens of that vocabulary, so
-the text reads as words and the same prompt always gives the same text; it is never EOS.
+server does (default: the embedded SmolLM2's, a copy shipped in this package: no torch, no GGUF).
+Its output is a deterministic function of (prompt, index) drawn from ~20 whole-word tokens of that
+vocabulary, so the text reads as words and the same prompt always gives the same text; it is
+never EOS.
 """
 
 from __future__ import annotations
 
 import functools
+import gzip
 import hashlib
+import os
+import shutil
+import tempfile
 from array import array
 from collections.abc import Sequence
+from importlib.resources import files
+from pathlib import Path
 
 from tidal.engine.api import Tokenizer
 
@@ -22,8 +29,11 @@ __all__ = [
     "load_sim_tokenizer",
     "output_word_ids",
     "prompt_key",
+    "shipped_tokenizer_dir",
     "sim_token",
 ]
+
+SHIPPED_TOKENIZER = "data/smollm2"  # under tidal/engine/: tokenizer.json.gz + its config
 
 SIM_WORDS = (
     "tide",
@@ -82,14 +92,42 @@ class SimTokenizer:
 
 @functools.lru_cache(maxsize=8)
 def load_sim_tokenizer(spec: str = "") -> Tokenizer:
-    """ "" = the embedded SmolLM2's; "bytes" = `SimTokenizer`; else a GGUF file or an HF directory
-    with tokenizer.json. Cached per process (a GGUF's first load takes ~2 s, then ~0.1 s from the
-    on-disk cache); raises `tidal.engine.tokenizer.ModelLoadError`."""
+    """ "" = the embedded SmolLM2's (the copy shipped in this package, `shipped_tokenizer_dir`);
+    "bytes" = `SimTokenizer`; else a GGUF file or an HF directory with tokenizer.json. Cached per
+    process (a GGUF's first load takes ~2 s, then ~0.1 s from the on-disk cache); raises
+    `tidal.engine.tokenizer.ModelLoadError`."""
     if spec == "bytes":
         return SimTokenizer()
-    from tidal.engine.tokenizer import embedded_model_path, load_tokenizer
+    from tidal.engine.tokenizer import load_tokenizer
 
-    return load_tokenizer(spec or embedded_model_path())
+    return load_tokenizer(spec or shipped_tokenizer_dir())
+
+
+def shipped_tokenizer_dir() -> Path:
+    """An HF tokenizer directory of the embedded SmolLM2, unpacked once from the package's data
+    (`tidal/engine/data/smollm2/`) into the cache: a control-plane install has neither torch nor
+    the model's GGUF, and still counts the tokens the embedded model would."""
+    from tidal.engine.tokenizer import cache_dir
+
+    data = files("tidal.engine") / SHIPPED_TOKENIZER
+    packed = (data / "tokenizer.json.gz").read_bytes()
+    config = (data / "tokenizer_config.json").read_bytes()
+    key = hashlib.blake2b(packed + config, digest_size=8).hexdigest()
+    out = cache_dir() / f"smollm2-{key}-tokenizer"
+    if (out / "tokenizer.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        (tmp / "tokenizer.json").write_bytes(gzip.decompress(packed))
+        (tmp / "tokenizer_config.json").write_bytes(config)
+        os.replace(tmp, out)  # atomic: a concurrent loader sees both files or none
+    except OSError:
+        if not (out / "tokenizer.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def output_word_ids(tok: Tokenizer) -> tuple[int, ...]:

@@ -107,6 +107,8 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
         self.max_model_len = min(
             cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
+        if mc.sliding_window:  # full attention is exact only within the window
+            self.max_model_len = min(self.max_model_len, mc.sliding_window)
         self.planner: StepPlanner = planner or FcfsChunkedPlanner(
             cfg.token_budget, cfg.chunk_size, cfg.max_num_seqs
         )

@@ -4,15 +4,19 @@ Model shapes are copied from each model's public `config.json` (Hugging Face hub
 are vendor datasheet peaks (dense, no sparsity). The local CPU is measured once, lazily, on first
 use (`hardware_spec("cpu")`), with a small numpy GEMM and a large copy.
 
-Names are case-insensitive and ignore '_' vs '-' ("Qwen2.5-7B", "qwen2.5_7b").
+Names are case-insensitive and ignore '_' vs '-' ("Qwen2.5-7B", "qwen2.5_7b"); a path to a local
+Hugging Face model directory names the shape in its `config.json`.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +203,30 @@ def _norm(name: str) -> str:
 
 
 def model_spec(name: str) -> ModelSpec:
+    """A catalogue model by name, or the shape of a local Hugging Face directory's config.json."""
+    if (cfg_path := Path(name).expanduser() / "config.json").is_file():
+        return _hf_spec(Path(name).name, json.loads(cfg_path.read_text()))
     key = _norm(name)
     if key not in MODELS:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
     return MODELS[key]
+
+
+def _hf_spec(name: str, d: dict[str, Any]) -> ModelSpec:
+    heads = int(d["num_attention_heads"])
+    dtype = str(d.get("torch_dtype") or d.get("dtype") or "bfloat16")
+    return ModelSpec(
+        name,
+        num_layers=int(d["num_hidden_layers"]),
+        hidden=int(d["hidden_size"]),
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+        intermediate=int(d["intermediate_size"]),
+        vocab=int(d["vocab_size"]),
+        bytes_per_value=4 if dtype == "float32" else 2,
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+    )
 
 
 def hardware_spec(name: str) -> HardwareSpec:

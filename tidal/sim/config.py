@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from tidal.configs import config_path
 from tidal.policy.base import InstanceRole, Slo
 from tidal.workload.mix import StreamConfig
 
@@ -184,8 +185,9 @@ def set_path(data: dict[str, Any], assignment: str) -> None:
 
 
 def load_config(path: str | Path, overrides: tuple[str, ...] = ()) -> SimConfig:
-    """Read and check a YAML config file, after ``key=value`` overrides (`set_path`)."""
-    p = Path(path)
+    """Read and check a YAML config file, after ``key=value`` overrides (`set_path`). A path
+    that does not exist may name a shipped config (`tidal.configs.config_path`)."""
+    p = config_path(path)
     with p.open() as f:
         data = yaml.safe_load(f) or {}
     for a in overrides:

@@ -1,7 +1,7 @@
 """`--engine sglang`: a `ControllableEngine` whose steps run in a real SGLang server.
 
 SGLang runs its own continuous-batching loop; this engine cannot plan its steps. What the
-policy's `StepPlan` controls here (README, "SGLang backend"):
+policy's `StepPlan` controls here (docs/sglang.md):
 
 - **admission**: a request enters SGLang only once a plan names it (`prefill` or `decode`), so
   the policy's per-step budget becomes how many requests (offline ones above all) the worker

@@ -159,7 +159,11 @@ def build_sglang_engine(args: argparse.Namespace) -> SglangEngine:
     try:
         info = client.get_json("/server_info")
         load = parse_loads(client.get_json("/v1/loads"))
-        name = str(info.get("served_model_name") or "") or Path(args.model).name
+        name = (
+            getattr(args, "served_model_name", "")
+            or str(info.get("served_model_name") or "")
+            or Path(args.model).name
+        )
         engine = LaunchedEngine(
             client,
             load_tokenizer(args.model),

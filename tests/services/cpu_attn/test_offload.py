@@ -11,8 +11,7 @@ import pytest
 
 from services.instance.cpu_attn_link import CpuAttnPool
 from tests.services.cpu_attn.conftest import WorkerFactory
-from tidal.engine.api import EngineRequest, SamplingParams
-from tidal.engine.piggyback import OffloadRefused
+from tidal.engine.api import EngineRequest, OffloadRefused, SamplingParams
 from tidal.engine.torch_engine import TorchEngine
 from tidal.plan import StepPlan
 

@@ -11,7 +11,7 @@ import torch
 from services.instance.cpu_attn_link import CpuAttnPool
 from tests.services.cpu_attn.conftest import WorkerFactory
 from tidal.cpu_attn import wire
-from tidal.engine.piggyback import OffloadRefused
+from tidal.engine.api import OffloadRefused
 
 
 def test_garbage_closes_only_that_connection(make_worker: WorkerFactory, pool: CpuAttnPool) -> None:

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import argparse
+import shutil
+from pathlib import Path
 
 import pytest
 
 from services.instance.engines import build_engine, parse_step_model
 from tidal.engine.sim import DEFAULT_SIM_STEP_MODEL, SimEngine
+from tidal.engine.sim_tokens import shipped_tokenizer_dir
+from tidal.engine.tokenizer import load_tokenizer
 from tidal.perf.api import BatchShape
 from tidal.perf.linear import LinearStepModel
 
@@ -41,6 +45,19 @@ def test_sim_engine_is_built_realtime_with_the_asked_tokenizer_and_pool() -> Non
     assert isinstance(eng, SimEngine)
     assert eng.config.realtime and eng.config.tokenizer == "bytes"
     assert eng.num_kv_blocks == 16384 // eng.block_size and eng.model_name == "tidal-sim"
+
+
+def test_sim_engine_stands_in_for_a_model_directory_with_its_tokenizer(tmp_path: Path) -> None:
+    model = tmp_path / "tiny-llama"
+    shutil.copytree(shipped_tokenizer_dir(), model)  # tokenizer.json + tokenizer_config.json
+    args = argparse.Namespace(
+        engine="sim", model=str(model), max_model_len=0, sim_step_model="zero"
+    )
+    eng = build_engine(args)
+    assert eng.model_name == "tiny-llama"
+    assert eng.tokenizer.encode("the tide") == load_tokenizer(model).encode("the tide")
+    args.served_model_name = "served"
+    assert build_engine(args).model_name == "served"
 
 
 def test_a_sim_engine_emulating_a_7b_model_carries_its_kv_geometry() -> None:

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidal.cpu_attn.kv_store import KvStore, LayerTimer, StoreFull
+from tidal.cpu_attn.kv_store import KvStore, StoreFull
+from tidal.cpu_attn.layer_timer import LayerTimer
 
 L, Hk, G, D = 3, 2, 2, 8
 H = Hk * G

@@ -225,7 +225,7 @@ def test_output_is_deterministic_per_prompt_and_stops_are_honoured() -> None:
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("<|assistant|>")
 
 
-def test_gguf_tokenizer_loads_without_torch_and_is_cached(tmp_path: Path) -> None:
+def test_default_tokenizer_loads_without_torch_and_is_cached(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from tidal.engine.sim import SimEngine\n"
@@ -234,9 +234,8 @@ def test_gguf_tokenizer_loads_without_torch_and_is_cached(tmp_path: Path) -> Non
         "print(len(eng.tokenizer.encode('Hello, world!')))\n"
     )
     env = {**os.environ, "TIDAL_CACHE_DIR": str(tmp_path)}
-    for _ in range(
-        2
-    ):  # the first run parses the GGUF and caches tokenizer.json; the second reads it
+    # The first run unpacks the shipped SmolLM2 tokenizer into the cache; the second reads it.
+    for _ in range(2):
         run = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
         )
