@@ -98,6 +98,10 @@ class StreamResync:
         for rid, s in list(self.streams.items()):
             if s.is_finished or now_unix_s - s.progress_unix_s < STALL_S:
                 continue
+            if not s.progress_unix_s:
+                # not placed yet: `place` owns it (the instance may still be tokenising a long
+                # prompt before it acks), with timeouts of its own
+                continue
             sent, ids = self.reports.get(s.instance_id, (0.0, frozenset()))
             if sent > s.progress_unix_s + STALL_S and rid not in ids:
                 s.progress_unix_s = now_unix_s  # once per stall

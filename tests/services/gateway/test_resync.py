@@ -50,6 +50,8 @@ def test_a_stream_silent_for_long_that_its_instance_no_longer_shows_is_run_again
         "quiet": S("i0", progress_unix_s=now - 20),  # waiting on the instance: still shown
         "recent": S("i0", progress_unix_s=now - 1),  # not silent long enough
         "unseen": S("i1", progress_unix_s=now - 20),  # no report from i1 since: proves nothing
+        # routed to i0, not yet acked (i0 still tokenising its long prompt): `place` owns it
+        "placing": S("i0", progress_unix_s=0.0),
     }
     cut: list[object] = []
     r = StreamResync(None, streams, lambda s, why: cut.append(s))  # type: ignore[arg-type]
