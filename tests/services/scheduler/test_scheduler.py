@@ -9,8 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.aio.client import Client as NATS
 
-from services.common.bus import connect
-from services.scheduler import main as scheduler_main
+from tests.services.scheduler.scheduler_kit import running_scheduler
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     Heartbeat,
@@ -74,22 +73,8 @@ async def cluster(
     argv = ["--nats-url", nats_url, "--id", "sched-t", "--policy", request.param]
     if request.param == "aggregated":  # the roles the tests' instances report
         argv += ["--roles", "aggregated,aggregated"]
-    args = scheduler_main.parse_args(argv)
-    stop = asyncio.Event()
-    task = asyncio.create_task(scheduler_main.serve(args, stop))
-    nc = await connect(nats_url, "test")
-    for _ in range(100):  # wait until the scheduler answers
-        try:
-            await nc.request(subjects.CTL_STATUS, b"{}", timeout=0.2)
-            break
-        except Exception:
-            await asyncio.sleep(0.05)
-    try:
+    async with running_scheduler(nats_url, argv) as nc:
         yield nc
-    finally:
-        stop.set()
-        await task
-        await nc.drain()
 
 
 async def status(nc: NATS) -> dict:

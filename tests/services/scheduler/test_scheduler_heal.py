@@ -13,8 +13,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 
-from services.common.bus import connect
-from services.scheduler import main as scheduler_main
+from tests.services.scheduler.scheduler_kit import running_scheduler
 from tests.services.scheduler.test_scheduler import make_hb, make_report, route
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import MigrateCommand, MigrateResult, ReqReport
@@ -27,21 +26,8 @@ async def bus(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[N
     monkeypatch.setenv("TIDAL_HEARTBEAT_S", "0.1")
     argv = ["--nats-url", nats_url, "--id", "sched-h", "--policy", "tidal"]
     argv += ["--roles", "relaxed,strict", "--heal-after-s", "0.5"]
-    stop = asyncio.Event()
-    task = asyncio.create_task(scheduler_main.serve(scheduler_main.parse_args(argv), stop))
-    nc = await connect(nats_url, "test")
-    for _ in range(100):
-        try:
-            await nc.request(subjects.CTL_STATUS, b"{}", timeout=0.2)
-            break
-        except Exception:
-            await asyncio.sleep(0.05)
-    try:
+    async with running_scheduler(nats_url, argv) as nc:
         yield nc
-    finally:
-        stop.set()
-        await task
-        await nc.drain()
 
 
 Roles = dict[str, str]  # instance id -> the role it reports

@@ -1,0 +1,33 @@
+"""A scheduler service in this test's event loop, over a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from nats.aio.client import Client as NATS
+
+from services.common.bus import connect
+from services.scheduler import main as scheduler_main
+from tidal.schemas import subjects
+
+
+@contextlib.asynccontextmanager
+async def running_scheduler(nats_url: str, argv: list[str]) -> AsyncIterator[NATS]:
+    """`services.scheduler` started with `argv`; yields a client once it answers."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(scheduler_main.serve(scheduler_main.parse_args(argv), stop))
+    nc = await connect(nats_url, "test")
+    for _ in range(100):  # wait until the scheduler answers
+        try:
+            await nc.request(subjects.CTL_STATUS, b"{}", timeout=0.2)
+            break
+        except Exception:
+            await asyncio.sleep(0.05)
+    try:
+        yield nc
+    finally:
+        stop.set()
+        await task
+        await nc.drain()
