@@ -15,8 +15,10 @@ torch engine. Its timings are *emulated* (`is_emulated`): the instance service l
 response and metric accordingly.
 
 Own planner (`step()` with no plan): the torch engine's `FcfsChunkedPlanner`, run so that online
-requests go first (`sim_plan.online_first_plan`). Entries whose KV does not fit are left out; when
-nothing fits, the latest arrival holding KV is preempted by recompute (as the torch engine does).
+requests go first (`sim_plan.online_first_plan`). Entries whose KV does not fit are left out; an
+online one left out, or nothing fitting, takes the blocks of the latest offline arrival holding KV
+(recompute); online work is never evicted: with only online holders and nothing fitting, the
+newest ends with an "out of KV memory" error event (as in the torch engine).
 An explicit plan that does not fit raises MemoryError instead: policies plan with block budgets,
 and nothing is changed behind their back.
 """
@@ -28,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from tidal.engine.api import (
+    OUT_OF_KV_ERROR,
     EngineLoad,
     EngineRequest,
     FinishReason,
@@ -135,6 +138,7 @@ class SimEngine(SimMigrateMixin):
         self.last_step_preempted = False
         self.last_preempt_latency_s: float | None = None
         self._free_blocks = cfg.num_kv_blocks
+        self._ended: list[TokenEvent] = []  # ended out of KV memory by the own planner
         self.preemption = LayerPreemption()
         # Realtime only: `time.perf_counter()` at which the next step's work began (set by the
         # caller before `step`, e.g. the instance loop when it started planning it; used once).
@@ -191,7 +195,11 @@ class SimEngine(SimMigrateMixin):
                 raise ValueError("the sim engine has no CPU-attention path (offload/cpu_decode)")
             else:
                 num_tokens = tokens_of(plan)
-            return self._run(self._prepare(num_tokens))
+            res = self._run(self._prepare(num_tokens))
+            ended, self._ended = self._ended, []
+            if not ended:
+                return res
+            return StepResult(events=[*ended, *res.events], telemetry=res.telemetry)
 
     # ---- ControllableEngine ----------------------------------------------------------------
     @property
@@ -274,6 +282,7 @@ class SimEngine(SimMigrateMixin):
                 is_decode=s.is_decode,
                 has_kv=s.num_blocks > 0,
                 forced_tokens=s.partial_tokens,
+                num_blocks=s.num_blocks,
             )
             for s in self.seqs.values()
             if s.status != SWAPPED
@@ -310,6 +319,10 @@ class SimEngine(SimMigrateMixin):
             seq.partial_tokens = seq.partial_layer = 0
 
     def _own_plan(self) -> dict[str, int]:
+        """The online-first plan, made to fit: an online entry left out for lack of blocks
+        takes them from offline holders (recompute, latest arrival first); when nothing fits
+        and no offline request holds KV, the newest online holder ends out of KV memory
+        (`self._ended`). Online work is never evicted."""
         cfg = self.config
         while True:
             want = online_first_plan(
@@ -329,14 +342,32 @@ class SimEngine(SimMigrateMixin):
                 if need <= free:
                     fitted[rid] = n
                     free -= need
-            if fitted or not want:
+            left = [self.seqs[rid] for rid in want if rid not in fitted]
+            online_left = any(s.req.req_class is RequestClass.ONLINE for s in left)
+            if not left or (fitted and not online_left):
                 return fitted
-            # Every planned request needs a block and none is free: the latest arrival holding
-            # KV recomputes later. The pool holds a max_model_len request, so this ends.
-            holders = [s for s in self.seqs.values() if s.num_blocks]
-            victim = max(holders, key=lambda s: s.req.arrival_s)
-            self.recompute(victim.req_id)
-            self.num_recompute_preemptions += 1
+            offline = [s for s in self.seqs.values() if s.num_blocks and not _online(s)]
+            if offline:  # the latest offline arrival holding KV recomputes later
+                self.recompute(max(offline, key=lambda s: s.req.arrival_s).req_id)
+                self.num_recompute_preemptions += 1
+                continue
+            online = [s for s in self.seqs.values() if s.num_blocks and _online(s)]
+            if fitted or not online or not online_left:
+                return fitted  # the left-out ones wait for room
+            victim = max(online, key=lambda s: s.req.arrival_s)
+            self._ended.append(self._end_no_kv(victim))
+
+    def _end_no_kv(self, seq: SimSeq) -> TokenEvent:
+        self._release(self.seqs.pop(seq.req_id))
+        return TokenEvent(
+            req_id=seq.req_id,
+            token_ids=(),
+            text="",
+            finish_reason=FinishReason.ERROR,
+            num_prompt_tokens=seq.num_prompt,
+            num_output_tokens=seq.num_output,
+            error=OUT_OF_KV_ERROR,
+        )
 
     def _prepare(self, num_tokens: dict[str, int]) -> list[Item]:
         """Check the whole plan, then allocate its KV blocks (all or nothing)."""
@@ -463,3 +494,7 @@ class SimEngine(SimMigrateMixin):
             logprobs=lps,
             top_logprobs=tops,
         )
+
+
+def _online(seq: SimSeq) -> bool:
+    return seq.req.req_class is RequestClass.ONLINE

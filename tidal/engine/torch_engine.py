@@ -36,6 +36,7 @@ import torch
 
 from tidal.engine import kv_transfer as kvt
 from tidal.engine.api import (
+    OUT_OF_KV_ERROR,
     EngineLoad,
     EngineRequest,
     RequestClass,
@@ -138,8 +139,13 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
             raise ValueError(
                 f"prompt of {n} tokens leaves no room under max_model_len {self.max_model_len}"
             )
-        if -(-(n + 1) // self.block_size) > self.allocator.num_blocks:
-            raise ValueError(f"prompt of {n} tokens does not fit this instance's KV cache")
+        # KV of every token but the last sampled one, up to the context window
+        kv_tokens = min(n + request.sampling.max_tokens, self.max_model_len) - 1
+        if -(-kv_tokens // self.block_size) > self.allocator.num_blocks:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({request.sampling.max_tokens}) can never fit "
+                f"this instance's KV cache of {self.allocator.num_blocks * self.block_size} tokens"
+            )
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt holds token ids outside [0, {vocab})")
@@ -197,11 +203,8 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
                     self.schedulable(), self.allocator.num_free, self.block_size
                 )
             self._requeue_lost()
-            items, finished = self._prepare(plan)
-            events = [self.runner.finish_event(s, "length") for s in finished]
-            for s in finished:
-                self.seqs.pop(s.req_id, None)
-                self._free(s)
+            items, ended = self._prepare(plan)
+            events = [self.runner.finish_event(s, "error", OUT_OF_KV_ERROR) for s in ended]
             module_s: dict[str, float] | None = {} if self.config.profile_modules else None
             piggy = self._piggyback(plan.cpu_decode, not items, self.preemption.is_set)
             out = self.runner.run(items, self.preemption.is_set, module_s, piggy)
@@ -266,6 +269,7 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
                 is_decode=s.is_decode,
                 has_kv=bool(s.block_ids),
                 forced_tokens=s.partial.num_tokens if s.partial else 0,
+                num_blocks=len(s.block_ids),
             )
             for s in self.seqs.values()
             if s.status not in (SeqStatus.SWAPPED, SeqStatus.OFFLOADED)
@@ -355,10 +359,13 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
 
     # ---- scheduling internals --------------------------------------------------------------
     def _prepare(self, plan: StepPlan) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
-        """Check the plan, admit and allocate KV; preempts (by recompute) the latest arrivals
-        when blocks run out. Returns (items to run, requests to end for a full KV cache)."""
+        """Check the plan, admit and allocate KV. When blocks run out, offline requests give
+        theirs back (recompute), latest arrival first; an online request is never evicted: it
+        waits for room, and when nothing in the step can run and only online requests hold KV,
+        the newest of them ends for lack of KV memory. Returns (items to run, requests ended
+        out of KV memory, already removed)."""
         items: list[tuple[Sequence, int]] = []
-        finished: list[Sequence] = []
+        ended: list[Sequence] = []
         if plan.offload or plan.recall:
             raise ValueError("offload/recall are the executor's to carry out, before the step")
         # Cut chunks first, then decodes, then prefill chunks: the order the runner batches
@@ -381,28 +388,62 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
                 raise ValueError(
                     f"{rid!r} must resume its preempted chunk of {seq.partial.num_tokens}"
                 )
-            if not seq.block_ids:
-                self._admit(seq)
-            n = min(n, seq.num_pending)
-            need = -(-(seq.num_computed + n) // self.block_size) - len(seq.block_ids)
-            while not self.allocator.can_allocate(need):
-                # the lowest-priority holder of KV (latest arrival) gives its blocks back
-                victim = next(s for s in reversed(self.seqs.values()) if s.block_ids)
-                if victim is seq:
-                    if self._alone(seq):
-                        finished.append(seq)  # the KV cache is full with this request alone
-                    else:
-                        self._preempt_recompute(seq)
-                    break
-                self._preempt_recompute(victim)
-                items = [(s, k) for s, k in items if s is not victim]
-            else:
-                seq.block_ids += self.allocator.allocate(need)
-                items.append((seq, n))
-        return items, finished
+        stuck = [(self.seqs[rid], n) for rid, n in num_tokens.items()]
+        while stuck:
+            stuck = [(s, n) for s, n in stuck if not self._allocate(s, n, items)]
+            online = any(s.req.req_class is RequestClass.ONLINE for s, _ in stuck)
+            if not stuck or items or not online:
+                break  # the stuck ones wait for room (an online one keeps its blocks)
+            victim = self._newest_online_holder()
+            if victim is None:
+                break  # they hold no KV: they wait
+            self.seqs.pop(victim.req_id)
+            self._free(victim)
+            ended.append(victim)
+            stuck = [(s, n) for s, n in stuck if s is not victim]
+        return items, ended
 
-    def _alone(self, seq: Sequence) -> bool:
-        return all(s is seq or not s.block_ids for s in self.seqs.values())
+    def _allocate(self, seq: Sequence, n: int, items: list[tuple[Sequence, int]]) -> bool:
+        """Give `seq` the blocks for `n` more tokens and add it to `items`, taking them from
+        offline requests if need be: for an online request from any (latest arrival first),
+        for an offline one from later arrivals, then from itself. False: it waits."""
+        if not seq.block_ids:
+            self._admit(seq)
+        n = min(n, seq.num_pending)
+        need = -(-(seq.num_computed + n) // self.block_size) - len(seq.block_ids)
+        online = seq.req.req_class is RequestClass.ONLINE
+        while not self.allocator.can_allocate(need):
+            victim = next(
+                (
+                    s
+                    for s in reversed(self.seqs.values())
+                    if s.block_ids
+                    and s.req.req_class is not RequestClass.ONLINE
+                    and (online or s.req.arrival_s >= seq.req.arrival_s)
+                ),
+                None,
+            )
+            if victim is None or victim is seq:
+                if not online and seq.block_ids:
+                    self._preempt_recompute(seq)  # an offline request makes room for others
+                elif not seq.block_ids:
+                    seq.status = SeqStatus.WAITING
+                return False
+            self._preempt_recompute(victim)
+            items[:] = [(s, k) for s, k in items if s is not victim]
+        seq.block_ids += self.allocator.allocate(need)
+        items.append((seq, n))
+        return True
+
+    def _newest_online_holder(self) -> Sequence | None:
+        return next(
+            (
+                s
+                for s in reversed(self.seqs.values())
+                if s.block_ids and s.req.req_class is RequestClass.ONLINE
+            ),
+            None,
+        )
 
     def _admit(self, seq: Sequence) -> None:
         """First schedule of a request with no KV: take what the prefix cache holds."""
