@@ -110,6 +110,9 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
         )
         if mc.sliding_window:  # full attention is exact only within the window
             self.max_model_len = min(self.max_model_len, mc.sliding_window)
+        # a request may hold no more than the KV pool (the worker sizes a default max_tokens
+        # by this, so such a request is never refused at `add` for want of KV)
+        self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
         self.planner: StepPlanner = planner or FcfsChunkedPlanner(
             cfg.token_budget, cfg.chunk_size, cfg.max_num_seqs
         )
@@ -139,9 +142,8 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
             raise ValueError(
                 f"prompt of {n} tokens leaves no room under max_model_len {self.max_model_len}"
             )
-        # KV of every token but the last sampled one, up to the context window
-        kv_tokens = min(n + request.sampling.max_tokens, self.max_model_len) - 1
-        if -(-kv_tokens // self.block_size) > self.allocator.num_blocks:
+        # (as `check_fits` counts the context: the KV pool caps `max_model_len`)
+        if n + request.sampling.max_tokens > self.allocator.num_blocks * self.block_size:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({request.sampling.max_tokens}) can never fit "
                 f"this instance's KV cache of {self.allocator.num_blocks * self.block_size} tokens"

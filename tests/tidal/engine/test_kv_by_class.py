@@ -127,8 +127,11 @@ def test_torch_add_refuses_a_request_that_can_never_fit_the_kv_pool(make_engine:
     with pytest.raises(ValueError, match=r"max_tokens \(30\) can never fit .* KV cache of 64"):
         e.add(request("big", 40, 30, ONLINE, 0.0))
     assert "big" not in e.seqs
-    e.add(request("fits", 40, 25, ONLINE, 0.0))  # 40 + 25 - 1 = 64 KV tokens: the whole pool
+    with pytest.raises(ValueError, match="can never fit"):
+        e.add(request("big", 40, 25, ONLINE, 0.0))
+    assert e.max_model_len == 64  # the KV pool caps the context (512 in the model's config)
+    e.add(request("fits", 40, 24, ONLINE, 0.0))  # 40 + 24 = 64 tokens: the whole pool
     finals, _ = drive(e)
     assert [(ev.finish_reason, ev.num_output_tokens) for ev in finals] == [
-        (FinishReason.LENGTH, 25)
+        (FinishReason.LENGTH, 24)
     ]
