@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass
 
 from tidal.engine.api import (
-    OUT_OF_KV_ERROR,
     EngineLoad,
     EngineRequest,
     FinishReason,
@@ -45,7 +44,7 @@ from tidal.engine.api import (
 from tidal.engine.preemption import LayerPreemption
 from tidal.engine.scheduler import SeqView
 from tidal.engine.sim_migrate import SimMigrateMixin
-from tidal.engine.sim_plan import Item, batch_shape, layer_times, online_first_plan, tokens_of
+from tidal.engine.sim_plan import Item, SimOwnPlanMixin, batch_shape, layer_times, tokens_of
 from tidal.engine.sim_seq import RUNNING, SWAPPED, WAITING, SimSeq
 from tidal.engine.sim_tokens import (
     SimTokenizer,
@@ -112,7 +111,7 @@ class SimEngineConfig:
             raise ValueError("the KV pool cannot hold even one max_model_len request")
 
 
-class SimEngine(SimMigrateMixin):
+class SimEngine(SimOwnPlanMixin, SimMigrateMixin):
     """Implements `tidal.engine.api.ControllableEngine` with emulated step times."""
 
     name = "sim"
@@ -138,7 +137,7 @@ class SimEngine(SimMigrateMixin):
         self.last_step_preempted = False
         self.last_preempt_latency_s: float | None = None
         self._free_blocks = cfg.num_kv_blocks
-        self._ended: list[TokenEvent] = []  # ended out of KV memory by the own planner
+        self._ended = []  # ended out of KV memory by the own planner
         self.preemption = LayerPreemption()
         # Realtime only: `time.perf_counter()` at which the next step's work began (set by the
         # caller before `step`, e.g. the instance loop when it started planning it; used once).
@@ -318,57 +317,6 @@ class SimEngine(SimMigrateMixin):
         if not keep_partial:
             seq.partial_tokens = seq.partial_layer = 0
 
-    def _own_plan(self) -> dict[str, int]:
-        """The online-first plan, made to fit: an online entry left out for lack of blocks
-        takes them from offline holders (recompute, latest arrival first); when nothing fits
-        and no offline request holds KV, the newest online holder ends out of KV memory
-        (`self._ended`). Online work is never evicted."""
-        cfg = self.config
-        while True:
-            want = online_first_plan(
-                self.schedulable(),
-                self._free_blocks,
-                self.block_size,
-                lambda rid, n: self._blocks_needed(self.seqs[rid], n),
-                cfg.max_batch_tokens,
-                cfg.chunk_size,
-                cfg.max_num_seqs,
-            )
-            fitted: dict[str, int] = {}
-            free = self._free_blocks
-            for rid, n in want.items():
-                seq = self.seqs[rid]
-                need = self._blocks_needed(seq, min(n, seq.num_pending))
-                if need <= free:
-                    fitted[rid] = n
-                    free -= need
-            left = [self.seqs[rid] for rid in want if rid not in fitted]
-            online_left = any(s.req.req_class is RequestClass.ONLINE for s in left)
-            if not left or (fitted and not online_left):
-                return fitted
-            offline = [s for s in self.seqs.values() if s.num_blocks and not _online(s)]
-            if offline:  # the latest offline arrival holding KV recomputes later
-                self.recompute(max(offline, key=lambda s: s.req.arrival_s).req_id)
-                self.num_recompute_preemptions += 1
-                continue
-            online = [s for s in self.seqs.values() if s.num_blocks and _online(s)]
-            if fitted or not online or not online_left:
-                return fitted  # the left-out ones wait for room
-            victim = max(online, key=lambda s: s.req.arrival_s)
-            self._ended.append(self._end_no_kv(victim))
-
-    def _end_no_kv(self, seq: SimSeq) -> TokenEvent:
-        self._release(self.seqs.pop(seq.req_id))
-        return TokenEvent(
-            req_id=seq.req_id,
-            token_ids=(),
-            text="",
-            finish_reason=FinishReason.ERROR,
-            num_prompt_tokens=seq.num_prompt,
-            num_output_tokens=seq.num_output,
-            error=OUT_OF_KV_ERROR,
-        )
-
     def _prepare(self, num_tokens: dict[str, int]) -> list[Item]:
         """Check the whole plan, then allocate its KV blocks (all or nothing)."""
         items: list[Item] = []
@@ -494,7 +442,3 @@ class SimEngine(SimMigrateMixin):
             logprobs=lps,
             top_logprobs=tops,
         )
-
-
-def _online(seq: SimSeq) -> bool:
-    return seq.req.req_class is RequestClass.ONLINE
