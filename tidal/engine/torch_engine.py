@@ -9,8 +9,9 @@ instance service may call:
   from that layer without recompute (OOCO §3.4.1). `last_preempt_latency_s` is the measured
   signal-to-free time; `last_step_preempted` says the last step was cut short.
 - `step(plan: StepPlan | None = None)` — run an explicit plan (req_id -> tokens this step);
-  without one, `self.planner` (default `FcfsChunkedPlanner`: decodes, then FCFS prefill chunks
-  under a token budget) decides. `set_planner()` swaps it (TaiChi chunk sizes, HyGen budgets).
+  without one, `self.planner` (default `FcfsChunkedPlanner`: decodes, then prefill chunks,
+  online first, under a token budget) decides. Out of KV, only offline work is evicted
+  (`tidal.engine.torch_kv`). `set_planner()` swaps it (TaiChi chunk sizes, HyGen budgets).
   `schedulable()` lists what a planner may schedule.
 - `begin_export`/`end_export`/`begin_import`/`end_import` (`tidal.engine.migrate`) — a
   request's tokens, sampling state (RNG included) and KV of all layers, chunk by chunk, so
