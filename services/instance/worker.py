@@ -30,6 +30,7 @@ from services.common.bus import respond
 from services.instance.policy_adapter import PolicyAdapter, ReqMeta
 from tidal.cluster.view import SUBMITTED
 from tidal.engine.api import (
+    OUT_OF_KV_ERROR,
     ControllableEngine,
     EngineRequest,
     FinishReason,
@@ -303,7 +304,7 @@ class Instance:
             else:
                 ex = await asyncio.to_thread(execute, self.engine, plan, self.adapter.forced)
                 result = ex.result
-                why = "out of KV memory: no offline work left to evict for it (never evicted)"
+                why = OUT_OF_KV_ERROR
                 ended = [TokenEvent(r, (), "", FinishReason.ERROR, error=why) for r in ex.aborted]
                 await self._publish(ended)
         except PlanRefused as exc:

@@ -19,6 +19,10 @@ from typing import Protocol, runtime_checkable
 from tidal.plan import EngineCapabilities, StepPlan
 from tidal.schemas.enums import RequestClass
 
+# The error of a request ended because it cannot get KV memory and no offline work is left to
+# evict for it (online work is never evicted): `finish_reason` "error", never a silent "length".
+OUT_OF_KV_ERROR = "out of KV memory: no offline work left to evict for it (never evicted)"
+
 
 class OffloadRefused(Exception):
     """No CPU-attention worker took the request (the message says why); it stays on the
@@ -26,6 +30,7 @@ class OffloadRefused(Exception):
 
 
 __all__ = [
+    "OUT_OF_KV_ERROR",
     "ControllableEngine",
     "Engine",
     "EngineCapabilities",

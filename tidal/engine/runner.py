@@ -161,7 +161,7 @@ class StepRunner:
             top_logprobs=() if logprob is None else (top,),
         )
 
-    def finish_event(self, seq: Sequence, reason: str) -> TokenEvent:
+    def finish_event(self, seq: Sequence, reason: str, error: str = "") -> TokenEvent:
         delta, _ = seq.detok.update(seq.token_ids, True, start=seq.num_prompt)
         return TokenEvent(
             req_id=seq.req_id,
@@ -170,6 +170,7 @@ class StepRunner:
             finish_reason=FinishReason(reason),
             num_prompt_tokens=seq.num_prompt,
             num_output_tokens=seq.num_output,
+            error=error,
         )
 
     # ---- batch construction ----------------------------------------------------------------

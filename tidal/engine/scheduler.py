@@ -26,6 +26,7 @@ class SeqView:
     is_decode: bool  # prompt done, one token to compute
     has_kv: bool  # holds KV blocks now (running), False while waiting
     forced_tokens: int  # > 0: a preempted partial chunk that must be resumed with exactly this
+    num_blocks: int = 0  # KV blocks it holds now (an offline holder's may be taken for online)
 
 
 class StepPlanner(Protocol):
@@ -34,7 +35,10 @@ class StepPlanner(Protocol):
 
 @dataclass(frozen=True)
 class FcfsChunkedPlanner:
-    """All decodes first, then prefill chunks in arrival order until the token budget is spent."""
+    """All decodes first, then prefill chunks, online ones first and each class in arrival
+    order, until the token budget is spent. An online prefill may count the blocks offline
+    requests hold: the engine takes them back (recompute) to make room; an online request's
+    are never counted for anyone."""
 
     token_budget: int = 512  # tokens computed per step, decodes included
     chunk_size: int = 512  # most prefill tokens one request gets per step
@@ -62,6 +66,8 @@ class FcfsChunkedPlanner:
                 budget -= 1
         # Blocks new prefills may take: a rough guard, the engine re-checks exactly.
         blocks = num_free_blocks
+        offline_held = sum(s.num_blocks for s in seqs if s.req_class is not RequestClass.ONLINE)
+        order.sort(key=lambda s: s.req_class is not RequestClass.ONLINE)  # stable: by arrival
         for s in order:
             if s.req_id in out or s.is_decode or s.forced_tokens or budget <= 0:
                 continue
@@ -69,9 +75,14 @@ class FcfsChunkedPlanner:
                 break
             n = min(s.num_pending, self.chunk_size, budget)
             need = -(-n // block_size)
-            if not s.has_kv and need > blocks:
+            online = s.req_class is RequestClass.ONLINE
+            if not s.has_kv and need > blocks + (offline_held if online else 0):
                 break  # FCFS: do not let later requests overtake a waiting one
-            blocks -= need
+            if online and need > blocks:  # the rest from offline holders
+                offline_held -= need - max(blocks, 0)
+                blocks = min(blocks, 0)
+            else:
+                blocks -= need
             out[s.req_id] = n
             budget -= n
         decode = tuple(rid for rid, n in out.items() if n == 1 and by_id[rid].is_decode)

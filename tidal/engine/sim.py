@@ -15,8 +15,10 @@ torch engine. Its timings are *emulated* (`is_emulated`): the instance service l
 response and metric accordingly.
 
 Own planner (`step()` with no plan): the torch engine's `FcfsChunkedPlanner`, run so that online
-requests go first (`sim_plan.online_first_plan`). Entries whose KV does not fit are left out; when
-nothing fits, the latest arrival holding KV is preempted by recompute (as the torch engine does).
+requests go first (`sim_plan.online_first_plan`). Entries whose KV does not fit are left out; an
+online one left out, or nothing fitting, takes the blocks of the latest offline arrival holding KV
+(recompute); online work is never evicted: with only online holders and nothing fitting, the
+newest ends with an "out of KV memory" error event (as in the torch engine).
 An explicit plan that does not fit raises MemoryError instead: policies plan with block budgets,
 and nothing is changed behind their back.
 """
@@ -42,7 +44,7 @@ from tidal.engine.api import (
 from tidal.engine.preemption import LayerPreemption
 from tidal.engine.scheduler import SeqView
 from tidal.engine.sim_migrate import SimMigrateMixin
-from tidal.engine.sim_plan import Item, batch_shape, layer_times, online_first_plan, tokens_of
+from tidal.engine.sim_plan import Item, SimOwnPlanMixin, batch_shape, layer_times, tokens_of
 from tidal.engine.sim_seq import RUNNING, SWAPPED, WAITING, SimSeq
 from tidal.engine.sim_tokens import (
     SimTokenizer,
@@ -109,7 +111,7 @@ class SimEngineConfig:
             raise ValueError("the KV pool cannot hold even one max_model_len request")
 
 
-class SimEngine(SimMigrateMixin):
+class SimEngine(SimOwnPlanMixin, SimMigrateMixin):
     """Implements `tidal.engine.api.ControllableEngine` with emulated step times."""
 
     name = "sim"
@@ -135,6 +137,7 @@ class SimEngine(SimMigrateMixin):
         self.last_step_preempted = False
         self.last_preempt_latency_s: float | None = None
         self._free_blocks = cfg.num_kv_blocks
+        self._ended = []  # ended out of KV memory by the own planner
         self.preemption = LayerPreemption()
         # Realtime only: `time.perf_counter()` at which the next step's work began (set by the
         # caller before `step`, e.g. the instance loop when it started planning it; used once).
@@ -191,7 +194,11 @@ class SimEngine(SimMigrateMixin):
                 raise ValueError("the sim engine has no CPU-attention path (offload/cpu_decode)")
             else:
                 num_tokens = tokens_of(plan)
-            return self._run(self._prepare(num_tokens))
+            res = self._run(self._prepare(num_tokens))
+            ended, self._ended = self._ended, []
+            if not ended:
+                return res
+            return StepResult(events=[*ended, *res.events], telemetry=res.telemetry)
 
     # ---- ControllableEngine ----------------------------------------------------------------
     @property
@@ -274,6 +281,7 @@ class SimEngine(SimMigrateMixin):
                 is_decode=s.is_decode,
                 has_kv=s.num_blocks > 0,
                 forced_tokens=s.partial_tokens,
+                num_blocks=s.num_blocks,
             )
             for s in self.seqs.values()
             if s.status != SWAPPED
@@ -308,35 +316,6 @@ class SimEngine(SimMigrateMixin):
         seq.num_blocks, seq.num_host_tokens, seq.status = 0, 0, WAITING
         if not keep_partial:
             seq.partial_tokens = seq.partial_layer = 0
-
-    def _own_plan(self) -> dict[str, int]:
-        cfg = self.config
-        while True:
-            want = online_first_plan(
-                self.schedulable(),
-                self._free_blocks,
-                self.block_size,
-                lambda rid, n: self._blocks_needed(self.seqs[rid], n),
-                cfg.max_batch_tokens,
-                cfg.chunk_size,
-                cfg.max_num_seqs,
-            )
-            fitted: dict[str, int] = {}
-            free = self._free_blocks
-            for rid, n in want.items():
-                seq = self.seqs[rid]
-                need = self._blocks_needed(seq, min(n, seq.num_pending))
-                if need <= free:
-                    fitted[rid] = n
-                    free -= need
-            if fitted or not want:
-                return fitted
-            # Every planned request needs a block and none is free: the latest arrival holding
-            # KV recomputes later. The pool holds a max_model_len request, so this ends.
-            holders = [s for s in self.seqs.values() if s.num_blocks]
-            victim = max(holders, key=lambda s: s.req.arrival_s)
-            self.recompute(victim.req_id)
-            self.num_recompute_preemptions += 1
 
     def _prepare(self, num_tokens: dict[str, int]) -> list[Item]:
         """Check the whole plan, then allocate its KV blocks (all or nothing)."""

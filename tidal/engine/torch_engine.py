@@ -9,8 +9,9 @@ instance service may call:
   from that layer without recompute (OOCO §3.4.1). `last_preempt_latency_s` is the measured
   signal-to-free time; `last_step_preempted` says the last step was cut short.
 - `step(plan: StepPlan | None = None)` — run an explicit plan (req_id -> tokens this step);
-  without one, `self.planner` (default `FcfsChunkedPlanner`: decodes, then FCFS prefill chunks
-  under a token budget) decides. `set_planner()` swaps it (TaiChi chunk sizes, HyGen budgets).
+  without one, `self.planner` (default `FcfsChunkedPlanner`: decodes, then prefill chunks,
+  online first, under a token budget) decides. Out of KV, only offline work is evicted
+  (`tidal.engine.torch_kv`). `set_planner()` swaps it (TaiChi chunk sizes, HyGen budgets).
   `schedulable()` lists what a planner may schedule.
 - `begin_export`/`end_export`/`begin_import`/`end_import` (`tidal.engine.migrate`) — a
   request's tokens, sampling state (RNG included) and KV of all layers, chunk by chunk, so
@@ -36,6 +37,7 @@ import torch
 
 from tidal.engine import kv_transfer as kvt
 from tidal.engine.api import (
+    OUT_OF_KV_ERROR,
     EngineLoad,
     EngineRequest,
     RequestClass,
@@ -47,7 +49,7 @@ from tidal.engine.core_share import CoreShare
 from tidal.engine.cpu_offload import CpuOffloadMixin
 from tidal.engine.dtype_choice import DtypeChoice
 from tidal.engine.engine_config import EngineConfig, default_dtype
-from tidal.engine.kv_cache import BlockAllocator, block_hashes
+from tidal.engine.kv_cache import BlockAllocator
 from tidal.engine.llama import LlamaModel
 from tidal.engine.model_config import ModelConfig
 from tidal.engine.preemption import LayerPreemption
@@ -56,6 +58,7 @@ from tidal.engine.sampling import Detokenizer, make_generator
 from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView, StepPlanner
 from tidal.engine.sequence import SeqStatus, Sequence
 from tidal.engine.tokenizer import TidalTokenizer
+from tidal.engine.torch_kv import TorchKvMixin
 from tidal.engine.torch_migrate import TorchMigrateMixin
 from tidal.plan import EngineCapabilities, MigrationMode, StepPlan
 
@@ -64,7 +67,7 @@ __all__ = ["EngineConfig", "TorchEngine", "default_dtype", "load_torch_engine"]
 _DECODING = (SeqStatus.RUNNING, SeqStatus.OFFLOADED)  # counted as running in `load()`
 
 
-class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
+class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin):
     name = "torch"
     is_emulated = False
 
@@ -109,6 +112,9 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
         )
         if mc.sliding_window:  # full attention is exact only within the window
             self.max_model_len = min(self.max_model_len, mc.sliding_window)
+        # a request may hold no more than the KV pool (the worker sizes a default max_tokens
+        # by this, so such a request is never refused at `add` for want of KV)
+        self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
         self.planner: StepPlanner = planner or FcfsChunkedPlanner(
             cfg.token_budget, cfg.chunk_size, cfg.max_num_seqs
         )
@@ -138,8 +144,12 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
             raise ValueError(
                 f"prompt of {n} tokens leaves no room under max_model_len {self.max_model_len}"
             )
-        if -(-(n + 1) // self.block_size) > self.allocator.num_blocks:
-            raise ValueError(f"prompt of {n} tokens does not fit this instance's KV cache")
+        # (as `check_fits` counts the context: the KV pool caps `max_model_len`)
+        if n + request.sampling.max_tokens > self.allocator.num_blocks * self.block_size:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({request.sampling.max_tokens}) can never fit "
+                f"this instance's KV cache of {self.allocator.num_blocks * self.block_size} tokens"
+            )
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt holds token ids outside [0, {vocab})")
@@ -197,11 +207,8 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
                     self.schedulable(), self.allocator.num_free, self.block_size
                 )
             self._requeue_lost()
-            items, finished = self._prepare(plan)
-            events = [self.runner.finish_event(s, "length") for s in finished]
-            for s in finished:
-                self.seqs.pop(s.req_id, None)
-                self._free(s)
+            items, ended = self._prepare(plan)
+            events = [self.runner.finish_event(s, "error", OUT_OF_KV_ERROR) for s in ended]
             module_s: dict[str, float] | None = {} if self.config.profile_modules else None
             piggy = self._piggyback(plan.cpu_decode, not items, self.preemption.is_set)
             out = self.runner.run(items, self.preemption.is_set, module_s, piggy)
@@ -266,6 +273,7 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
                 is_decode=s.is_decode,
                 has_kv=bool(s.block_ids),
                 forced_tokens=s.partial.num_tokens if s.partial else 0,
+                num_blocks=len(s.block_ids),
             )
             for s in self.seqs.values()
             if s.status not in (SeqStatus.SWAPPED, SeqStatus.OFFLOADED)
@@ -354,76 +362,6 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
         self._register_blocks(seq)
 
     # ---- scheduling internals --------------------------------------------------------------
-    def _prepare(self, plan: StepPlan) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
-        """Check the plan, admit and allocate KV; preempts (by recompute) the latest arrivals
-        when blocks run out. Returns (items to run, requests to end for a full KV cache)."""
-        items: list[tuple[Sequence, int]] = []
-        finished: list[Sequence] = []
-        if plan.offload or plan.recall:
-            raise ValueError("offload/recall are the executor's to carry out, before the step")
-        # Cut chunks first, then decodes, then prefill chunks: the order the runner batches
-        # rows in, which a chunk cut at a layer boundary resumes with.
-        merged = dict(plan.prefill) | dict.fromkeys(plan.decode, 1)
-        decodes = set(plan.decode)
-
-        def rank(rid: str) -> int:
-            seq = self.seqs.get(rid)
-            return 0 if seq is not None and seq.partial is not None else 1 + (rid not in decodes)
-
-        num_tokens = {rid: merged[rid] for rid in sorted(merged, key=rank)}
-        for rid, n in num_tokens.items():
-            seq = self.seqs.get(rid)
-            if seq is None or seq.status == SeqStatus.SWAPPED:
-                raise ValueError(f"plan schedules {rid!r}, which is unknown or swapped out")
-            if n < 1:
-                raise ValueError(f"plan gives {rid!r} {n} tokens; every entry needs >= 1")
-            if seq.partial is not None and n != seq.partial.num_tokens:
-                raise ValueError(
-                    f"{rid!r} must resume its preempted chunk of {seq.partial.num_tokens}"
-                )
-            if not seq.block_ids:
-                self._admit(seq)
-            n = min(n, seq.num_pending)
-            need = -(-(seq.num_computed + n) // self.block_size) - len(seq.block_ids)
-            while not self.allocator.can_allocate(need):
-                # the lowest-priority holder of KV (latest arrival) gives its blocks back
-                victim = next(s for s in reversed(self.seqs.values()) if s.block_ids)
-                if victim is seq:
-                    if self._alone(seq):
-                        finished.append(seq)  # the KV cache is full with this request alone
-                    else:
-                        self._preempt_recompute(seq)
-                    break
-                self._preempt_recompute(victim)
-                items = [(s, k) for s, k in items if s is not victim]
-            else:
-                seq.block_ids += self.allocator.allocate(need)
-                items.append((seq, n))
-        return items, finished
-
-    def _alone(self, seq: Sequence) -> bool:
-        return all(s is seq or not s.block_ids for s in self.seqs.values())
-
-    def _admit(self, seq: Sequence) -> None:
-        """First schedule of a request with no KV: take what the prefix cache holds."""
-        # keep at least the last token to compute: its logits give the next token
-        hashes = block_hashes(seq.token_ids[: len(seq.token_ids) - 1], self.block_size)
-        hit = self.allocator.lookup(hashes)
-        seq.block_ids = hit
-        seq.hashes = hashes[: len(hit)]
-        seq.num_registered = len(hit)
-        seq.num_computed = len(hit) * self.block_size
-        seq.num_cached_tokens = min(seq.num_computed, seq.num_prompt)
-        seq.status = SeqStatus.RUNNING
-
-    def _preempt_recompute(self, seq: Sequence) -> None:
-        self.num_recompute_preemptions += 1
-        self._release_blocks(seq)
-        seq.num_computed = 0
-        seq.partial = None
-        seq.hashes = []
-        seq.status = SeqStatus.WAITING
-
     def _register_blocks(self, seq: Sequence) -> None:
         bs = self.block_size
         full = seq.num_computed // bs
@@ -434,11 +372,6 @@ class TorchEngine(CpuOffloadMixin, TorchMigrateMixin):
         for b in range(seq.num_registered, full):
             self.allocator.register(seq.block_ids[b], seq.hashes[b])
         seq.num_registered = max(seq.num_registered, full)
-
-    def _release_blocks(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_ids)
-        seq.block_ids = []
-        seq.num_registered = 0
 
     def _free(self, seq: Sequence) -> None:
         self._drop_offloaded(seq)

@@ -41,3 +41,16 @@ def test_preempted_chunk_resumes_with_its_size_even_over_budget() -> None:
     assert planner.plan(seqs, 100, 4).num_tokens == {"p": 16}
     with pytest.raises(ValueError):
         FcfsChunkedPlanner(token_budget=0)
+
+
+def test_online_prefills_go_first_and_may_count_offline_held_blocks() -> None:
+    planner = FcfsChunkedPlanner(token_budget=64, chunk_size=16)
+    off = SeqView("off", RequestClass.OFFLINE, 0.0, 1, True, True, 0, num_blocks=6)
+    waiting_off = SeqView("off2", RequestClass.OFFLINE, 1.0, 8, False, False, 0)
+    on = view("on", 2.0, 16)  # 4 blocks of 4: 1 free, 3 from the offline holder
+    plan = planner.plan([off, waiting_off, on], num_free_blocks=1, block_size=4)
+    # the waiting offline prefill, earlier but offline, may not count an online request's
+    assert plan.num_tokens == {"off": 1, "on": 16}
+    online_held = view("on-dec", 0.0, 1, decode=True)
+    plan = planner.plan([online_held, waiting_off], num_free_blocks=0, block_size=4)
+    assert plan.num_tokens == {"on-dec": 1}

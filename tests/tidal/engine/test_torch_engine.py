@@ -160,8 +160,8 @@ def test_prefix_cache_shares_blocks_and_keeps_output(make_engine: Any) -> None:
 def test_kv_pressure_preempts_by_recompute_without_changing_output(make_engine: Any) -> None:
     ref = reference(make_engine, REQS)
     e = make_engine(chunk_size=16, token_budget=32, kv_cache_tokens=72, enable_prefix_cache=False)
-    for rid, (p, sp) in REQS.items():
-        e.add(EngineRequest(rid, p, sp))
+    for rid, (p, sp) in REQS.items():  # offline: only offline work is ever recomputed
+        e.add(EngineRequest(rid, p, sp, RequestClass.OFFLINE))
     assert drain(e) == ref
     assert e.num_recompute_preemptions > 0  # 9 blocks for 16 blocks' worth of requests
 
