@@ -71,4 +71,26 @@ def load_live_config(
     name = (policy or cfg.policy).lower().replace("_", "-")
     if name not in available_policies():
         raise ValueError(f"unknown policy {name!r}; available: {', '.join(available_policies())}")
-    return LiveConfig(cfg, name, str(p), parse_roles(roles))
+    live = LiveConfig(cfg, name, str(p), parse_roles(roles))
+    check_roles(name, tuple(InstanceRole(g.role) for g in live.slots))
+    return live
+
+
+# Policies whose instances must be latency-relaxed or -strict (OOCO §3.2): online prefill is
+# routed only to relaxed instances, so on other roles an online request waits forever.
+_OOCO_POLICIES = ("ooco", "tidal")
+_OOCO_ROLES = (InstanceRole.RELAXED, InstanceRole.STRICT)
+
+
+def check_roles(policy: str, roles: Sequence[InstanceRole]) -> None:
+    """ValueError when `policy` cannot serve online requests on these instance roles."""
+    if policy not in _OOCO_POLICIES:
+        return
+    bad = sorted({r.value for r in roles if r not in _OOCO_ROLES})
+    if bad or InstanceRole.RELAXED not in roles:
+        what = f"{', '.join(bad)} instances" if bad else "no relaxed instance"
+        raise ValueError(
+            f"policy {policy} runs on relaxed and strict instances (OOCO §3.2), got {what}: "
+            "online prefill goes only to relaxed instances; use e.g. --instances relaxed,strict, "
+            "or a policy for aggregated instances (--policy aggregated)"
+        )

@@ -227,8 +227,11 @@ class GatewayBus:
         req = handle.request
         tried = list(exclude)
         failed_at = (excluded_at_unix_s or time.time()) if tried else 0.0
+        # NOTE: the gateway does not tokenise, so a first placement routes on characters (the
+        # scheduler divides them); a re-placement knows the prompt's tokens from the first ack.
+        known = handle.ack.num_prompt_tokens + len(req.resume_token_ids) if handle.ack.ok else 0
         for _ in range(MAX_ROUTE_ATTEMPTS):
-            route = await self._route(req, tried, failed_at)
+            route = await self._route(req, tried, failed_at, known)
             handle.instance_id = route.instance_id
             handle.default_slo_ms = (route.default_ttft_slo_s * 1e3, route.default_tpot_slo_s * 1e3)
             # NOTE: the process the scheduler routed to is the one that fails it (its start time,
@@ -281,7 +284,11 @@ class GatewayBus:
         )
 
     async def _route(
-        self, req: GenerateRequest, exclude: list[str], excluded_at_unix_s: float
+        self,
+        req: GenerateRequest,
+        exclude: list[str],
+        excluded_at_unix_s: float,
+        num_prompt_tokens: int = 0,
     ) -> RouteReply:
         ask = RouteRequest(
             req_id=req.req_id,
@@ -294,6 +301,7 @@ class GatewayBus:
             excluded_at_unix_s=excluded_at_unix_s,
             ttft_slo_ms=req.ttft_slo_ms,
             tpot_slo_ms=req.tpot_slo_ms,
+            num_prompt_tokens=num_prompt_tokens,
         )
         msg = await self._ask_route(ask, envs.max_hold_s() + HOLD_MARGIN_S)
         route = codec.decode(msg.data, RouteReply)

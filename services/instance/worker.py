@@ -239,6 +239,17 @@ class Instance:
             self.adapter.meta.pop(req_id, None)
         return failed
 
+    async def idle_plan(self) -> None:
+        """Ask the policy for a plan with no work here (once per idle report): what it plans is
+        nothing to run, but it may ask for work in its hints, which the report carries (OOCO's
+        strict instances pull offline decodes after a `schedule` that found room)."""
+        async with self.engine_lock:
+            now = time.time()
+            self.adapter.sync(self.engine.snapshot(), self.engine.num_free_blocks(), now)
+            plan = self.adapter.plan(now)
+        if not plan.is_empty:
+            log.debug("an idle instance's plan names work it does not have: %s", plan)
+
     async def _idle(self, stop: asyncio.Event, timeout_s: float) -> None:
         self.wake.clear()
         waiter = asyncio.ensure_future(self.wake.wait())
@@ -263,6 +274,8 @@ class Instance:
                 # NOTE: going idle with requests just ended reports them now, not when the idle
                 # interval comes round: the scheduler counts them as queued here until it knows.
                 stale = time.time() - self.last_report_s > IDLE_REPORT_INTERVAL_S
+                if stale:
+                    await self.idle_plan()
                 await self.report(force=stale or bool(self.finished_ids))
                 await self._idle(stop, IDLE_REPORT_INTERVAL_S)
                 origin = None

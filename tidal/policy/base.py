@@ -211,6 +211,9 @@ class CpuPoolState:
     host_kv_tokens: int = 0  # KV tokens parked in host memory (swapped + offloaded)
     host_kv_capacity_tokens: int = 0  # host memory for KV, tokens (0: unlimited); a plan
     # that swaps or offloads past it is rejected
+    pending_tokens: int = 0  # host KV tokens the CPU decodes already given to the workers (by
+    # any instance of the pool) add when their step ends; room a plan must leave for them. The
+    # simulator keeps it; live the workers' free memory is the room and this stays 0
 
 
 @dataclass(slots=True, eq=False)

@@ -363,6 +363,7 @@ def _compute(
         assert cpu is not None
         cctx = sum(r.num_computed_tokens for r in cpu_reqs)
         cpu.busy_until_s = now + cpu.model.attn_s(len(cpu_reqs), cctx, cpu.num_workers)
+        cpu.pending_tokens += len(cpu_reqs)
         span.cpu_token_s = max(bounds[0], cpu.busy_until_s)
     return span
 
@@ -427,6 +428,7 @@ def finish_span(
         r.last_token_s = span.cpu_token_s
         if inst.cpu is not None:
             inst.cpu.host_kv_tokens += 1
+            inst.cpu.pending_tokens -= 1
         off_tok += 1
         if r.num_output_tokens >= r.max_output_tokens:
             done.append(r)

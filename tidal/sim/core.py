@@ -35,6 +35,10 @@ from tidal.sim.recorder import Recorder
 from tidal.workload.mix import SimRequest
 
 _STEP, _LAND, _TICK = 0, 1, 2  # event kinds
+# An idle instance's policy is asked for a plan at most this often (simulated seconds; the live
+# instance's idle report interval), so it can ask for work: OOCO's strict instances pull
+# offline decodes only after a `schedule` that found room, which an idle one never ran.
+IDLE_PLAN_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class Simulator:
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._spans: list[Span | None] = [None] * len(setups)
+        self._idle_plan_s = [0.0] * len(setups)  # when each idle instance is next asked
         self._pending_out: list[list[tuple[str, int]]] = [[] for _ in setups]
         self._now = 0.0
         self._num_open = 0  # requests arrived and not finished or rejected
@@ -217,10 +222,14 @@ class Simulator:
     # ---------------------------------------------------------------- steps
     def _kick(self, now: float) -> None:
         for inst in self.instances:
-            if self._spans[inst.instance_id] is None and (
-                inst.waiting or inst.running or inst.swapped or inst.offloaded
-            ):
+            iid = inst.instance_id
+            if self._spans[iid] is not None:
+                continue
+            if inst.waiting or inst.running or inst.swapped or inst.offloaded:
                 self._start(inst, now)
+            elif now >= self._idle_plan_s[iid]:
+                self._idle_plan_s[iid] = now + IDLE_PLAN_S
+                self._start(inst, now)  # nothing to run: its policy may still ask for work
 
     def _start(self, inst: InstanceState, now: float) -> None:
         plan = self.policy.schedule(inst, now)

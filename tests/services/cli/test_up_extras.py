@@ -33,3 +33,21 @@ def test_without_torch_torch_parts_fail_before_starting(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"{what} need PyTorch" in err and "tidal-serve[engine]" in err
+
+
+@pytest.mark.parametrize(
+    ("policy", "instances", "what"),
+    [
+        ("tidal", "aggregated", "aggregated instances"),
+        ("ooco", "aggregated,strict", "aggregated instances"),
+        ("tidal", "strict,strict", "no relaxed instance"),
+    ],
+)
+def test_ooco_policies_on_roles_without_relaxed_instances_fail_before_starting(
+    capsys: pytest.CaptureFixture[str], policy: str, instances: str, what: str
+) -> None:
+    # Online prefill goes only to relaxed instances: these stacks would hang every online request.
+    argv = ["up", "--engine", "sim", "--policy", policy, "--instances", instances]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"policy {policy} runs on relaxed and strict instances" in err and what in err

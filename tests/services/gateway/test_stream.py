@@ -113,7 +113,9 @@ def test_an_instance_that_did_not_answer_is_excluded_as_the_process_routed_to() 
         bus = GatewayBus(Nc(), "g", 8)  # type: ignore[arg-type]
         asked: list[tuple[list[str], float]] = []
 
-        async def route(req: GenerateRequest, exclude: list[str], at: float) -> RouteReply:
+        async def route(
+            req: GenerateRequest, exclude: list[str], at: float, tokens: int = 0
+        ) -> RouteReply:
             asked.append((list(exclude), at))
             return RouteReply(instance_id="i0", instance_started_unix_s=123.0)
 

@@ -49,7 +49,6 @@ class OmniServePolicy(Policy):
         self.cfg = cfg
         self.slo = ctx.online_slo
         self._slack_steps: dict[int, int] = {}
-        self._cpu_pending: dict[int, int] = {}
         self.be_buffer = 2
 
     def route(self, req: ReqState, cluster: ClusterView, now: float) -> Route:
@@ -67,7 +66,7 @@ class OmniServePolicy(Policy):
         return dispatch_be(cluster, self.be_buffer)
 
     def schedule(self, inst: InstanceState, now: float) -> StepPlan:
-        return omni_step(inst, now, self.cfg, self.slo.tpot_s, self._slack_steps, self._cpu_pending)
+        return omni_step(inst, now, self.cfg, self.slo.tpot_s, self._slack_steps)
 
 
 def _ls_prefill_left(inst: InstanceState) -> int:
@@ -108,13 +107,15 @@ class _HostRoom:
 
     __slots__ = ("left",)
 
-    def __init__(self, cpu: CpuPoolState | None, in_flight: int = 0) -> None:
+    def __init__(self, cpu: CpuPoolState | None) -> None:
         if cpu is None:
             self.left = -1
         elif cpu.host_kv_capacity_tokens <= 0:
             self.left = 1 << 62
         else:
-            self.left = cpu.host_kv_capacity_tokens - cpu.host_kv_tokens - in_flight
+            # NOTE: the CPU decodes in flight are the pool's (`pending_tokens`), every
+            # instance's, not one policy object's: live each instance has its own.
+            self.left = cpu.host_kv_capacity_tokens - cpu.host_kv_tokens - cpu.pending_tokens
 
     def take(self, r: ReqState) -> bool:
         if r.num_computed_tokens > self.left:
@@ -129,14 +130,9 @@ def omni_step(
     cfg: OmniConfig,
     tpot_s: float,
     slack: dict[int, int],
-    cpu_pending: dict[int, int] | None = None,
 ) -> StepPlan:
-    """One OmniServe step on `inst` (§3.3.2 order). `cpu_pending`: per instance, the CPU decodes
-    of its last plan, whose new host KV tokens may still be in flight (the pool is shared)."""
+    """One OmniServe step on `inst` (§3.3.2 order)."""
     iid = inst.instance_id
-    pending = {} if cpu_pending is None else cpu_pending
-    pending[iid] = 0  # this instance is free, so its last step's tokens are in
-    in_flight = sum(pending.values())
     d = cfg.num_layers
     bound = tpot_s - d * cfg.comm_overhead_per_layer_s
     cpu = inst.cpu if cfg.cpu_offload else None
@@ -147,7 +143,7 @@ def omni_step(
     victims = make_room_for_decodes(inst, dec, decoding_first=cpu is not None)
     if victims:
         # Out of KV: BE decodes go to the CPU workers (or are preempted without them).
-        room = _HostRoom(cpu, in_flight)
+        room = _HostRoom(cpu)
         to_cpu = [r.req_id for r in victims if r.is_decoding and not r.is_online and room.take(r)]
         # NOTE: in victim order; iterating a set of req_ids made runs depend on PYTHONHASHSEED.
         return StepPlan(
@@ -176,7 +172,7 @@ def omni_step(
     # step (offloaded ones still piggyback below); BE has no latency target.
     ls_prefilling = any(r.req_id in b.prefill for r in ls_pre)
     offload: list[str] = []
-    room = _HostRoom(cpu, in_flight)
+    room = _HostRoom(cpu)
     # The one-shot KV copy of an offload crosses PCIe inside this step (the simulator times it
     # there), so it spends the same TPOT budget as GPU work: §3.3.5 offloads only while the LS
     # decoding SLO holds; a BE decode that fits neither waits for a later step.
@@ -208,7 +204,6 @@ def omni_step(
         # Each CPU decode adds one KV token in host memory, like a GPU decode needs its block.
         n = min(got[0], max(room.left, 0))
         cpu_decode = list(oldest_first(inst.offloaded, n))
-        pending[iid] = len(cpu_decode)
     recall: list[str] = []
     has_slack = not offload and b.step_s() <= be_bound and not ls_pre
     slack[iid] = slack.get(iid, 0) + 1 if has_slack else 0

@@ -46,6 +46,7 @@ from tidal.policy.ooco.mix_decode import DecodeCandidate, select_mix_decode
 from tidal.policy.plan_builder import PlanBuilder, split_running
 from tidal.policy.registry import register_policy
 
+_OOCO_ROLES = (InstanceRole.RELAXED, InstanceRole.STRICT)
 MIN_CAP_STEPS = 2.0  # an offline step may always last this many of the smallest steps
 _EWMA_S = 10.0  # time constant of the online KV-inflow estimate used by gating, seconds
 
@@ -86,16 +87,44 @@ class OocoPolicy(Policy):
         self.cfg = cfg
         self.rng = random.Random(ctx.seed)
         self.roles = ooco_roles(ctx, cfg)
-        self.relaxed = [i for i, r in enumerate(self.roles) if r is InstanceRole.RELAXED]
-        self.strict = [i for i, r in enumerate(self.roles) if r is InstanceRole.STRICT]
+        self.relaxed: list[int] = []
+        self.strict: list[int] = []
+        self._set_roles(self.roles)
         self._roles_sent = False
+        self._seen_roles: list[InstanceRole] | None = None  # the view's roles at the last look
         self._kv_rate = 0.0  # online prompt tokens per second (EWMA), for gating
         self._kv_t = 0.0
         self._pull_seen: dict[int, float] = {}  # strict id -> PULL_SEQ hint last acted on
         self._asked: set[str] = set()  # req_ids whose migration was asked (may be deferred)
 
+    # ------------------------------------------------------------------ roles
+    def _set_roles(self, roles: Sequence[InstanceRole]) -> None:
+        self.roles = list(roles)
+        self.relaxed = [i for i, r in enumerate(self.roles) if r is InstanceRole.RELAXED]
+        self.strict = [i for i, r in enumerate(self.roles) if r is InstanceRole.STRICT]
+
+    def sync_roles(self, cluster: ClusterView) -> None:
+        """Adopt the roles instances now report (`tidal.ctl.roles`, a scheduler's set_role):
+        a relaxed/strict role the view changed to since the last look replaces ours. Edge, not
+        level: a view that still shows a role from before our own set_role reverts nothing."""
+        now_roles = [inst.role for inst in cluster.instances]
+        seen, self._seen_roles = self._seen_roles, now_roles
+        if seen is None or len(seen) != len(now_roles) or len(now_roles) != len(self.roles):
+            return
+        new = [
+            v if v is not old and v in _OOCO_ROLES else mine
+            for v, old, mine in zip(now_roles, seen, self.roles, strict=True)
+        ]
+        if new != self.roles and InstanceRole.RELAXED in new:  # online prefill needs a relaxed
+            self._set_roles(new)
+
+    def role_of(self, inst: InstanceState) -> InstanceRole:
+        """The instance's OOCO role now: the one it reports when relaxed or strict, else ours."""
+        return inst.role if inst.role in _OOCO_ROLES else self.roles[inst.instance_id]
+
     # ------------------------------------------------------------------ routing
     def route(self, req: ReqState, cluster: ClusterView, now: float) -> Route:
+        self.sync_roles(cluster)
         if not req.is_online:
             return Route.hold("offline: dispatched by gating")
         dt = max(now - self._kv_t, 1e-6)
@@ -112,6 +141,7 @@ class OocoPolicy(Policy):
     def place_decode(
         self, req: ReqState, inst: InstanceState, cluster: ClusterView, now: float
     ) -> int | None:
+        self.sync_roles(cluster)
         if not req.is_online or not self.strict:
             return None  # offline decodes stay on the relaxed instance until pulled
         # §3.4.3 push model (+ §3.4.1 eviction plan on the chosen strict instance).
@@ -133,6 +163,7 @@ class OocoPolicy(Policy):
 
     # ------------------------------------------------------------------ cluster actions
     def tick(self, cluster: ClusterView, now: float) -> ClusterActions:
+        self.sync_roles(cluster)
         set_role = {}
         if not self._roles_sent:
             self._roles_sent = True
@@ -258,7 +289,7 @@ class OocoPolicy(Policy):
     def schedule(self, inst: InstanceState, now: float) -> StepPlan:
         if self.cfg.stand_in and self.is_standing_in(inst):
             return chunked_plan(inst, online_first=True)
-        if self.roles[inst.instance_id] is InstanceRole.STRICT:
+        if self.role_of(inst) is InstanceRole.STRICT:
             return self.schedule_strict(inst, now)
         return self.schedule_relaxed(inst, now)
 
@@ -267,9 +298,7 @@ class OocoPolicy(Policy):
         has online prefill work from that time (a strict step never prefills, §3.2.2)."""
         if inst.role is InstanceRole.AGGREGATED:
             return True
-        return (
-            self.roles[inst.instance_id] is InstanceRole.STRICT and _online_waiting_tokens(inst) > 0
-        )
+        return self.role_of(inst) is InstanceRole.STRICT and _online_waiting_tokens(inst) > 0
 
     def schedule_relaxed(self, inst: InstanceState, now: float) -> StepPlan:
         dec, pre = split_running(inst)
