@@ -22,9 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from services.cli.benchkit import save_json
+from services.cli.benchkit import pct, save_json
 
 SIZES = ("64M", "256M", "1G", "4G")
 
@@ -89,14 +87,14 @@ async def _send(url: str, ticket: str, nbytes: int, bpt: int) -> dict[str, float
         await asyncio.sleep(0.01)
         lags.append(max(0.0, time.perf_counter() - t0 - 0.01))
     secs = await task
-    arr = np.asarray(lags or [0.0]) * 1e3
+    lags_ms = [1e3 * x for x in lags or [0.0]]
     return {
         "bytes": n * bpt,
         "seconds": secs,
         "gb_per_s": n * bpt / secs / 1e9,
-        "lag_p50_ms": float(np.percentile(arr, 50)),
-        "lag_p99_ms": float(np.percentile(arr, 99)),
-        "lag_max_ms": float(arr.max()),
+        "lag_p50_ms": pct(lags_ms, 50),
+        "lag_p99_ms": pct(lags_ms, 99),
+        "lag_max_ms": max(lags_ms),
     }
 
 

@@ -25,10 +25,8 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
 from services.cli import natsd
-from services.cli.benchkit import save_json, stack
+from services.cli.benchkit import pct, save_json, stack
 from tidal.sim.build import instance_setups, simulate, workload
 from tidal.sim.config import SimConfig, load_config
 from tidal.sim.metrics import summarize
@@ -49,14 +47,11 @@ def _prompt_maker() -> Any:
 
 
 def _stats(ttft: list[float], tpot: list[float]) -> dict[str, float]:
-    def p(x: list[float], q: float) -> float:
-        return float(np.percentile(x, q)) if x else float("nan")
-
     return {
-        "ttft_p50_s": p(ttft, 50),
-        "ttft_p99_s": p(ttft, 99),
-        "tpot_p50_s": p(tpot, 50),
-        "tpot_p99_s": p(tpot, 99),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "tpot_p50_s": pct(tpot, 50),
+        "tpot_p99_s": pct(tpot, 99),
     }
 
 
@@ -119,8 +114,8 @@ async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig)
     out |= _stats(ttft, tpot)
     out["offline_tokens_per_s"] = off_tokens / cfg.duration_s
     lag = [sent - r.arrival_s for r, sent, *_ in rows]
-    out["dispatch_lag_p50_s"] = float(np.percentile(lag, 50)) if lag else float("nan")
-    out["dispatch_lag_p99_s"] = float(np.percentile(lag, 99)) if lag else float("nan")
+    out["dispatch_lag_p50_s"] = pct(lag, 50)
+    out["dispatch_lag_p99_s"] = pct(lag, 99)
     out["requests"] = [  # per request, for finding where the time went
         {
             "class": str(r.req_class),

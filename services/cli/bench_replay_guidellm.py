@@ -40,8 +40,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from services.cli.benchkit import pct
 from tidal.sim.config import SimConfig
 from tidal.workload.mix import SimRequest
 
@@ -188,10 +187,6 @@ def unrecorded(rows: list[dict[str, Any]], recs: list[Record]) -> int:
     return sum((want - got).values())
 
 
-def _p(x: list[float], q: float) -> float:
-    return float(np.percentile(x, q)) if x else float("nan")
-
-
 def tokens_in_window(rec: Record, window_end: float) -> int:
     """Output tokens of `rec` whose time is <= window_end, assuming even spacing between the
     first and the last token."""
@@ -238,13 +233,13 @@ def figures(
     return {
         "slo_attainment_pct": 100.0 * ok / max(1, num_online),
         "num_online": num_online,
-        "ttft_p50_s": _p(ttft, 50),
-        "ttft_p99_s": _p(ttft, 99),
-        "tpot_p50_s": _p(tpot, 50),
-        "tpot_p99_s": _p(tpot, 99),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "tpot_p50_s": pct(tpot, 50),
+        "tpot_p99_s": pct(tpot, 99),
         "offline_tokens_per_s": off_tokens / cfg.duration_s,
-        "dispatch_lag_p50_s": _p(lag, 50),
-        "dispatch_lag_p99_s": _p(lag, 99),
+        "dispatch_lag_p50_s": pct(lag, 50),
+        "dispatch_lag_p99_s": pct(lag, 99),
         "prompt_tokens_mismatched": int(prompt_off),
         "start_offset_s": {c: origins[c] - t0 for c in origins},
         "unrecorded": {c: unrecorded(rows[c], recs[c]) for c in CLASSES},

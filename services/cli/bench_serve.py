@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from services.cli import natsd
-from services.cli.benchkit import save_json, stack
+from services.cli.benchkit import pct, save_json, stack
 
 TEXT = "the quick brown fox jumps over the lazy dog while a small bird sings"
 
@@ -61,7 +61,7 @@ def _single_streams(base: str, n: int, max_tokens: int, words: int) -> dict[str,
         "requests": n,
         "ttft_ms_p50": statistics.median(ttft),
         "itl_ms_p50": statistics.median(itl),
-        "itl_ms_p90": sorted(itl)[int(0.9 * (len(itl) - 1))],
+        "itl_ms_p90": pct(itl, 90),
         "tokens_per_s": 1e3 / statistics.median(itl),
     }
 

@@ -13,31 +13,38 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+def pct(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (numpy's, linear between ranks); NaN for no values. The one
+    percentile every bench and the simulator's metrics use."""
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def metric_samples(base: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample on a gateway's /metrics (`base`: its root or API
+    URL), read with prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = base.removesuffix("/v1") + "/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return [
+        (s.name, dict(s.labels), float(s.value))
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    ]
 
 
 def gateway_metrics(base: str) -> dict[str, float]:
     """The gateway's /metrics samples summed by name (labels dropped); `base` is the API URL."""
-    import urllib.request
-
-    url = base.removesuffix("/v1") + "/metrics"
     out: dict[str, float] = {}
-    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, _, value = line.rpartition(" ")
-        name = name.split("{")[0]
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
+    for name, _, value in metric_samples(base):
+        out[name] = out.get(name, 0.0) + value
     return out
 
 

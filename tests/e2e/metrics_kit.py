@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import urllib.request
+from services.cli.benchkit import metric_samples
 
 
 def metric(base: str, name: str, **labels: str) -> float:
     """The sum of `name`'s samples on `base`/metrics whose labels include `labels`."""
-    text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(
+        value
+        for sample, have, value in metric_samples(base)
+        if sample == name and all(have.get(k) == v for k, v in labels.items())
+    )

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
+
+import pytest
 
 from services.cli.benchkit import pct, save_json
 
@@ -21,6 +24,7 @@ def test_a_report_is_written_with_its_options_and_without_the_command(tmp_path: 
     save_json("", {"nothing": 1})  # no path: nothing written, no error
 
 
-def test_percentiles_pick_the_nearest_rank() -> None:
+def test_percentiles_are_numpys_and_nan_without_values() -> None:
     assert pct([3.0, 1.0, 2.0], 50) == 2.0
-    assert pct([1.0, 2.0, 3.0, 4.0], 99) == 4.0
+    assert pct([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)  # linear between ranks
+    assert math.isnan(pct([], 50))
