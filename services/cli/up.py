@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.cli import natsd, state
-from services.cli.model_args import add_model_args, check_model_args, instance_model_argv
+from services.cli.model_args import check_model_args, instance_model_argv
+from services.cli.up_args import add_up_args, sglang_args
 from services.common import live_config
 from services.common.live_config import load_live_config
 from services.gateway.auth import API_KEYS_ENV, keys_from
-from services.gateway.ratelimit import RateLimiter, add_rate_args
+from services.gateway.ratelimit import RateLimiter
 from tidal import envs
 from tidal.engine import core_share
 
@@ -363,7 +364,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_args(up, model_required=False)
+    add_up_args(up, model_required=False)
+    up.set_defaults(func=_run)
     serve = sub.add_parser(
         "serve",
         help="serve MODEL (a local HF directory or GGUF file) with the whole stack, as "
@@ -371,143 +373,5 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_args(serve, model_required=True)
-
-
-def _add_args(p: argparse.ArgumentParser, model_required: bool) -> None:
-    add_model_args(p, required=model_required)
-    p.add_argument("--nats-url", default="", help="join this NATS server instead of starting one")
-    p.add_argument(
-        "--engine",
-        default="torch",
-        choices=("sim", "torch", "sglang"),
-        help="instance engine: torch (real model), sim (emulated timings) or sglang (a real "
-        "SGLang server per instance; docs/sglang.md)",
-    )
-    p.add_argument(
-        "--sglang-urls",
-        default="",
-        help="sglang: comma-separated SGLang server per instance, in slot order (default: each "
-        "instance starts its own)",
-    )
-    p.add_argument(
-        "--sglang-decode-urls",
-        default="",
-        help="sglang PD: comma-separated decode server per instance, in slot order (empty: that "
-        "instance is not a pair); --sglang-urls then names the prefill servers",
-    )
-    p.add_argument("--sglang-args", default="", help="sglang: extra launch_server arguments")
-    p.add_argument("--sglang-python", default="", help="sglang: the Python that has sglang")
-    p.add_argument("--max-model-len", type=int, default=0, help="context length (0: model's)")
-    p.add_argument(
-        "--kv-cache-tokens", type=int, default=0, help="KV pool of each instance (0: default)"
-    )
-    p.add_argument(
-        "--config",
-        default="",
-        help="cluster config YAML: instance roles, chunk sizes, SLO, policy params "
-        "(default: configs/embedded.yaml)",
-    )
-    p.add_argument(
-        "--policy",
-        default="tidal",
-        help="scheduling policy the scheduler and every instance run (tidal policies lists them)",
-    )
-    p.add_argument(
-        "--instances",
-        default="",
-        help="comma-separated instance roles, one instance each (default: the config's)",
-    )
-    p.add_argument(
-        "--cpu-attn",
-        type=int,
-        default=None,
-        help="number of CPU-attention workers (default: 1, or 0 where PyTorch is not installed)",
-    )
-    p.add_argument(
-        "--max-offline-backlog",
-        type=int,
-        default=0,
-        help="Batch API lines queued over all batches past which a new batch fails (0: none)",
-    )
-    p.add_argument(
-        "--cpu-attn-gib",
-        type=float,
-        default=4.0,
-        help="host memory each CPU-attention worker holds offloaded KV in, GiB",
-    )
-    p.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        help="the gateway accepts only this key (repeatable; also $TIDAL_API_KEYS); none: open",
-    )
-    add_rate_args(p)
-    p.add_argument(
-        "--store-dir",
-        default="",
-        help="JetStream store (batches, files, queued lines), kept across restarts "
-        "(default: $TIDAL_CACHE_DIR/jetstream-PORT)",
-    )
-    p.add_argument(
-        "--nats-cluster",
-        type=int,
-        default=0,
-        metavar="N",
-        help="run N nats-server nodes clustered with routes (3: streams and buckets R=3, "
-        "any one node can be lost) instead of one",
-    )
-    p.add_argument(
-        "--sync-always",
-        action="store_true",
-        help="fsync every JetStream write (batches survive a machine crash too; slower)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="gateway address")
-    p.add_argument(
-        "--data-host",
-        default="",
-        help="address the instances' KV data planes and the CPU-attention workers listen on "
-        "(default: 127.0.0.1 when the bus is on loopback, else 0.0.0.0)",
-    )
-    p.add_argument(
-        "--advertise-host",
-        default="",
-        help="address other hosts reach this host's data planes on (default: "
-        "$TIDAL_ADVERTISE_HOST, else the interface that routes to NATS; docs/cluster.md)",
-    )
-    p.add_argument("--port", type=int, default=8000, help="gateway port")
-    p.add_argument(
-        "--sim-step-model",
-        default="linear",
-        help="sim engine latency: zero | linear[:B,P,D,C] | MODEL@HARDWARE",
-    )
-    p.add_argument("--log-level", default="INFO", help="log level of every service")
-    p.add_argument(
-        "--fixed-threads",
-        action="store_true",
-        help="torch instances keep cores ÷ instances threads, busy or not (default: each step "
-        "runs on cores ÷ instances busy now)",
-    )
-    p.set_defaults(func=_run)
-
-
-def sglang_args(a: argparse.Namespace, index: int, num_instances: int) -> list[str]:
-    """One instance's `--sglang-*` options: its server from `--sglang-urls` (with its decode
-    server from `--sglang-decode-urls`, a PD pair), or its own child."""
-    urls = [u for u in a.sglang_urls.split(",") if u] if a.sglang_urls else []
-    if urls and len(urls) != num_instances:
-        raise ValueError(f"--sglang-urls names {len(urls)} server(s) for {num_instances} instances")
-    out = ["--sglang-url", urls[index]] if urls else []
-    if decode_urls := getattr(a, "sglang_decode_urls", ""):
-        decodes = decode_urls.split(",")
-        if not urls or len(decodes) != num_instances:
-            raise ValueError(
-                f"--sglang-decode-urls names {len(decodes)} server(s) for {num_instances} "
-                "instances, each paired with its prefill server in --sglang-urls"
-            )
-        out += ["--sglang-decode-url", decodes[index]] if decodes[index] else []
-    if a.sglang_args:
-        out += ["--sglang-args", a.sglang_args]
-    if a.sglang_python:
-        out += ["--sglang-python", a.sglang_python]
-    return out
+    add_up_args(serve, model_required=True)
+    serve.set_defaults(func=_run)
