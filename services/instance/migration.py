@@ -306,7 +306,8 @@ class Migrator:
         try:
             return fut.result(OPEN_TIMEOUT_S)
         except TimeoutError:
-            fut.cancel()
+            # not cancelled: an import it still makes is dropped by the source's abort (or the
+            # reservation's expiry), which it checks for once it has the blocks
             raise TransferRefused("the engine did not reserve blocks in time") from None
 
     async def _open(self, hello: kv_wire.Hello, state: bytes) -> KvSink:
@@ -320,6 +321,9 @@ class Migrator:
                 if res.aborted:
                     raise TransferRefused("aborted by the source")
                 sink = await asyncio.to_thread(self.mover.begin_import, state)
+                if res.aborted:  # aborted or expired while the blocks were being reserved
+                    await asyncio.to_thread(self.mover.end_import, sink.req_id, False)
+                    raise TransferRefused("aborted by the source")
         except (ValueError, MemoryError) as exc:
             raise TransferRefused(f"import refused: {exc}") from None
         res.sink = sink
