@@ -14,11 +14,12 @@ parts, so a preemption signal from another thread ends it at the next layer boun
 torch engine. Its timings are *emulated* (`is_emulated`): the instance service labels every
 response and metric accordingly.
 
-Own planner (`step()` with no plan): the torch engine's `FcfsChunkedPlanner`, run so that online
-requests go first (`sim_plan.online_first_plan`). Entries whose KV does not fit are left out; an
-online one left out, or nothing fitting, takes the blocks of the latest offline arrival holding KV
-(recompute); online work is never evicted: with only online holders and nothing fitting, the
-newest ends with an "out of KV memory" error event (as in the torch engine).
+Own planner (`step()` with no plan): the torch engine's `FcfsChunkedPlanner`
+(`tidal.engine.scheduler`: decodes, then online prefills, then offline ones, each in arrival
+order). Entries whose KV does not fit are left out; an online one left out, or nothing
+fitting, takes the blocks of the latest offline arrival holding KV (recompute); online work
+is never evicted: with only online holders and nothing fitting, the newest ends with an "out
+of KV memory" error event (as in the torch engine).
 An explicit plan that does not fit raises MemoryError instead: policies plan with block budgets,
 and nothing is changed behind their back.
 """

@@ -4,7 +4,7 @@ layer."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tidal.engine.api import OUT_OF_KV_ERROR, FinishReason, TokenEvent
@@ -21,7 +21,6 @@ __all__ = [
     "SimOwnPlanMixin",
     "batch_shape",
     "layer_times",
-    "online_first_plan",
     "tokens_of",
 ]
 
@@ -35,39 +34,6 @@ def tokens_of(plan: Any) -> dict[str, int]:
     if num_tokens is None:
         num_tokens = dict(plan.prefill) | dict.fromkeys(plan.decode, 1)
     return dict(num_tokens)
-
-
-def online_first_plan(
-    views: Sequence[SeqView],
-    num_free_blocks: int,
-    block_size: int,
-    blocks_needed: Callable[[str, int], int],
-    token_budget: int,
-    chunk_size: int,
-    max_num_seqs: int,
-) -> dict[str, int]:
-    """The torch engine's `FcfsChunkedPlanner`, run twice so that online requests go first:
-    over the online requests plus every decode and cut chunk, then over the offline prefills
-    with the tokens, request slots and blocks left. `blocks_needed(req_id, tokens)` counts the
-    new KV blocks an entry takes."""
-
-    def first_pass(v: SeqView) -> bool:
-        return v.req_class == RequestClass.ONLINE or v.is_decode or v.forced_tokens > 0
-
-    planner = FcfsChunkedPlanner(
-        token_budget=token_budget, chunk_size=chunk_size, max_num_seqs=max_num_seqs
-    )
-    first = [v for v in views if first_pass(v)]
-    out = tokens_of(planner.plan(first, num_free_blocks, block_size))
-    rest = [v for v in views if not first_pass(v)]
-    budget = token_budget - sum(out.values())
-    if rest and budget > 0 and len(out) < max_num_seqs:
-        used = sum(blocks_needed(rid, n) for rid, n in out.items())
-        planner = FcfsChunkedPlanner(
-            token_budget=budget, chunk_size=chunk_size, max_num_seqs=max_num_seqs - len(out)
-        )
-        out |= tokens_of(planner.plan(rest, max(0, num_free_blocks - used), block_size))
-    return out
 
 
 def batch_shape(items: Sequence[Item]) -> BatchShape:
@@ -130,15 +96,9 @@ class SimOwnPlanMixin:
         (`self._ended`). Online work is never evicted."""
         cfg = self.config
         while True:
-            want = online_first_plan(
-                self.schedulable(),
-                self._free_blocks,
-                self.block_size,
-                lambda rid, n: self._blocks_needed(self.seqs[rid], n),
-                cfg.max_batch_tokens,
-                cfg.chunk_size,
-                cfg.max_num_seqs,
-            )
+            # the torch engine's planner (decodes, then online prefills, then offline ones)
+            planner = FcfsChunkedPlanner(cfg.max_batch_tokens, cfg.chunk_size, cfg.max_num_seqs)
+            want = tokens_of(planner.plan(self.schedulable(), self._free_blocks, self.block_size))
             fitted: dict[str, int] = {}
             free = self._free_blocks
             for rid, n in want.items():
