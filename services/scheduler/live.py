@@ -233,6 +233,19 @@ class LiveCluster:
         if not any(self.is_usable(i.instance_id, now) for i in view.instances):
             return RouteAction.REJECT, 0, NO_INSTANCE
         decision = self.policy.route(req, view, now)
+        if decision.action is RouteAction.REJECT and ask is not None and ask.exclude:
+            # A re-placement: the request ran (its client has tokens) until its instance failed
+            # it. Admission control is for new arrivals: a late answer beats a lost one, so it
+            # goes to the least-queued usable prefill instance (a strict one only if none).
+            ok = self._ok(now, ask)
+            insts = view.instances
+            idx = stand_in(view, lambda i: ok(i) and insts[i].role is not InstanceRole.STRICT)
+            idx = stand_in(view, ok) if idx is None else idx
+            if idx is not None:
+                log.info("re-placing %s on slot %d despite: %s", req.req_id, idx, decision.reason)
+                self.routed[req.req_id] = (idx, req, now)
+                req.phase, req.instance_id = Phase.WAITING, idx
+                return RouteAction.QUEUE, idx, ""
         if decision.action is not RouteAction.QUEUE:
             return decision.action, 0, decision.reason
         idx = self._usable(decision.instance_id, view, now, ask)

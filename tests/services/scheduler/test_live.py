@@ -161,3 +161,37 @@ def test_a_push_toward_a_backed_off_target_waits_and_the_request_stays() -> None
     )
     assert c.on_report(restarted)
     assert not c.backoff.is_backed_off("inst-1", until)
+
+
+class _Rejecting:
+    """A policy whose admission control turns every online arrival away."""
+
+    name = "rejecting"
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def __getattr__(self, attr: str) -> object:
+        return getattr(self.inner, attr)
+
+    def route(self, req: object, cluster: object, now: float) -> object:
+        from tidal.policy.base import Route
+
+        return Route.reject("would miss its TTFT SLO")
+
+
+def test_admission_control_never_loses_a_re_placed_request() -> None:
+    """A request whose instance failed it mid-stream (its client already has tokens) is placed
+    again even when the policy's admission control would turn a new arrival away."""
+    c = _cluster()
+    c.policy = _Rejecting(c.policy)  # type: ignore[assignment]
+    now = time.time()
+    for i in (0, 1):
+        c.on_report(make_report(f"inst-{i}", i, "aggregated"))
+    new = RouteRequest(req_id="new", model="m", req_class="online", max_tokens=4,
+                       num_prompt_chars=40)  # fmt: skip
+    assert c.route(c.new_request(new, now), now, new)[0] is RouteAction.REJECT
+    again = msgspec.structs.replace(new, req_id="again", exclude=["inst-1"],
+                                    excluded_at_unix_s=now + 1)  # fmt: skip
+    action, idx, _ = c.route(c.new_request(again, now), now, again)
+    assert (action, idx) == (RouteAction.QUEUE, 0)  # a live instance, not the one that failed it
