@@ -108,7 +108,9 @@ class BusLog:
     nc: nats.NATS | None = None
 
     async def start(self, url: str) -> BusLog:
-        self.nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        self.nc = await nats.connect(
+            url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2
+        )
 
         async def on_mig(msg) -> None:  # type: ignore[no-untyped-def]
             self.migrations.append(codec.decode(msg.data, MigrationEvent))

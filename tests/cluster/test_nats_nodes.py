@@ -1,0 +1,153 @@
+"""A NATS node's host lost, and partitioned, under load: NATS a 3-node JetStream cluster spread
+over the hosts (one node each, R=3 streams, services given all three seeds;
+tests/cluster/conftest.py `nats_spread_cluster`). Each case checks every batch line exactly
+once and every stream complete or ended by one clear error, and records its seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+
+import pytest
+
+from services.common.batch_store import JOBS_STREAM
+from tests.cluster.conftest import Cluster
+from tests.cluster.kit import (
+    RESULTS,
+    BusLog,
+    Stream,
+    batch_output,
+    client_for,
+    once_each,
+    stream,
+    submit_batch,
+    until_served,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.nats]
+HOSTS = "3 (h0: nats-1+scheduler+batch+gateway, h1: nats-2+relaxed, h2: nats-3+strict; R=3)"
+
+
+def node_log(c: Cluster, node: int) -> str:
+    """The tail of nats-`node`'s own log (under its store)."""
+    path = c.tmp / f"nats-{node}" / "nats-server.log"
+    return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
+async def jobs_leader(bus: BusLog) -> str:
+    """The NATS node leading the Batch API's jobs stream ("?" when none is known yet)."""
+    assert bus.nc is not None
+    with contextlib.suppress(Exception):
+        info = await bus.nc.jetstream().stream_info(JOBS_STREAM)
+        if info.cluster is not None and info.cluster.leader:
+            return str(info.cluster.leader)
+    return "?"
+
+
+def check_streams(done: list[Stream], num_tokens: int) -> int:
+    """Each stream complete (no repeated or missing token) or ended by one clear error; returns
+    how many ended with an error."""
+    for s in done:
+        if not s.error:
+            assert s.finish_reason == "length" and len(s.text.split()) == num_tokens, s
+    return sum(bool(s.error) for s in done)
+
+
+async def test_a_nats_node_host_lost_under_load(nats_spread_cluster: Cluster) -> None:
+    c = nats_spread_cluster
+    bus = await BusLog().start(c.nats_url)
+    client = client_for(c.api)
+    try:
+        batch_id = await submit_batch(client, 40, 64)
+        streams = [
+            asyncio.create_task(stream(client, f"chat, node lost {i}", 150)) for i in range(8)
+        ]
+        await asyncio.sleep(1.5)  # streams under way, batch lines running
+        leader = await jobs_leader(bus)
+        c.procs["nats-3"].send_signal(signal.SIGKILL)  # h2's node (`ip netns exec` execs it)
+        c.procs["nats-3"].wait(timeout=5)
+        t_kill = time.monotonic()
+        recovery_s = await until_served(client, 60)
+        for i in range(4):  # new online requests keep being served
+            after = await stream(client, f"after the node loss {i}", 16)
+            assert not after.error and after.finish_reason == "length", after
+        done = await asyncio.gather(*streams)
+        lines = await batch_output(client, batch_id, 150)
+        lost, dup = once_each(lines, 40)
+        assert (lost, dup) == (0, 0)
+        num_errors = check_streams(done, 150)
+        # The node comes back on the same store and catches up with the cluster.
+        c.start("nats-3", 2, *c.nats_argv["nats-3"])
+        t_restart = time.monotonic()
+        assert c.nats_current(2, 30), node_log(c, 3)
+        catch_up_s = time.monotonic() - t_restart
+        served_s = time.monotonic() - t_kill
+    finally:
+        await bus.close()
+    RESULTS.append(
+        {
+            "case": "NATS node host lost: kill -9 nats-3 (h2) under load",
+            "hosts": HOSTS,
+            "load": "8 streams x 150 tok + batch 40 x 64 tok",
+            "lost": lost,
+            "duplicated": dup,
+            "recovery_s": f"{recovery_s:.1f}",
+            "note": f"first new online request served {recovery_s:.1f} s after the kill; "
+            f"jobs stream leader was {leader}; {num_errors} of 8 streams ended with a clear "
+            f"error; restarted nats-3 current (/healthz) in {catch_up_s:.1f} s; "
+            f"all checked {served_s:.0f} s after",
+        }
+    )
+
+
+async def test_a_nats_node_partitioned_10_s(nats_spread_cluster: Cluster) -> None:
+    c = nats_spread_cluster
+    bus = await BusLog().start(c.nats_url)
+    client = client_for(c.api)
+    try:
+        batch_id = await submit_batch(client, 40, 64)
+        streams = [
+            asyncio.create_task(stream(client, f"chat, node cut {i}", 120)) for i in range(8)
+        ]
+        await asyncio.sleep(1.5)
+        leader = await jobs_leader(bus)
+        c.hosts.cut(2)  # h2: nats-3 and the strict instance
+        await asyncio.sleep(10)
+        c.hosts.heal(2)
+        t_heal = time.monotonic()
+        bus.overlaps.clear()
+        assert c.nats_current(2, 60), node_log(c, 3)  # nats-3 rejoined, JetStream current
+        catch_up_s = time.monotonic() - t_heal
+        while True:  # both instances heard from again and back in their own roles
+            st = await bus.status()
+            present = {s["id"] for s in st["services"] if s["kind"] == "instance"}
+            if present == {"instance-0", "instance-1"} and not st["healing"]["standing_in"]:
+                break
+            assert time.monotonic() - t_heal < 60, st
+            await asyncio.sleep(0.2)
+        recovery_s = time.monotonic() - t_heal
+        done = await asyncio.gather(*streams)
+        lines = await batch_output(client, batch_id, 150)
+        await asyncio.sleep(1.0)  # reports after the last request ended
+    finally:
+        await bus.close()
+    lost, dup = once_each(lines, 40)
+    assert (lost, dup) == (0, 0)
+    num_errors = check_streams(done, 120)
+    on_two = sorted({rid for _, rid in bus.overlaps})
+    assert on_two == [], f"requests on two instances after the heal: {on_two}"
+    RESULTS.append(
+        {
+            "case": "NATS node partitioned: cut h2 (nats-3 + strict) 10 s, restore",
+            "hosts": HOSTS,
+            "load": "8 streams x 120 tok + batch 40 x 64 tok",
+            "lost": lost,
+            "duplicated": dup,
+            "recovery_s": f"{catch_up_s:.1f}",
+            "note": f"after restore: nats-3 current (/healthz) in {catch_up_s:.1f} s, both "
+            f"instances in own roles in {recovery_s:.1f} s; jobs stream leader was {leader}; "
+            f"{num_errors} of 8 streams ended with a clear error",
+        }
+    )
