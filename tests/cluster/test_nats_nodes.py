@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import subprocess
 import time
 
 import pytest
 
 from services.common.batch_store import JOBS_STREAM
-from tests.cluster.conftest import Cluster
+from tests.cluster.conftest import NATS_MONITOR_PORT, Cluster
 from tests.cluster.kit import (
     RESULTS,
     BusLog,
@@ -34,6 +35,13 @@ def node_log(c: Cluster, node: int) -> str:
     """The tail of nats-`node`'s own log (under its store)."""
     path = c.tmp / f"nats-{node}" / "nats-server.log"
     return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
+def healthz_inside(c: Cluster, host: int) -> str:
+    """The host's NATS node's /healthz, asked from inside the host (reachable while cut)."""
+    url = f"http://127.0.0.1:{NATS_MONITOR_PORT}/healthz"
+    argv = c.hosts.argv(host, "curl", "-s", "-m", "3", "-w", " %{http_code}", url)
+    return subprocess.run(argv, capture_output=True, text=True, check=False).stdout.strip()
 
 
 async def jobs_leader(bus: BusLog) -> str:
@@ -115,6 +123,7 @@ async def test_a_nats_node_partitioned_10_s(nats_spread_cluster: Cluster) -> Non
         leader = await jobs_leader(bus)
         c.hosts.cut(2)  # h2: nats-3 and the strict instance
         await asyncio.sleep(10)
+        during = healthz_inside(c, 2)  # what nats-3 says of itself, cut off
         c.hosts.heal(2)
         t_heal = time.monotonic()
         bus.overlaps.clear()
@@ -148,6 +157,6 @@ async def test_a_nats_node_partitioned_10_s(nats_spread_cluster: Cluster) -> Non
             "recovery_s": f"{catch_up_s:.1f}",
             "note": f"after restore: nats-3 current (/healthz) in {catch_up_s:.1f} s, both "
             f"instances in own roles in {recovery_s:.1f} s; jobs stream leader was {leader}; "
-            f"{num_errors} of 8 streams ended with a clear error",
+            f"{num_errors} of 8 streams ended with a clear error; nats-3 during the cut: {during}",
         }
     )
