@@ -105,6 +105,9 @@ class BusLog:
     migrations: list[MigrationEvent] = field(default_factory=list)
     latest: dict[str, InstanceReport] = field(default_factory=dict)  # instance -> last report
     overlaps: list[tuple[float, str]] = field(default_factory=list)  # (when, req on two)
+    # Reports sent before this (unix s) are not checked for overlaps: after a partition heals,
+    # reports the cut host published during the cut arrive late and show its state then.
+    since_unix_s: float = 0.0
     nc: nats.NATS | None = None
 
     async def start(self, url: str) -> BusLog:
@@ -117,11 +120,17 @@ class BusLog:
 
         async def on_rep(msg) -> None:  # type: ignore[no-untyped-def]
             rep = codec.decode(msg.data, InstanceReport)
+            seen = self.latest.get(rep.instance_id)
+            if seen is not None and seen.sent_unix_s > rep.sent_unix_s:
+                return  # an older report delivered late
             self.latest[rep.instance_id] = rep
+            if rep.sent_unix_s < self.since_unix_s:
+                return
             mine = {r.req_id for r in rep.requests if r.phase in ON_GPU}
             for other in self.latest.values():
-                fresh = rep.sent_unix_s - other.sent_unix_s < 1.0
-                if other.instance_id == rep.instance_id or not fresh:
+                fresh = abs(rep.sent_unix_s - other.sent_unix_s) < 1.0
+                stale = other.sent_unix_s < self.since_unix_s
+                if other.instance_id == rep.instance_id or not fresh or stale:
                     continue
                 theirs = {r.req_id for r in other.requests if r.phase in ON_GPU}
                 for rid in mine & theirs:
