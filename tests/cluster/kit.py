@@ -108,7 +108,20 @@ class BusLog:
     # Reports sent before this (unix s) are not checked for overlaps: after a partition heals,
     # reports the cut host published during the cut arrive late and show its state then.
     since_unix_s: float = 0.0
+    moved_at: dict[str, list[float]] = field(default_factory=dict)  # req -> ok migrations
     nc: nats.NATS | None = None
+
+    def on_two(self, handoff_s: float = 1.5) -> list[str]:
+        """Requests seen on two instances at once, less a migration's own handoff: an overlap
+        within `handoff_s` of an ok migration of that request (the source's last report, up
+        to 1 s old, beside the destination's first) is the move, not duplicate work."""
+        return sorted(
+            {
+                rid
+                for when, rid in self.overlaps
+                if not any(abs(when - m) < handoff_s for m in self.moved_at.get(rid, []))
+            }
+        )
 
     async def start(self, url: str) -> BusLog:
         self.nc = await nats.connect(
@@ -116,7 +129,10 @@ class BusLog:
         )
 
         async def on_mig(msg) -> None:  # type: ignore[no-untyped-def]
-            self.migrations.append(codec.decode(msg.data, MigrationEvent))
+            event = codec.decode(msg.data, MigrationEvent)
+            self.migrations.append(event)
+            if event.outcome == "ok":
+                self.moved_at.setdefault(event.req_id, []).append(time.monotonic())
 
         async def on_rep(msg) -> None:  # type: ignore[no-untyped-def]
             rep = codec.decode(msg.data, InstanceReport)
