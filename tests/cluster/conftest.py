@@ -23,6 +23,8 @@ from services.cli import natsd
 from tests.cluster.netns import Hosts, unavailable_reason
 
 NATS_PORT = 4222
+NATS_ROUTE_PORT = 6222
+NATS_MONITOR_PORT = 8222
 API_PORT = 8000
 ROLES = "relaxed,strict"
 STEP_MODEL = "linear:0.01,0,0,0"  # 10 ms per emulated step: streams last seconds
@@ -50,10 +52,14 @@ class Cluster:
     tmp: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     host_of: dict[str, int] = field(default_factory=dict)
+    nats_hosts: list[int] = field(default_factory=lambda: [0])  # a NATS node on each
+    env: dict[str, str] = field(default_factory=dict)  # given to every service
+    nats_argv: dict[str, list[str]] = field(default_factory=dict)  # node name -> its argv
 
     @property
     def nats_url(self) -> str:
-        return f"nats://{self.hosts.addrs[0]}:{NATS_PORT}"
+        """Every node's URL, comma-separated (the seed list the services take)."""
+        return ",".join(f"nats://{self.hosts.addrs[h]}:{NATS_PORT}" for h in self.nats_hosts)
 
     @property
     def api(self) -> str:
@@ -66,6 +72,7 @@ class Cluster:
             "TIDAL_HEARTBEAT_S": HEARTBEAT_S,
             "TIDAL_LOG_LEVEL": "INFO",
             "NO_PROXY": "*",
+            **self.env,
         }
         env.pop("TIDAL_ADVERTISE_HOST", None)
         with open(self.tmp / f"{name}.log", "a") as log:
@@ -119,6 +126,22 @@ class Cluster:
         except OSError:
             return 0, b""
 
+    def nats_current(self, host: int, timeout_s: float) -> bool:
+        """Whether host `host`'s NATS node answers /healthz 200 (JetStream current with the
+        cluster: meta, streams, consumers) within `timeout_s`."""
+        url = f"http://{self.hosts.addrs[host]}:{NATS_MONITOR_PORT}/healthz"
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with opener.open(url, timeout=1) as resp:
+                    if resp.status == 200:
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.1)
+        return False
+
     def wait_ready(self, num_instances: int, timeout_s: float = 60.0) -> float:
         """Seconds until the gateway is ready with `num_instances` instances heard from."""
         t0 = time.monotonic()
@@ -150,18 +173,60 @@ def cluster() -> Iterator[Cluster]:
         c.wait_ready(2)
         yield c
     finally:
-        for i in range(len(hosts.names)):
-            hosts.kill_host(i)
-        for p in c.procs.values():
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        hosts.destroy()
-        if os.environ.get("TIDAL_KEEP_CLUSTER_LOGS"):
-            print(f"cluster logs kept in {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        _teardown(c)
+
+
+def _teardown(c: Cluster) -> None:
+    for i in range(len(c.hosts.names)):
+        c.hosts.kill_host(i)
+    for p in c.procs.values():
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    c.hosts.destroy()
+    if os.environ.get("TIDAL_KEEP_CLUSTER_LOGS"):
+        print(f"cluster logs kept in {c.tmp}")
+    else:
+        shutil.rmtree(c.tmp, ignore_errors=True)
+
+
+def nats_node_argv(hosts: Hosts, host: int, store: Path) -> list[str]:
+    """nats-N on host N-1: clients on NATS_PORT, routes to every host's node, monitoring
+    (/healthz) on NATS_MONITOR_PORT, JetStream under `store`."""
+    routes = ",".join(f"nats://{a}:{NATS_ROUTE_PORT}" for a in hosts.addrs)
+    store.mkdir(parents=True, exist_ok=True)
+    cluster = ["--server_name", f"nats-{host + 1}", "--cluster_name", "tidal",
+               "--cluster", f"nats://0.0.0.0:{NATS_ROUTE_PORT}", "--routes", routes,
+               "-m", str(NATS_MONITOR_PORT)]  # fmt: skip
+    return natsd.nats_server_argv(NATS_PORT, str(store), host="0.0.0.0", extra=cluster)
+
+
+@pytest.fixture
+def nats_spread_cluster() -> Iterator[Cluster]:
+    """As `cluster`, but NATS is a 3-node JetStream cluster, one node per host (h0, h1, h2,
+    routes between them), the services given all three seed URLs and R=3 streams."""
+    hosts = Hosts(3)
+    tmp = Path(tempfile.mkdtemp(prefix="tidal-cluster-"))
+    c = Cluster(hosts, tmp, nats_hosts=[0, 1, 2], env={"TIDAL_NATS_REPLICAS": "3"})
+    try:
+        hosts.create()
+        for h in range(3):
+            name = f"nats-{h + 1}"
+            c.nats_argv[name] = nats_node_argv(hosts, h, tmp / name)
+            c.start(name, h, *c.nats_argv[name])
+        for h in range(3):
+            if not c.nats_current(h, 20):
+                raise AssertionError(f"nats-{h + 1} not current\n{c.logs_tail()}")
+        c.service("scheduler-0", 0, "services.scheduler", "--policy", "tidal", "--roles", ROLES)
+        c.service("batch-0", 0, "services.batch")
+        c.service("gateway-0", 0, "services.gateway", "--host", "0.0.0.0", "--port", str(API_PORT))
+        c.instance(0, 1)
+        c.instance(1, 2)
+        c.wait_ready(2)
+        yield c
+    finally:
+        _teardown(c)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]

@@ -105,21 +105,48 @@ class BusLog:
     migrations: list[MigrationEvent] = field(default_factory=list)
     latest: dict[str, InstanceReport] = field(default_factory=dict)  # instance -> last report
     overlaps: list[tuple[float, str]] = field(default_factory=list)  # (when, req on two)
+    # Reports sent before this (unix s) are not checked for overlaps: after a partition heals,
+    # reports the cut host published during the cut arrive late and show its state then.
+    since_unix_s: float = 0.0
+    moved_at: dict[str, list[float]] = field(default_factory=dict)  # req -> ok migrations
     nc: nats.NATS | None = None
 
+    def on_two(self, handoff_s: float = 1.5) -> list[str]:
+        """Requests seen on two instances at once, less a migration's own handoff: an overlap
+        within `handoff_s` of an ok migration of that request (the source's last report, up
+        to 1 s old, beside the destination's first) is the move, not duplicate work."""
+        return sorted(
+            {
+                rid
+                for when, rid in self.overlaps
+                if not any(abs(when - m) < handoff_s for m in self.moved_at.get(rid, []))
+            }
+        )
+
     async def start(self, url: str) -> BusLog:
-        self.nc = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        self.nc = await nats.connect(
+            url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2
+        )
 
         async def on_mig(msg) -> None:  # type: ignore[no-untyped-def]
-            self.migrations.append(codec.decode(msg.data, MigrationEvent))
+            event = codec.decode(msg.data, MigrationEvent)
+            self.migrations.append(event)
+            if event.outcome == "ok":
+                self.moved_at.setdefault(event.req_id, []).append(time.monotonic())
 
         async def on_rep(msg) -> None:  # type: ignore[no-untyped-def]
             rep = codec.decode(msg.data, InstanceReport)
+            seen = self.latest.get(rep.instance_id)
+            if seen is not None and seen.sent_unix_s > rep.sent_unix_s:
+                return  # an older report delivered late
             self.latest[rep.instance_id] = rep
+            if rep.sent_unix_s < self.since_unix_s:
+                return
             mine = {r.req_id for r in rep.requests if r.phase in ON_GPU}
             for other in self.latest.values():
-                fresh = rep.sent_unix_s - other.sent_unix_s < 1.0
-                if other.instance_id == rep.instance_id or not fresh:
+                fresh = abs(rep.sent_unix_s - other.sent_unix_s) < 1.0
+                stale = other.sent_unix_s < self.since_unix_s
+                if other.instance_id == rep.instance_id or not fresh or stale:
                     continue
                 theirs = {r.req_id for r in other.requests if r.phase in ON_GPU}
                 for rid in mine & theirs:
