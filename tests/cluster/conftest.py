@@ -165,15 +165,21 @@ def cluster() -> Iterator[Cluster]:
         c.start("nats-server", 0, *natsd.nats_server_argv(NATS_PORT, str(store), host="0.0.0.0"))
         if not natsd.wait_for_port(hosts.addrs[0], NATS_PORT, 10):
             raise AssertionError(f"nats-server did not start\n{c.logs_tail()}")
-        c.service("scheduler-0", 0, "services.scheduler", "--policy", "tidal", "--roles", ROLES)
-        c.service("batch-0", 0, "services.batch")
-        c.service("gateway-0", 0, "services.gateway", "--host", "0.0.0.0", "--port", str(API_PORT))
-        c.instance(0, 1)
-        c.instance(1, 2)
-        c.wait_ready(2)
+        _start_services(c)
         yield c
     finally:
         _teardown(c)
+
+
+def _start_services(c: Cluster) -> None:
+    """Scheduler, batch and gateway on h0, the relaxed instance on h1 and the strict one on h2,
+    once the bus is up; returns when both instances serve."""
+    c.service("scheduler-0", 0, "services.scheduler", "--policy", "tidal", "--roles", ROLES)
+    c.service("batch-0", 0, "services.batch")
+    c.service("gateway-0", 0, "services.gateway", "--host", "0.0.0.0", "--port", str(API_PORT))
+    c.instance(0, 1)
+    c.instance(1, 2)
+    c.wait_ready(2)
 
 
 def _teardown(c: Cluster) -> None:
@@ -218,12 +224,7 @@ def nats_spread_cluster() -> Iterator[Cluster]:
         for h in range(3):
             if not c.nats_current(h, 20):
                 raise AssertionError(f"nats-{h + 1} not current\n{c.logs_tail()}")
-        c.service("scheduler-0", 0, "services.scheduler", "--policy", "tidal", "--roles", ROLES)
-        c.service("batch-0", 0, "services.batch")
-        c.service("gateway-0", 0, "services.gateway", "--host", "0.0.0.0", "--port", str(API_PORT))
-        c.instance(0, 1)
-        c.instance(1, 2)
-        c.wait_ready(2)
+        _start_services(c)
         yield c
     finally:
         _teardown(c)
