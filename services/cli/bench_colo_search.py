@@ -194,13 +194,17 @@ async def measure_window(
                 prompt=prompt(r.input_tokens),
                 max_tokens=r.output_tokens,
                 stream=True,
+                stream_options={"include_usage": True},
                 extra_body={"request_class": "online", "ignore_eos": True},
             )
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].text:
                     last = time.perf_counter() - t0
                     first = first if first is not None else last
-                    n += 1
+                if chunk.usage is not None:
+                    # NOTE: tokens, not text chunks: a real tokenizer's detokenizer may hold
+                    # a token back or send two in one chunk
+                    n = chunk.usage.completion_tokens
         except openai.APIError:
             pass  # rejected or failed: not attained
         if sent >= warmup_s:
