@@ -307,6 +307,7 @@ def point_row(p: Point) -> dict[str, Any]:
     return {
         "offline_qps": p.load_qps,
         "attainment_pct": p.attainment_pct,
+        "attainment_median_pct": p.attainment_median_pct,
         "attainment_spread": p.spread("attainment_pct"),
         "offline_tokens_per_s": p.offline_tokens_per_s,
         "offline_tokens_per_s_spread": p.spread("offline_tokens_per_s"),
@@ -344,6 +345,7 @@ def run_policy(
         "max_offline_tokens_per_s": out.max_offline_tokens_per_s,
         "max_offline_qps": best.load_qps,
         "attainment": best.attainment_pct,
+        "attainment_median": best.attainment_median_pct,
         "spread": {
             "attainment_pct": best.spread("attainment_pct"),
             "offline_tokens_per_s": best.spread("offline_tokens_per_s"),
