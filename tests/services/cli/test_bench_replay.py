@@ -114,3 +114,20 @@ def test_bad_repeats_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> Non
     args = parser.parse_args(["replay", "--repeats", "0"])
     assert args.func(args) == 2
     assert "--repeats" in capsys.readouterr().err
+
+
+def test_plot_writes_one_panel_per_config(tmp_path: Path) -> None:
+    from services.cli import bench_replay_plot
+
+    def side(x: float) -> dict[str, float]:
+        return {key: x for key, _, _ in bench_replay.KEYS}
+
+    run = {"live": side(1.0), "simulator": side(1.05), "simulator_uncalibrated": side(0.5)}
+    assert bench_replay_plot.errors(run, "simulator")[0] == pytest.approx(0.05)  # points
+    assert bench_replay_plot.errors(run, "simulator")[1] == pytest.approx(5.0)  # %
+    rep = {"config": "configs/ooco.yaml", "duration_s": 30.0, "runs": {"ooco": run, "tidal": run}}
+    path = tmp_path / "rep.json"
+    path.write_text(json.dumps(rep))
+    out = tmp_path / "f.png"
+    assert bench_replay_plot.main([str(path), str(path), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
