@@ -1,0 +1,44 @@
+"""A realtime sim engine writes each step's wall timings to `step_trace` (`tidal bench replay`
+reads them to say where live time went against the emulated time)."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+from tests.tidal.engine.test_sim_engine import make_request
+from tidal.engine.sim import SimEngine, SimEngineConfig
+from tidal.perf.linear import LinearStepModel
+
+STEP_S = 0.02  # every step
+
+
+def test_each_realtime_step_writes_one_line_with_its_timings() -> None:
+    model = LinearStepModel(STEP_S, 0.0, 0.0, 0.0, 0.0)
+    eng = SimEngine(SimEngineConfig(tokenizer="bytes", num_layers=4, realtime=True), model)
+    eng.step_trace = io.StringIO()
+    eng.add(make_request("a", prompt_len=20, max_tokens=3))
+    eng.step_origin = time.perf_counter() - 0.005  # the caller's 5 ms of host work
+    eng.step()  # the prefill
+    eng.step()  # a decode
+    lines = [json.loads(x) for x in eng.step_trace.getvalue().splitlines()]
+    assert len(lines) == 2
+    first, second = lines
+    assert first["num_prefill_tokens"] == 20 and first["num_decode_tokens"] == 0
+    assert second["num_prefill_tokens"] == 0 and second["num_decode_tokens"] == 1
+    for rec in lines:
+        assert rec["emulated_s"] == STEP_S
+        assert rec["wall_s"] >= STEP_S and rec["late_s"] >= 0.0
+    # the 5 ms before the call are host work inside the step, not added to it
+    assert first["host_s"] >= 0.005
+    assert first["wall_s"] < STEP_S + first["late_s"] + 1e-3
+
+
+def test_no_trace_by_default() -> None:
+    eng = SimEngine(
+        SimEngineConfig(tokenizer="bytes", realtime=True), LinearStepModel(0.001, 0, 0, 0, 0)
+    )
+    eng.add(make_request("a", prompt_len=4, max_tokens=1))
+    eng.step()
+    assert eng.step_trace is None
