@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from services.cli import natsd
-from services.cli.bench_replay import _prompt_maker
+from services.cli.bench_replay import prompt_maker
 from services.cli.bench_search import Measurement, Outcome, Point, search_max_offline
 from services.cli.benchkit import metric_samples, pct, stack
 from tidal.configs import config_path
@@ -114,7 +114,7 @@ async def measure_window(
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
-    prompt = _prompt_maker()
+    prompt = prompt_maker()
     slo, end_s = cfg.slo, cfg.duration_s
     rows: list[tuple[float, float | None, float | None, int, int]] = []  # sent, 1st, last, n, want
     batch_ids: list[str] = []
