@@ -78,15 +78,29 @@ def plot(report: dict[str, Any], path: str) -> str:
             [p["attainment_pct"] - p["attainment_spread"][0] for p in pts],
             [p["attainment_spread"][1] - p["attainment_pct"] for p in pts],
         ]
-        ax1.errorbar(x, y, yerr=err, marker="o", capsize=3, label=name)
+        line = ax1.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{name} (live)")
+        colour = line[0].get_color()
         tok = [p["offline_tokens_per_s"] for p in pts]
-        ax2.plot(x, tok, marker="o", label=name)
+        ax2.plot(x, tok, marker="o", color=colour, label=f"{name} (live)")
+        sim = sorted(e["simulator"].get("probes", []), key=lambda p: p["offline_qps"])
+        if sim:  # the simulator's search, same windows: dashed, same colour
+            sx = [p["offline_qps"] for p in sim]
+            ax1.plot(sx, [p["attainment_pct"] for p in sim], ls="--", marker="x", color=colour)
+            ax2.plot(
+                sx,
+                [p["offline_tokens_per_s"] for p in sim],
+                ls="--",
+                marker="x",
+                color=colour,
+                label=f"{name} (simulator)",
+            )
     ax1.axhline(100 - report["violation"], color="grey", ls="--", lw=1)
     ax1.set_xlabel("offline load offered through the Batch API (lines/s, uniform)")
     ax1.set_ylabel("online SLO attainment (%): all repeats' requests")
     ax2.set_xlabel("offline load offered (lines/s)")
     ax2.set_ylabel("offline output tokens/s completed")
     ax1.legend(fontsize=8)
+    ax2.legend(fontsize=8)
     fig.suptitle(f"Live max-offline search ({label(report)})", fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
