@@ -50,6 +50,9 @@ def prompt_maker() -> Any:
     return prompt
 
 
+_prompt_maker = prompt_maker  # the name `bench_colo_search` imports
+
+
 def _stats(ttft: list[float], tpot: list[float]) -> dict[str, float]:
     return {
         "ttft_p50_s": pct(ttft, 50),
@@ -63,17 +66,17 @@ async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig)
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=3600)
-    # (request, sent, first token, last token, tokens), times from t0
-    rows: list[tuple[SimRequest, float, float | None, float | None, int]] = []
+    # (request, sent, first token, last token, tokens, response id), times from t0
+    rows: list[tuple[SimRequest, float, float | None, float | None, int, str]] = []
     off_tokens = 0  # offline output tokens streamed inside the window (as the simulator bins)
     prompt = prompt_maker()
-    t0 = time.perf_counter()
+    t0, unix0 = time.perf_counter(), time.time()
 
     async def one(r: SimRequest) -> None:
         nonlocal off_tokens
         await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
         first = last = None
-        n = 0
+        n, rid = 0, ""
         sent = time.perf_counter() - t0  # later than r.arrival_s by the client's own lag
         try:
             stream = await client.completions.create(
@@ -84,6 +87,7 @@ async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig)
                 extra_body={"request_class": str(r.req_class)},
             )
             async for chunk in stream:
+                rid = rid or chunk.id
                 if chunk.choices and chunk.choices[0].text:
                     last = time.perf_counter() - t0
                     first = first if first is not None else last
@@ -91,13 +95,13 @@ async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig)
                     off_tokens += r.req_class == "offline" and last <= cfg.duration_s
         except openai.APIError:
             pass  # rejected or failed: counts as not attained, no tokens
-        rows.append((r, sent, first, last, n))
+        rows.append((r, sent, first, last, n, rid))
 
     await asyncio.gather(*(one(r) for r in reqs))
     await client.close()
     slo = cfg.slo
     ttft, tpot, ok, num_online = [], [], 0, 0
-    for r, sent, first, last, n in rows:
+    for r, sent, first, last, n, _ in rows:
         if r.req_class == "offline":
             continue
         num_online += 1
@@ -130,8 +134,11 @@ async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig)
             "first_token_s": first,
             "last_token_s": last,
             "num_chunks": n,
+            "req_id": rid,
+            "sent_unix_s": unix0 + sent,
+            "first_token_unix_s": None if first is None else unix0 + first,
         }
-        for r, sent, first, last, n in rows
+        for r, sent, first, last, n, rid in rows
     ]
     return out
 
@@ -192,6 +199,7 @@ def _one(
                 live = asyncio.run(_replay(base, "tidal-sim", reqs, cfg))
             live["migrations"] = _migration_metrics(base)
         live["steps"] = probe.step_summary(Path(trace_dir))
+        live["path"] = probe.serving_path(live["requests"], probe.request_events(Path(trace_dir)))
     cal = probe.calibrate(cfg, policy, lone)
     return {
         "resources": res,
@@ -309,6 +317,14 @@ def print_table(report: dict[str, Any], label: str) -> None:
             f"{cal['dispatch_us_per_token']:.2f} us/token; hand-off "
             f"{cal['link_latency_ms']:.1f} ms + KV at {cal['link_gb_per_s']:.2f} GB/s"
         )
+        path = run_["live"].get("path") or {}
+        if path.get("num_matched"):
+            pin, pout = path["in_ms_p50_p90_p99"], path["out_ms_p50_p90_p99"]
+            print(
+                f"    serving path in the window (live, ms p50/p90/p99): client -> engine "
+                f"{'/'.join(f'{v:.0f}' for v in pin)}; first token -> client "
+                f"{'/'.join(f'{v:.0f}' for v in pout)}"
+            )
         for key, name, nd in KEYS:
             a, b, c = (run_[side][key] for side in SIDES)
             print(

@@ -186,7 +186,8 @@ def step_summary(trace_dir: Path) -> dict[str, Any]:
     steps ran past their emulated time, and the host work before each (ms, p50/p90/p99)."""
     out: dict[str, Any] = {}
     for path in sorted(trace_dir.glob("*.jsonl")):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = [r for r in lines if "emulated_s" in r]  # steps (the rest: request events)
         if not rows:
             continue
         over = np.array([r["wall_s"] - r["emulated_s"] for r in rows]) * 1e3
@@ -203,3 +204,44 @@ def step_summary(trace_dir: Path) -> dict[str, Any]:
             "late_ms_p50_p90_p99": np.percentile(late, q).round(3).tolist(),
         }
     return out
+
+
+def request_events(trace_dir: Path) -> dict[str, dict[str, float]]:
+    """req_id -> {event: unix_s} from every instance's trace (`add`: joined an engine, `first`:
+    its first token made; the earliest of each)."""
+    out: dict[str, dict[str, float]] = {}
+    for path in sorted(trace_dir.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            if "event" in rec:
+                ev = out.setdefault(rec["req_id"], {})
+                ev[rec["event"]] = min(ev.get(rec["event"], rec["unix_s"]), rec["unix_s"])
+    return out
+
+
+def serving_path(requests: list[dict[str, Any]], events: dict[str, dict[str, float]]) -> dict:
+    """Where the window's online TTFT went outside the engine, per request from the client's and
+    the engine's clocks (one host): `in` client sent -> the request joined an engine (HTTP,
+    gateway, scheduler, instance, tokenising, the step boundary), `out` first token made -> the
+    client had it. ms, p50/p90/p99, and how many requests were matched."""
+    path_in, path_out = [], []
+    for r in requests:
+        rid = r.get("req_id") or ""
+        # the API's id is the engine's request id behind the object's prefix ("cmpl-")
+        ev = events.get(rid) or events.get(rid.split("-", 1)[-1], {})
+        if r["class"] != "online" or "sent_unix_s" not in r:
+            continue
+        if "add" in ev:
+            path_in.append(ev["add"] - r["sent_unix_s"])
+        if "first" in ev and r.get("first_token_unix_s") is not None:
+            path_out.append(r["first_token_unix_s"] - ev["first"])
+    q = [50, 90, 99]
+
+    def ms(v: list[float]) -> list[float]:
+        return (np.percentile(v, q) * 1e3).round(2).tolist() if v else []
+
+    return {
+        "in_ms_p50_p90_p99": ms(path_in),
+        "out_ms_p50_p90_p99": ms(path_out),
+        "num_matched": len(path_in),
+    }

@@ -165,6 +165,8 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin):
             raise ValueError(f"request id {request.req_id!r} is already in this engine")
         prompt = list(request.prompt_token_ids)
         self.seqs[request.req_id] = SimSeq(request, prompt, prompt_key(prompt))
+        if self.step_trace is not None:
+            self.trace_event("add", request.req_id)
 
     def abort(self, req_id: str) -> bool:
         seq = self.seqs.pop(req_id, None)
@@ -428,7 +430,7 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin):
         rec = {
             "unix_s": round(time.time(), 6),
             "emulated_s": round(emulated_s, 6),
-            "host_s": round(called - start, 6),
+            "host_s": round(max(0.0, called - start), 6),
             "wall_s": round(end - start, 6),
             "late_s": round(end - max(start + emulated_s, called), 6),
             "num_prefill_tokens": shape.num_prefill_tokens,
@@ -437,10 +439,19 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin):
         assert self.step_trace is not None
         self.step_trace.write(json.dumps(rec) + "\n")
 
+    def trace_event(self, event: str, req_id: str) -> None:
+        """One line of `step_trace` for a request: `add` (it joined the engine), `first` (its
+        first output token was made here), at `unix_s`."""
+        assert self.step_trace is not None
+        rec = {"event": event, "req_id": req_id, "unix_s": round(time.time(), 6)}
+        self.step_trace.write(json.dumps(rec) + "\n")
+
     def _emit(self, seq: SimSeq) -> TokenEvent:
         sp = seq.req.sampling
         tok = sim_token(seq.key, seq.num_output, self.word_ids)
         seq.token_ids.append(tok)
+        if self.step_trace is not None and seq.num_output == 1:
+            self.trace_event("first", seq.req_id)
         finish: FinishReason | None = None
         delta = ""
         if tok in sp.stop_token_ids:

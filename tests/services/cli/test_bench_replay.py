@@ -131,3 +131,31 @@ def test_plot_writes_one_panel_per_config(tmp_path: Path) -> None:
     out = tmp_path / "f.png"
     assert bench_replay_plot.main([str(path), str(path), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serving_path_matches_client_and_engine_clocks(tmp_path: Path) -> None:
+    events = [
+        {"event": "add", "req_id": "a", "unix_s": 100.030},
+        {"emulated_s": 0.01, "wall_s": 0.01, "host_s": 0.0, "late_s": 0.0},
+        {"event": "first", "req_id": "a", "unix_s": 100.050},
+    ]
+    (tmp_path / "instance-0.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "instance-1.jsonl").write_text(
+        json.dumps({"event": "first", "req_id": "a", "unix_s": 100.2}) + "\n"  # later: ignored
+    )
+    ev = probe.request_events(tmp_path)
+    assert ev == {"a": {"add": 100.030, "first": 100.050}}
+    reqs = [
+        {
+            "class": "online",
+            "req_id": "cmpl-a",
+            "sent_unix_s": 100.0,
+            "first_token_unix_s": 100.058,
+        },
+        {"class": "offline", "req_id": "b", "sent_unix_s": 100.0, "first_token_unix_s": 101.0},
+    ]
+    path = probe.serving_path(reqs, ev)
+    assert path["num_matched"] == 1
+    assert path["in_ms_p50_p90_p99"] == [pytest.approx(30.0)] * 3
+    assert path["out_ms_p50_p90_p99"] == [pytest.approx(8.0)] * 3
+    assert probe.step_summary(tmp_path)["instance-0"]["num_steps"] == 1

@@ -22,7 +22,8 @@ def test_each_realtime_step_writes_one_line_with_its_timings() -> None:
     eng.step_origin = time.perf_counter() - 0.005  # the caller's 5 ms of host work
     eng.step()  # the prefill
     eng.step()  # a decode
-    lines = [json.loads(x) for x in eng.step_trace.getvalue().splitlines()]
+    every = [json.loads(x) for x in eng.step_trace.getvalue().splitlines()]
+    lines = [x for x in every if "emulated_s" in x]  # the steps (beside request events)
     assert len(lines) == 2
     first, second = lines
     assert first["num_prefill_tokens"] == 20 and first["num_decode_tokens"] == 0
@@ -42,3 +43,16 @@ def test_no_trace_by_default() -> None:
     eng.add(make_request("a", prompt_len=4, max_tokens=1))
     eng.step()
     assert eng.step_trace is None
+
+
+def test_trace_says_when_a_request_joined_and_made_its_first_token() -> None:
+    model = LinearStepModel(0.001, 0.0, 0.0, 0.0, 0.0)
+    eng = SimEngine(SimEngineConfig(tokenizer="bytes", realtime=True), model)
+    eng.step_trace = io.StringIO()
+    eng.add(make_request("a", prompt_len=8, max_tokens=3))
+    for _ in range(3):
+        eng.step()
+    lines = [json.loads(x) for x in eng.step_trace.getvalue().splitlines()]
+    events = [(x["event"], x["req_id"]) for x in lines if "event" in x]
+    assert events == [("add", "a"), ("first", "a")]  # one first token, not one per token
+    assert sum("emulated_s" in x for x in lines) == 3
