@@ -116,6 +116,7 @@ async def _phase(base: str, args: argparse.Namespace, pids: dict[str, int]) -> d
     for task in offl:  # the window is over: what is not done is cancelled (client disconnect)
         task.cancel()
     await asyncio.gather(*offl, onl, return_exceptions=True)
+    await client.close()
     m = await asyncio.to_thread(gateway_metrics, base)
 
     def delta(name: str) -> float:
