@@ -117,6 +117,11 @@ class Simulator:
         self._now = 0.0
         self._num_open = 0  # requests arrived and not finished or rejected
         self._reserved = [0] * len(setups)  # blocks reserved for KV in flight to each instance
+        # When each instance's link is next free to send / to receive KV bytes: transfers that
+        # overlap share it, one after another (a link moves one request's bytes at a time at
+        # full rate, or several at a share: the last lands at the same moment either way).
+        self._send_free_s = [0.0] * len(setups)
+        self._recv_free_s = [0.0] * len(setups)
         self._check = check  # run check_integrity after every event (tests)
         # `via_reports`: the cluster half sees a view rebuilt from instance reports, exactly as
         # the live scheduler builds it (`tidal.cluster.view`). Same decisions (tests), but ~4x
@@ -323,7 +328,12 @@ class Simulator:
         r.num_blocks = 0
         src.running.remove(r)
         r.phase = Phase.MIGRATING
-        dt = self.cluster.transfer_s(r, src)
+        # The fixed part (offer, reservation, commit) runs at once; the bytes wait for the link.
+        c, sid = self.cluster, src.instance_id
+        wire_s = r.num_computed_tokens * src.kv_bytes_per_token / c.link_bytes_per_s
+        start = max(now + c.link_latency_s, self._send_free_s[sid], self._recv_free_s[dst_id])
+        self._send_free_s[sid] = self._recv_free_s[dst_id] = start + wire_s
+        dt = start + wire_s - now
         if is_migration:
             r.num_migrations += 1
             self.rec.num_migrations += 1

@@ -56,3 +56,19 @@ def test_trace_says_when_a_request_joined_and_made_its_first_token() -> None:
     events = [(x["event"], x["req_id"]) for x in lines if "event" in x]
     assert events == [("add", "a"), ("first", "a")]  # one first token, not one per token
     assert sum("emulated_s" in x for x in lines) == 3
+
+
+def test_a_host_stall_is_not_made_up_by_the_next_steps() -> None:
+    # The caller stalls 60 ms past a 20 ms step's emulated end; the step after it still takes
+    # its 20 ms (it used to take none: counted from the emulated end, 40 ms in the past).
+    model = LinearStepModel(STEP_S, 0.0, 0.0, 0.0, 0.0)
+    eng = SimEngine(SimEngineConfig(tokenizer="bytes", num_layers=4, realtime=True), model)
+    eng.add(make_request("a", prompt_len=4, max_tokens=8))
+    eng.step()
+    eng.step_origin = eng.last_step_end_s
+    time.sleep(3 * STEP_S)  # the stall: host work between the steps
+    eng.step()  # ends at once: its emulated time passed during the stall
+    eng.step_origin = eng.last_step_end_s  # back to back from here
+    t0 = time.perf_counter()
+    eng.step()
+    assert time.perf_counter() - t0 >= STEP_S * 0.95  # a whole step, not the stall repaid

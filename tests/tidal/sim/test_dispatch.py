@@ -63,3 +63,32 @@ def test_negative_dispatch_is_refused(bad: dict[str, float]) -> None:
 def test_simulator_refuses_negative_dispatch() -> None:
     with pytest.raises(ValueError, match="dispatch"):
         Simulator([make_setup()], make_policy_for("aggregated", AGG), dispatch_s=-0.1)
+
+
+def test_overlapping_transfers_share_the_link() -> None:
+    # Two prefills of 100 tokens on P: a first token at 0.11; b (routed behind a) at 0.22.
+    # KV 100 tokens * 1000 B over 1e6 B/s = 0.1 s each. a's bytes take the link 0.11 -> 0.21;
+    # b's start at 0.22 (the link is free again) -> 0.32. With a 0.5 s link latency instead,
+    # a's bytes wait for it (0.61 -> 0.71) and b's for a's (0.72 -> 0.82 vs 0.72 alone).
+    roles = (InstanceRole.PREFILL, InstanceRole.DECODE)
+    pol = make_policy_for("pd-disagg", roles)
+    sim = Simulator([make_setup(r) for r in roles], pol, link_bytes_per_s=1e6)
+    rec = sim.run([req("a", 0.0, 100, 2), req("b", 0.0, 100, 2)])
+    got = {r.req_id: r for r in rec.requests}
+    assert got["a"].finish_s == pytest.approx(0.21 + 0.011)
+    # b's one decode step on D waits for a's (0.21 -> 0.221 runs a alone) then lands at 0.32
+    assert got["b"].finish_s == pytest.approx(0.32 + 0.011)
+
+
+def test_concurrent_transfers_queue_for_the_bytes_not_the_latency() -> None:
+    # Prefills of 100 tokens, one a step: first tokens at 0.11 (a) and 0.22 (b). KV 100 tokens
+    # * 1000 B over 1e5 B/s = 1 s each, after a 0.05 s fixed part (in parallel): a's bytes
+    # 0.16 -> 1.16; b's wait for the link: 1.16 -> 2.16 (alone they would land at 1.27).
+    roles = (InstanceRole.PREFILL, InstanceRole.DECODE)
+    pol = make_policy_for("pd-disagg", roles)
+    sim = Simulator([make_setup(r) for r in roles], pol, link_bytes_per_s=1e5, link_latency_s=0.05)
+    rec = sim.run([req("a", 0.0, 100, 1000), req("b", 0.0, 100, 1000)])
+    firsts = sorted(r.first_token_s for r in rec.requests if r.first_token_s is not None)
+    assert firsts == [pytest.approx(0.11), pytest.approx(0.22)]
+    lands = sorted(r.queued_s for r in rec.requests)
+    assert lands == [pytest.approx(1.16), pytest.approx(2.16)]
