@@ -29,7 +29,8 @@ def table(report: dict[str, Any]) -> str:
     lines = [
         f"Live max offline load at >= {100 - report['violation']:g}% online SLO attainment "
         f"({label(report)}; {report['config']}, online trace window {report['window']}; "
-        f"median of {report['repeats']} windows, [min, max]; simulator: emulated):",
+        f"{report['repeats']} windows a point: attainment over all their online requests, "
+        f"offline tok/s their median, [min, max] over the windows; simulator: emulated):",
         "  policy                   live offline tok/s [spread]       QPS  attain % [spread]"
         "        sim tok/s",
     ]
@@ -77,21 +78,47 @@ def plot(report: dict[str, Any], path: str) -> str:
             [p["attainment_pct"] - p["attainment_spread"][0] for p in pts],
             [p["attainment_spread"][1] - p["attainment_pct"] for p in pts],
         ]
-        ax1.errorbar(x, y, yerr=err, marker="o", capsize=3, label=name)
+        line = ax1.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{name} (live)")
+        colour = line[0].get_color()
         tok = [p["offline_tokens_per_s"] for p in pts]
-        ax2.plot(x, tok, marker="o", label=name)
+        ax2.plot(x, tok, marker="o", color=colour, label=f"{name} (live)")
+        sim = sorted(e["simulator"].get("probes", []), key=lambda p: p["offline_qps"])
+        if sim:  # the simulator's search, same windows: dashed, same colour
+            sx = [p["offline_qps"] for p in sim]
+            ax1.plot(sx, [p["attainment_pct"] for p in sim], ls="--", marker="x", color=colour)
+            ax2.plot(
+                sx,
+                [p["offline_tokens_per_s"] for p in sim],
+                ls="--",
+                marker="x",
+                color=colour,
+                label=f"{name} (simulator)",
+            )
     ax1.axhline(100 - report["violation"], color="grey", ls="--", lw=1)
     ax1.set_xlabel("offline load offered through the Batch API (lines/s, uniform)")
-    ax1.set_ylabel("online SLO attainment (%), median of repeats")
+    ax1.set_ylabel("online SLO attainment (%): all repeats' requests")
     ax2.set_xlabel("offline load offered (lines/s)")
     ax2.set_ylabel("offline output tokens/s completed")
     ax1.legend(fontsize=8)
+    ax2.legend(fontsize=8)
     fig.suptitle(f"Live max-offline search ({label(report)})", fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`new`'s policies added to an earlier report of the same method (a search split over two
+    runs); refused when the engine, config, window or search differ."""
+    keys = ("engine", "sim_step_model", "config", "set", "window", "violation", "repeats", "search")
+    diff = [k for k in keys if old.get(k) != new.get(k)]
+    if diff:
+        raise ValueError(f"--append: the earlier report differs in {diff}")
+    out = {**new, "policies": {**old["policies"], **new["policies"]}}
+    out["wall_s"] = old.get("wall_s", 0.0) + new["wall_s"]
+    return out
 
 
 def run_search(args: argparse.Namespace) -> int:
@@ -129,6 +156,14 @@ def run_search(args: argparse.Namespace) -> int:
         "search": {"start_qps": args.start_qps, "max_qps": args.max_qps, "iters": args.iters},
         "policies": {},
     }
+    earlier = None
+    if args.json and args.append and Path(args.json).exists():
+        earlier = json.loads(Path(args.json).read_text())
+        try:
+            merged(earlier, {**report, "wall_s": 0.0})
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     t0 = time.perf_counter()
     with Progress(
         SpinnerColumn(),
@@ -140,6 +175,8 @@ def run_search(args: argparse.Namespace) -> int:
         for name, policy, workers in cs.variants(args):
             report["policies"][name] = cs.run_policy(args, cfg, cfg_path, policy, workers, prog)
     report["wall_s"] = time.perf_counter() - t0
+    if earlier is not None:
+        report = merged(earlier, report)
     print(table(report))
     if args.json:
         png = args.plot or str(Path(args.json).with_suffix(".png"))
@@ -187,4 +224,9 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--start-qps", type=float, default=1.0, help="first offline load probed")
     g.add_argument("--max-qps", type=float, default=32.0, help="stop growing the load here")
     g.add_argument("--iters", type=int, default=1, help="bisection steps")
+    g.add_argument(
+        "--append",
+        action="store_true",
+        help="add these policies to the --json report of an earlier run with the same settings",
+    )
     g.add_argument("--plot", default="", help="PNG path (default: the --json path's .png)")

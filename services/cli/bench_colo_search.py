@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -31,7 +32,7 @@ from typing import Any
 import yaml
 
 from services.cli import natsd
-from services.cli.bench_replay import _prompt_maker
+from services.cli.bench_replay import prompt_maker as _make_prompt_maker
 from services.cli.bench_search import Measurement, Outcome, Point, search_max_offline
 from services.cli.benchkit import metric_samples, pct, stack
 from tidal.configs import config_path
@@ -39,6 +40,7 @@ from tidal.sim.build import kv_geometry, with_offline_rate, workload
 from tidal.sim.config import SimConfig, parse_config, set_path
 from tidal.workload.mix import SimRequest
 
+_prompt_maker = functools.cache(_make_prompt_maker)  # the tokenizer is read once
 BATCH_MAX_INFLIGHT = 32  # the batch service's default `--max-inflight` (services/batch/main.py)
 
 
@@ -89,6 +91,63 @@ def up_args(args: argparse.Namespace, cfg_path: str, policy: str, res: dict) -> 
     return up
 
 
+async def _submit(client: Any, model: str, lines: list[tuple[int, int]]) -> str:
+    """One batch of (prompt tokens, output tokens) lines through /v1/files + /v1/batches."""
+    prompt = _prompt_maker()
+    body = "\n".join(
+        json.dumps(
+            {
+                "custom_id": f"l{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {
+                    "model": model,
+                    "prompt": prompt(n_in),
+                    "max_tokens": n_out,
+                    "ignore_eos": True,
+                },
+            }
+        )
+        for i, (n_in, n_out) in enumerate(lines)
+    ).encode()
+    f = await client.files.create(file=("w.jsonl", io.BytesIO(body)), purpose="batch")
+    b = await client.batches.create(
+        input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    return str(b.id)
+
+
+FINAL = ("completed", "failed", "cancelled", "expired")
+
+
+async def _settle(client: Any, model: str, batch_ids: list[str], settle_s: float) -> None:
+    """Leave the stack empty for the next window: the window's batches get `settle_s` to finish,
+    the rest are cancelled. NOTE: the batch service takes seconds to minutes to finalize
+    cancelled batches and validates no new batch meanwhile (later windows measured no offline
+    tokens at all), so batches are left to finish where they can; after a cancel, a one-line
+    batch run to completion shows the service is ready again."""
+    import openai
+
+    deadline = time.monotonic() + settle_s
+    left = list(batch_ids)
+    while left and time.monotonic() < deadline:
+        states = await asyncio.gather(*(client.batches.retrieve(b) for b in left))
+        left = [b.id for b in states if b.status not in FINAL]
+        if left:
+            await asyncio.sleep(0.5)
+    if not left:
+        return
+    for bid in left:
+        with contextlib.suppress(openai.APIError):  # it ended meanwhile
+            await client.batches.cancel(bid)
+    probe = await _submit(client, model, [(8, 1)])
+    for _ in range(600):
+        if (await client.batches.retrieve(probe)).status in FINAL:
+            return
+        await asyncio.sleep(0.5)
+    raise RuntimeError("the batch service did not run a one-line batch within 300 s")
+
+
 def _batch_counters(base: str) -> dict[str, float]:
     out = {"tokens": 0.0, "lines": 0.0, "busy": 0.0}
     for name, labels, value in metric_samples(base):
@@ -108,6 +167,7 @@ async def measure_window(
     online: list[SimRequest],
     offline: list[SimRequest],
     warmup_s: float,
+    settle_s: float = 90.0,
 ) -> Measurement:
     """One window: the online trace streamed and the offline lines submitted as batches at their
     arrival times; counted from `warmup_s` on; every batch cancelled and drained at the end."""
@@ -148,27 +208,9 @@ async def measure_window(
 
     async def submit(second: int, lines: list[SimRequest]) -> None:
         await at(float(second))
-        body = "\n".join(
-            json.dumps(
-                {
-                    "custom_id": r.req_id,
-                    "method": "POST",
-                    "url": "/v1/completions",
-                    "body": {
-                        "model": model,
-                        "prompt": prompt(r.input_tokens),
-                        "max_tokens": r.output_tokens,
-                        "ignore_eos": True,
-                    },
-                }
-            )
-            for r in lines
-        ).encode()
-        f = await client.files.create(file=("w.jsonl", io.BytesIO(body)), purpose="batch")
-        b = await client.batches.create(
-            input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
+        batch_ids.append(
+            await _submit(client, model, [(r.input_tokens, r.output_tokens) for r in lines])
         )
-        batch_ids.append(b.id)
 
     async def snapshot(t: float) -> dict[str, float]:
         await at(t)
@@ -183,15 +225,9 @@ async def measure_window(
     measured_s = end_s - warmup_s
     try:
         await asyncio.gather(*tasks)
+        await _settle(client, model, batch_ids, settle_s)
     finally:
-        for bid in batch_ids:
-            with contextlib.suppress(openai.APIError):  # already completed
-                await client.batches.cancel(bid)
         await client.close()
-    for _ in range(120):  # cancelled lines leave the cluster before the next window starts
-        if (await asyncio.to_thread(_batch_counters, base))["busy"] == 0:
-            break
-        await asyncio.sleep(0.5)
     ok = 0
     ttft, tpot = [], []
     for sent, first, last, n, want in rows:
@@ -307,6 +343,7 @@ def point_row(p: Point) -> dict[str, Any]:
     return {
         "offline_qps": p.load_qps,
         "attainment_pct": p.attainment_pct,
+        "attainment_median_pct": p.attainment_median_pct,
         "attainment_spread": p.spread("attainment_pct"),
         "offline_tokens_per_s": p.offline_tokens_per_s,
         "offline_tokens_per_s_spread": p.spread("offline_tokens_per_s"),
@@ -344,6 +381,7 @@ def run_policy(
         "max_offline_tokens_per_s": out.max_offline_tokens_per_s,
         "max_offline_qps": best.load_qps,
         "attainment": best.attainment_pct,
+        "attainment_median": best.attainment_median_pct,
         "spread": {
             "attainment_pct": best.spread("attainment_pct"),
             "offline_tokens_per_s": best.spread("offline_tokens_per_s"),

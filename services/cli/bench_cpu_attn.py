@@ -25,20 +25,21 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import statistics
 import time
 from typing import Any
 
 from services.cli import natsd
-from services.cli.bench_cpu_attn_bound import live_bound, measure, on_cores
+from services.cli.bench_cpu_attn_bound import CpuClock, children_of, live_bound, measure, on_cores
 from services.cli.benchkit import gateway_metrics, pct, save_json, stack
 from services.common import affinity
 
 WORDS = ["tide", "wave", "shore", "moon", "current", "reef", "harbor", "sail", "drift", "foam"]
 
 
-async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _phase(base: str, args: argparse.Namespace, pids: dict[str, int]) -> dict[str, Any]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=1800)
@@ -95,6 +96,7 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
         await online(-1 - i)
     tpots.clear()
     m0 = await asyncio.to_thread(gateway_metrics, base)
+    clock, load0 = CpuClock(pids), os.getloadavg()[0]
     in_flight: list[int] = []
     offloaded: list[float] = []
     stop = asyncio.Event()
@@ -109,10 +111,12 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
             m = await asyncio.to_thread(gateway_metrics, base)
             offloaded.append(m.get("tidal_cpu_attn_offloaded_requests", 0.0))
     t1 = time.perf_counter()
+    cpu = clock.read() | {"loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)]}
     stop.set()
     for task in offl:  # the window is over: what is not done is cancelled (client disconnect)
         task.cancel()
     await asyncio.gather(*offl, onl, return_exceptions=True)
+    await client.close()
     m = await asyncio.to_thread(gateway_metrics, base)
 
     def delta(name: str) -> float:
@@ -140,6 +144,34 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
         "worker_mean_context_tokens": (
             round(delta("tidal_cpu_attn_context_tokens_total") / rows) if rows else None
         ),
+        "cpu": cpu,
+    }
+
+
+def _up_pid(port: int) -> int:
+    """The pid of this process's child `tidal up --port PORT` (benchkit.stack's)."""
+    for pid in children_of(os.getpid()).values():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        if "up" in argv and "--port" in argv and argv[argv.index("--port") + 1] == str(port):
+            return pid
+    raise RuntimeError(f"no `tidal up --port {port}` below this process")
+
+
+def _shares(cpu: dict[str, Any], cores: dict[str, tuple[int, ...]]) -> dict[str, float]:
+    """How much CPU the engine and the workers got in the window (1.0 = one core throughout),
+    and how busy their cores were with everything on the machine."""
+    w = max(cpu["window_s"], 1e-9)
+    workers = sum(v for k, v in cpu["cpu_s"].items() if k.startswith("cpu-attn"))
+
+    def busy(cs: tuple[int, ...]) -> float:
+        return round(statistics.mean(cpu["core_busy"].get(c, 0.0) for c in cs), 2)
+
+    return {
+        "engine_cpu_cores": round(cpu["cpu_s"].get("instance-0", 0.0) / w, 2),
+        "workers_cpu_cores": round(workers / w, 2),
+        "engine_cores_busy": busy(cores["engine"]),
+        "worker_cores_busy": busy(cores["cpu_attn"]),
     }
 
 
@@ -178,11 +210,13 @@ def run(args: argparse.Namespace) -> int:
             affinity.format_cores(c) for c in affinity.split_cores(cores["cpu_attn"], int(workers))
         ]
         print(f"workers={workers}: starting the stack ...", flush=True)
-        # The client and `tidal up` itself (and so any child it does not pin) on the service cores.
-        with on_cores(cores["service"]), stack(natsd.free_port(), *up) as base:
-            r = asyncio.run(_phase(base, args))
+        # The client on the service cores; not `tidal up` itself, which must see every core to
+        # place its children (it pins each of them).
+        port = natsd.free_port()
+        with stack(port, *up) as base, on_cores(cores["service"]):
+            r = asyncio.run(_phase(base, args, children_of(_up_pid(port))))
         r["worker_cores"] = slices
-        r |= live_bound(r, bw, args.dtype)
+        r |= live_bound(r, bw, args.dtype) | _shares(r["cpu"], cores)
         phases[workers] = r
         print(f"workers={workers}: {json.dumps(r)}", flush=True)
     base_tps = phases.get("0", {}).get("offline_decode_tokens_per_s")
@@ -210,7 +244,7 @@ def _print_table(args: argparse.Namespace, results: dict[str, Any]) -> None:
     )
     print(
         "  workers  worker cores  offline tok/s  gain  in flight p50/peak  TPOT p50/p99 ms  "
-        "attn ms/step  KV MB/step  bound ms/step  x bound"
+        "attn ms/step  KV MB/step  bound ms/step  x bound  engine CPU (core busy)  workers CPU"
     )
     for key, r in results["phases"].items():
         gain = r["offline_gain_vs_0"]
@@ -220,7 +254,9 @@ def _print_table(args: argparse.Namespace, results: dict[str, Any]) -> None:
             f"{r['offline_in_flight_median']:>8}/{r['offline_in_flight_peak']:<8}  "
             f"{r['online_tpot_p50_ms']}/{r['online_tpot_p99_ms']:<10}  "
             f"{r['attn_ms_per_step'] or '-':>12}  {r['kv_mb_per_step'] or '-':>10}  "
-            f"{r['bound_ms_per_step'] or '-':>13}  {r.get('x_bound', '-'):>7}"
+            f"{r['bound_ms_per_step'] or '-':>13}  {r.get('x_bound', '-'):>7}  "
+            f"{r['engine_cpu_cores']:>10} ({r['engine_cores_busy']})  "
+            f"{r['workers_cpu_cores']} ({r['worker_cores_busy']})"
         )
     iso = b["isolated"]
     print(
@@ -228,7 +264,11 @@ def _print_table(args: argparse.Namespace, results: dict[str, Any]) -> None:
         f"{b['threads']} thread(s)); attention alone there: {iso['us_per_frame']} us per layer "
         f"frame of {iso['rows']} requests x {iso['context_tokens']} tokens "
         f"({iso['kv_kb_per_frame']} KB of KV; bound {iso['bound_us_per_frame']} us, "
-        f"x{iso['x_bound']})"
+        f"x{iso['x_bound']}; {iso['cpu_us_per_frame']} us of CPU time)"
+    )
+    print(
+        "  engine CPU / workers CPU: cores' worth of CPU time each got in the window; "
+        "(core busy): their cores' busy fraction with everything on the machine"
     )
 
 

@@ -13,10 +13,12 @@ the worker's own `KvStore.attend` on synthetic KV, alone on those cores, between
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from services.common import affinity
@@ -58,7 +60,8 @@ def on_cores(cores: Iterable[int]) -> Iterator[int]:
 
 def copy_gb_per_s(num_bytes: int = 1 << 28, repeats: int = 7) -> float:
     """STREAM Copy bandwidth of this process's cores: 2 x bytes / time of `b.copy_(a)` with
-    arrays far larger than any cache, median of `repeats` (GB = 1e9 bytes)."""
+    arrays far larger than any cache, the best of `repeats` as STREAM reports it (the least
+    disturbed by other processes on a shared machine; GB = 1e9 bytes)."""
     import torch
 
     a = torch.ones(num_bytes // 4)
@@ -69,14 +72,15 @@ def copy_gb_per_s(num_bytes: int = 1 << 28, repeats: int = 7) -> float:
         t0 = time.perf_counter()
         b.copy_(a)
         times.append(time.perf_counter() - t0)
-    return 2 * num_bytes / statistics.median(times) / 1e9
+    return 2 * num_bytes / min(times) / 1e9
 
 
 def isolated_attention(
     num_rows: int, context_tokens: int, dtype: str, geo: Geometry = SMOLLM2_135M, repeats: int = 20
 ) -> dict[str, float]:
     """`KvStore.attend` of one layer frame of `num_rows` requests at `context_tokens` each, on
-    synthetic KV, nothing else running here: median seconds and KV bytes read per frame."""
+    synthetic KV, in this thread: median wall and thread-CPU seconds and KV bytes per frame (CPU
+    time leaves out the time other processes held the core)."""
     import torch
 
     from tidal.cpu_attn.kv_store import KvStore
@@ -88,16 +92,21 @@ def isolated_attention(
     ids = [f"r{i}" for i in range(num_rows)]
     for rid in ids:
         store.put(rid, torch.randn(L, 2, context_tokens, Hk, D).to(dt), reserve_tokens=repeats + 1)
-    times = []
+    times, cpu = [], []
     for step in range(repeats):
         qkv = torch.randn(num_rows, H + 2 * Hk, D).to(dt)
         pos = [context_tokens + step] * num_rows
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         store.attend(0, ids, pos, qkv, H, D**-0.5)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
     ctx = context_tokens + repeats // 2  # the median step's context, about
     kv_bytes = num_rows * ctx * geo.kv_bytes_per_token_layer(ITEM_BYTES[dtype])
-    return {"frame_s": statistics.median(times), "kv_bytes": float(kv_bytes)}
+    return {
+        "frame_s": statistics.median(times),
+        "frame_cpu_s": statistics.median(cpu),
+        "kv_bytes": float(kv_bytes),
+    }
 
 
 def measure(cores: Iterable[int], num_rows: int, context_tokens: int, dtype: str) -> dict[str, Any]:
@@ -116,6 +125,7 @@ def measure(cores: Iterable[int], num_rows: int, context_tokens: int, dtype: str
             "context_tokens": context_tokens,
             "dtype": dtype,
             "us_per_frame": round(1e6 * iso["frame_s"], 1),
+            "cpu_us_per_frame": round(1e6 * iso["frame_cpu_s"], 1),
             "kv_kb_per_frame": round(iso["kv_bytes"] / 1e3, 1),
             "bound_us_per_frame": round(1e6 * bound_s, 1),
             "x_bound": round(iso["frame_s"] / bound_s, 2),
@@ -142,3 +152,70 @@ def live_bound(
         "x_bound": round(attn_per_step / bound, 1),
         "rows_per_frame": round(result["worker_attn_rows"] / frames, 1),
     }
+
+
+def _ticks(path: str) -> list[int]:
+    with open(path) as f:
+        return [int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13]]  # utime, stime
+
+
+class CpuClock:
+    """CPU seconds over a window, from /proc: each named process's (user + system) and each
+    core's busy time (everything but idle and iowait), so a figure says how much of its cores a
+    service actually got on a machine shared with other work."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.hz = os.sysconf("SC_CLK_TCK")
+        self.t0, self.proc0, self.core0 = time.monotonic(), self._procs(), self._cores()
+
+    def _procs(self) -> dict[str, int]:
+        out = {}
+        for name, pid in self.pids.items():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                out[name] = sum(_ticks(f"/proc/{pid}/stat"))
+        return out
+
+    @staticmethod
+    def _cores() -> dict[int, tuple[int, int]]:
+        out = {}
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *vals = line.split()
+                if name.startswith("cpu") and name != "cpu":
+                    v = [int(x) for x in vals]
+                    out[int(name[3:])] = (sum(v) - v[3] - v[4], sum(v))  # busy, all
+        return out
+
+    def read(self) -> dict[str, Any]:
+        """{"window_s", "cpu_s": {name: s}, "core_busy": {core: fraction}}."""
+        procs, cores = self._procs(), self._cores()
+        return {
+            "window_s": round(time.monotonic() - self.t0, 2),
+            "cpu_s": {
+                n: round((procs[n] - self.proc0[n]) / self.hz, 2) for n in procs if n in self.proc0
+            },
+            "core_busy": {
+                c: round((b - self.core0[c][0]) / max(1, a - self.core0[c][1]), 3)
+                for c, (b, a) in cores.items()
+                if c in self.core0
+            },
+        }
+
+
+def children_of(parent: int) -> dict[str, int]:
+    """`--id` of each direct child of `parent` (a `tidal up`) -> its pid."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+            name = argv[argv.index("--id") + 1] if "--id" in argv else Path(argv[0]).name
+            out[name] = int(entry)
+    return out

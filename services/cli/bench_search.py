@@ -49,6 +49,16 @@ class Point:
 
     @property
     def attainment_pct(self) -> float:
+        """Online attainment over every repeat's requests together: the figure a point is
+        judged on (one window of a few dozen requests moves by whole requests' worth)."""
+        n = sum(m.num_online for m in self.runs)
+        if n == 0:
+            return self._med("attainment_pct")
+        return sum(m.attainment_pct * m.num_online for m in self.runs) / n
+
+    @property
+    def attainment_median_pct(self) -> float:
+        """The median of the repeats' attainments (their spread: `spread("attainment_pct")`)."""
         return self._med("attainment_pct")
 
     @property
@@ -87,9 +97,9 @@ def search_max_offline(
     max_load: float,
     iters: int,
 ) -> Outcome:
-    """The largest offline QPS in {0} U [start, max_load] at which the median online attainment
-    of `measure(qps)`'s repeats stays >= `target_pct`. Grows by 2x from `start`, then bisects
-    `iters` times between the last good and the first bad load."""
+    """The largest offline QPS in {0} U [start, max_load] at which the online attainment of
+    `measure(qps)`'s repeats (their requests pooled) stays >= `target_pct`. Grows by 2x from
+    `start`, then bisects `iters` times between the last good and the first bad load."""
     if not 0 < start <= max_load:
         raise ValueError(f"need 0 < start ({start}) <= max_load ({max_load})")
     if iters < 0:

@@ -113,7 +113,7 @@ class Supervisor:
             env[API_KEYS_ENV] = ",".join(self.api_keys)
         if cores:  # torch's OpenMP pool is sized from the environment when torch loads
             argv += ["--cores", affinity.format_cores(cores)]
-            env.update(affinity.thread_env(range(threads or len(cores))))
+            env.update(affinity.thread_env(threads or len(cores)))
         return Child(name, argv, env=env, cores=cores)
 
     def plan(self) -> list[Child]:

@@ -102,10 +102,9 @@ def pin(cores: Iterable[int]) -> None:
             os.sched_setaffinity(tid, mask)
 
 
-def thread_env(cores: Iterable[int]) -> dict[str, str]:
-    """The environment that sizes a child's OpenMP / MKL pools to `cores`."""
-    n = str(len(set(cores)))
-    return dict.fromkeys(THREAD_ENV, n)
+def thread_env(num_threads: int) -> dict[str, str]:
+    """The environment that sizes a child's OpenMP / MKL pools (read when torch loads)."""
+    return dict.fromkeys(THREAD_ENV, str(num_threads))
 
 
 def apply(cores: Iterable[int], threads: int = 0) -> int:
@@ -116,7 +115,7 @@ def apply(cores: Iterable[int], threads: int = 0) -> int:
         raise ValueError("no cores to pin to")
     pin(mask)
     n = threads or len(mask)
-    os.environ.update(dict.fromkeys(THREAD_ENV, str(n)))
+    os.environ.update(thread_env(n))
     if "torch" in sys.modules or _has_torch():
         import torch
 

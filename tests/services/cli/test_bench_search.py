@@ -18,7 +18,10 @@ def make_measure(
 
     def measure(qps: float) -> list[Measurement]:
         asked.append(qps)
-        return [Measurement(a, 100 * qps * done_ratio, qps * done_ratio) for a in attain(qps)]
+        return [
+            Measurement(a, 100 * qps * done_ratio, qps * done_ratio, num_online=20)
+            for a in attain(qps)
+        ]
 
     return measure, asked
 
@@ -35,13 +38,15 @@ def test_grows_then_bisects_to_the_largest_load_that_keeps_the_target() -> None:
     assert [p.load_qps for p in out.probes] == asked
 
 
-def test_the_median_of_the_repeats_decides_and_the_spread_is_kept() -> None:
-    # one bad repeat out of three does not fail a point; two do
-    measure, _ = make_measure(lambda q: [99.0, 50.0, 98.0] if q < 3 else [99.0, 50.0, 60.0])
+def test_the_repeats_requests_together_decide_and_median_and_spread_are_kept() -> None:
+    # 20 requests a window: 20 + 20 + 19 attained of 60 = 98.3 % holds; 20 + 19 + 18 = 95 % not
+    measure, _ = make_measure(lambda q: [100.0, 100.0, 95.0] if q < 3 else [100.0, 95.0, 90.0])
     out = search_max_offline(measure, 97.0, start=1.0, max_load=64.0, iters=0)
     assert out.best.load_qps == 2.0
-    assert out.best.attainment_pct == 98.0
-    assert out.best.spread("attainment_pct") == (50.0, 99.0)
+    assert out.best.attainment_pct == pytest.approx(100 * 59 / 60)
+    assert out.best.attainment_median_pct == 100.0
+    assert out.best.spread("attainment_pct") == (95.0, 100.0)
+    assert out.probes[-1].attainment_pct == pytest.approx(95.0)
 
 
 def test_online_alone_missing_the_target_answers_zero() -> None:
