@@ -27,6 +27,26 @@ def errors(run: dict[str, Any], side: str) -> list[float]:
     return out
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """The fidelity table of one config: metric -> live, simulator, error; one column group per
+    policy (the simulator without the serving path in brackets)."""
+    policies = list(report["runs"])
+    head = "| metric | " + " | ".join(f"{p}: live / sim / error" for p in policies) + " |"
+    lines = [head, "|---" * (len(policies) + 1) + "|"]
+    for (key, name, nd), *errs in zip(
+        KEYS, *(errors(report["runs"][p], "simulator") for p in policies), strict=True
+    ):
+        cells = []
+        for p, err in zip(policies, errs, strict=True):
+            run = report["runs"][p]
+            live, sim = run["live"][key], run["simulator"][key]
+            raw = errors(run, "simulator_uncalibrated")[[k for k, _, _ in KEYS].index(key)]
+            unit = " pt" if key.endswith("pct") else " %"
+            cells.append(f"{live:.{nd}f} / {sim:.{nd}f} / **{err:+.1f}{unit}** ({raw:+.1f}{unit})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(reports: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -70,8 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("reports", nargs="+", help="JSON files written by `tidal bench replay`")
     p.add_argument("-o", "--out", required=True, help="PNG to write")
+    p.add_argument("--markdown", action="store_true", help="also print each table as Markdown")
     args = p.parse_args(argv)
-    plot([json.loads(Path(r).read_text()) for r in args.reports], args.out)
+    reports = [json.loads(Path(r).read_text()) for r in args.reports]
+    plot(reports, args.out)
+    if args.markdown:
+        for rep in reports:
+            print(f"{rep['config']}, first {rep['duration_s']:.0f} s:\n{markdown(rep)}\n")
     return 0
 
 

@@ -131,6 +131,9 @@ def test_plot_writes_one_panel_per_config(tmp_path: Path) -> None:
     out = tmp_path / "f.png"
     assert bench_replay_plot.main([str(path), str(path), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = bench_replay_plot.markdown(rep).splitlines()
+    assert len(table) == 2 + len(bench_replay.KEYS)
+    assert "1.000 / 1.050 / **+5.0 %** (-50.0 %)" in table[3]  # TTFT p50 row
 
 
 def test_serving_path_matches_client_and_engine_clocks(tmp_path: Path) -> None:
