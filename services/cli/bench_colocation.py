@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from services.cli import natsd
+from services.cli.bench_colo_report import add_search_args
 from services.cli.benchkit import gateway_metrics, pct, save_json, stack
 
 
@@ -31,7 +32,8 @@ async def _phase(base: str, model: str, args: argparse.Namespace, offline: int) 
     rng = random.Random(args.seed)
     done: list[tuple[float, float]] = []  # (TTFT, TPOT) of each online request, seconds
     offline_tokens = 0
-    end = time.monotonic() + args.duration_s
+    count_from = time.monotonic() + args.warmup_s  # before it: warm-up, not counted
+    end = count_from + args.duration_s
     words = [
         "tide",
         "wave",
@@ -51,6 +53,7 @@ async def _phase(base: str, model: str, args: argparse.Namespace, offline: int) 
         return " ".join(rng.choice(words) for _ in range(n))
 
     async def online(i: int) -> None:
+        counted = time.monotonic() >= count_from
         t0 = time.perf_counter()
         first = last = None
         n = 0
@@ -66,7 +69,7 @@ async def _phase(base: str, model: str, args: argparse.Namespace, offline: int) 
                 last = time.perf_counter()
                 first = first or last
                 n += 1
-        if first is not None and last is not None:
+        if counted and first is not None and last is not None:
             done.append((first - t0, (last - first) / (n - 1) if n > 1 else 0.0))
 
     async def offline_loop() -> None:
@@ -78,17 +81,22 @@ async def _phase(base: str, model: str, args: argparse.Namespace, offline: int) 
                 max_tokens=args.offline_max_tokens,
                 extra_body={"request_class": "offline"},
             )
-            if time.monotonic() <= end and r.usage is not None:
+            if count_from <= time.monotonic() <= end and r.usage is not None:
                 offline_tokens += r.usage.completion_tokens
 
     batch_id, tokens0 = "", 0.0
     if offline and args.offline_via == "batch":
         batch_id = await _submit_batch(client, model, args, prompt)
-        tokens0 = await _batch_tokens(base)
         offline = 0
     tasks = [asyncio.create_task(offline_loop()) for _ in range(offline)]
     arrivals = []
     i = 0
+    while batch_id and time.monotonic() < count_from:
+        arrivals.append(asyncio.create_task(online(i)))
+        i += 1
+        await asyncio.sleep(rng.expovariate(args.online_rate))
+    if batch_id:
+        tokens0 = await _batch_tokens(base)
     while time.monotonic() < end:
         arrivals.append(asyncio.create_task(online(i)))
         i += 1
@@ -142,7 +150,9 @@ async def _batch_tokens(base: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    up = ["--engine", args.engine, "--policy", args.policy, "--cpu-attn", "0"]
+    if args.search_offline:
+        return _search(args)
+    up = ["--engine", args.engine, "--policy", args.policy, "--cpu-attn", str(args.cpu_attn)]
     with stack(natsd.free_port(), *up) as base:
         import openai
 
@@ -169,6 +179,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _search(args: argparse.Namespace) -> int:
+    from services.cli.bench_colo_report import run_search
+
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()] or [args.policy]
+    args.without_cpu_attn = [p.strip() for p in args.without_cpu_attn.split(",") if p.strip()]
+    if not args.config:
+        args.config = "configs/ooco.yaml" if args.engine == "sim" else "configs/embedded.yaml"
+    return run_search(args)
+
+
 def register(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser(
         "colocation",
@@ -179,6 +199,9 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", default="torch", choices=("torch", "sim"), help="instance engine")
     p.add_argument("--policy", default="tidal", help="scheduling policy")
     p.add_argument("--duration-s", type=float, default=60.0, help="length of each phase")
+    p.add_argument(
+        "--warmup-s", type=float, default=5.0, help="warm-up opening each phase/window, not counted"
+    )
     p.add_argument("--online-rate", type=float, default=0.5, help="online requests per second")
     p.add_argument("--prompt-words", type=int, default=100, help="online prompt length, words")
     p.add_argument("--max-tokens", type=int, default=32, help="online output tokens")
@@ -196,4 +219,5 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--tpot-slo-s", type=float, default=0.25, help="online TPOT SLO (config's)")
     p.add_argument("--seed", type=int, default=0, help="prompt and arrival randomness")
     p.add_argument("--json", default="", help="also write the figures here as JSON")
+    add_search_args(p)
     p.set_defaults(func=run)

@@ -37,7 +37,8 @@ def create(path: Path, num_slots: int) -> None:
 
 class CoreShare:
     def __init__(self, path: Path, index: int, cores: int | None = None) -> None:
-        self.cores = cores or os.cpu_count() or 1
+        # The cores this process may run on (a `--cores` pin), not the machine's.
+        self.cores = cores or len(os.sched_getaffinity(0)) or 1
         self._f = open(path, "r+b")  # noqa: SIM115 - mapped for the engine's lifetime
         self._m = mmap.mmap(self._f.fileno(), 0)
         self.num_slots = len(self._m) // _SLOT.size

@@ -1,0 +1,134 @@
+"""`tidal bench colocation --search-offline`: the simulator's side counted as the live side is,
+bad input refused, reports merged, and one tiny search on a real stack (sim engine)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from services.cli import bench_colo_search as cs
+from services.cli.bench_colo_report import merged, table
+from services.cli.main import main
+
+TINY = [
+    "bench",
+    "colocation",
+    "--engine",
+    "sim",
+    "--search-offline",
+    "--policies",
+    "ooco",
+    "--cpu-attn",
+    "0",
+    "--warmup-s",
+    "2",
+    "--measure-s",
+    "4",
+    "--repeats",
+    "1",
+    "--iters",
+    "0",
+    "--start-qps",
+    "1",
+    "--max-qps",
+    "1",
+    "--set",
+    "offline.max_output_tokens=16",
+]
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = dict(config="configs/ooco.yaml", set=[], warmup_s=2.0, measure_s=4.0)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_the_config_after_set_is_what_both_sides_run(tmp_path: Path) -> None:
+    cfg, path = cs.write_config(
+        _args(set=["online.start_s=60", "offline.max_output_tokens=16"]), str(tmp_path)
+    )
+    assert cfg.duration_s == 6.0  # warm-up + measured
+    assert cfg.online is not None and cfg.online.start_s == 60
+    assert "max_output_tokens: 16" in Path(path).read_text()  # the stack reads the same
+    online, offline = cs.streams(cfg, 2.0)
+    again, none = cs.streams(cfg, 0.0)
+    assert online == again and online  # the online window does not move with the offline load
+    assert none == [] and len(offline) == 12  # 2 lines/s, uniform, over 6 s
+    assert all(r.output_tokens <= 16 for r in offline)
+
+
+def test_a_simulated_window_counts_only_after_the_warm_up(tmp_path: Path) -> None:
+    cfg, _ = cs.write_config(_args(set=["offline.max_output_tokens=16"]), str(tmp_path))
+    alone = cs.sim_window(cfg, "ooco", 0.0, 2.0)
+    busy = cs.sim_window(cfg, "ooco", 2.0, 2.0)
+    assert alone.offline_tokens_per_s == 0.0 and alone.num_online == busy.num_online > 0
+    # 16-token lines finish in well under a second of emulated time: about 2 lines/s complete
+    assert 1.0 <= busy.offline_lines_per_s <= 3.0
+    assert busy.offline_tokens_per_s <= 16 * busy.offline_lines_per_s
+
+
+def test_bad_input_is_refused_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = str(tmp_path / "r.json")
+    assert main([*TINY, "--repeats", "0", "--json", out]) == 2
+    assert "--repeats" in capsys.readouterr().err
+    assert main([*TINY, "--set", "online.no_such_key=1", "--json", out]) == 2
+    assert "no_such_key" in capsys.readouterr().err
+    assert not Path(out).exists()
+
+
+def _entry(tok: float) -> dict:
+    res = {
+        "instances": [{"role": "relaxed", "chunk_size": 2048, "count": 1}],
+        "kv_cache_tokens_per_instance": 1024,
+        "cpu_attn_workers": 1,
+        "cpu_attn_workers_usable": 1,
+        "batch_max_inflight": 32,
+        "host_cores": 2,
+    }
+    return {
+        "max_offline_tokens_per_s": tok,
+        "max_offline_qps": 1.0,
+        "attainment": 98.0,
+        "spread": {"attainment_pct": [97.0, 99.0], "offline_tokens_per_s": [tok - 1, tok + 1]},
+        "saturated": False,
+        "sim_max_offline_tokens_per_s": 2 * tok,
+        "resources": res,
+        "probes": [],
+    }
+
+
+def test_a_split_search_merges_only_into_a_report_of_the_same_settings() -> None:
+    head = {"engine": "torch", "config": "c", "window": "w", "violation": 3.0, "repeats": 3}
+    a = {**head, "wall_s": 10.0, "policies": {"ooco": _entry(10.0)}}
+    b = {**head, "wall_s": 5.0, "policies": {"tidal": _entry(20.0)}}
+    m = merged(a, b)
+    assert list(m["policies"]) == ["ooco", "tidal"] and m["wall_s"] == 15.0
+    with pytest.raises(ValueError, match="window"):
+        merged(a, {**b, "window": "other"})
+    text = table({**m, "sim_step_model": None})
+    assert "ooco" in text and "tidal" in text and "KV 1024 tokens/instance" in text
+    assert "1 CPU-attn worker(s) (1 usable" in text
+
+
+@pytest.mark.e2e
+@pytest.mark.nats
+@pytest.mark.slow
+def test_a_tiny_search_on_the_sim_engine_reports_live_and_simulated_figures(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "colo.json"
+    assert main([*TINY, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["emulated"] is True and report["engine"] == "sim"
+    e = report["policies"]["ooco"]
+    assert [p["offline_qps"] for p in e["probes"]] == [0.0, 1.0]
+    alone, busy = e["probes"]
+    assert alone["offline_tokens_per_s"] == 0.0
+    assert busy["offline_tokens_per_s"] > 0  # lines went through /v1/files + /v1/batches
+    assert 0.0 <= e["attainment"] <= 100.0
+    assert e["sim_max_offline_tokens_per_s"] > 0
+    assert e["resources"]["cpu_attn_workers"] == 0
+    assert e["resources"]["kv_cache_tokens_per_instance"] > 0
+    assert Path(report["plot"]).exists()
