@@ -6,7 +6,8 @@ product, not the bytes), while the same work as one batched bmm over all request
 the memory-bandwidth bound. So rows are grouped by context length, each group's KV is copied
 into a zero-tailed padded scratch (2, n, Hk, T, D), and the group is two batched matmuls and a
 masked fp32 softmax. The copy reads each KV byte once more, but leaves it in cache for the
-matmuls (docs/cpu_attn.md, "Worker attention, before and after", has the figures).
+matmuls. Padded lengths are rounded up to PAD_TO so the matmul shapes repeat step after step
+(docs/cpu_attn.md, "Worker attention, before and after", has the figures).
 """
 
 from __future__ import annotations
@@ -14,20 +15,25 @@ from __future__ import annotations
 import threading
 
 import torch
+import torch.nn.functional as F
 
-# a group's padded length is at most 1/0.8 of its shortest row (bounds the padding to 25%)
+# a group's longest row is at most 1/0.8 of its shortest (bounds the padding to ~25%)
 MIN_FILL = 0.8
+# padded lengths are multiples of this: a bf16 bmm of a shape oneDNN has not seen costs ~0.6 ms
+# to set up (measured, one core), so a length that grows a token per step must not be a new shape
+PAD_TO = 64
 
 _scratch = threading.local()
 
 
 def _buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """This thread's scratch of at least `numel` elements of `dtype` (grown, never shrunk)."""
+    """This thread's scratch of at least `numel` elements of `dtype`: grown by at least 1.5x,
+    never shrunk, so contexts growing a token per step do not reallocate every step."""
     bufs: dict[torch.dtype, torch.Tensor] = getattr(_scratch, "bufs", None) or {}
     _scratch.bufs = bufs
     buf = bufs.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = torch.zeros(numel, dtype=dtype)
+        buf = torch.zeros(max(numel, 3 * (0 if buf is None else buf.numel()) // 2), dtype=dtype)
         bufs[dtype] = buf
     return buf[:numel]
 
@@ -60,7 +66,7 @@ def attend_padded(
     Hk = int(kvs[0].shape[1])
     G = H // Hk
     dt = kvs[0].dtype
-    T = max(lens)
+    T = -(-max(lens) // PAD_TO) * PAD_TO
     if min(lens) <= 0:
         raise ValueError(f"every row needs at least one token, got lengths {lens}")
     pad = _buffer(2 * n * Hk * T * D, dt).view(2, n, Hk, T, D)
@@ -82,7 +88,18 @@ def attend_padded(
 def attend_rows(
     kvs: list[torch.Tensor], lens: list[int], q: torch.Tensor, scale: float, out: torch.Tensor
 ) -> None:
-    """`attend_padded` of each length group, written into out (n, H * D) in row order."""
+    """Attention of each row, written into out (n, H * D) in row order: fp32 KV one SDPA call
+    per row (its per-call cost is lower than copying twice the bytes into a padded batch,
+    measured), other dtypes `attend_padded` per length group."""
+    _, H, D = q.shape
+    if kvs and kvs[0].dtype == torch.float32:
+        Hk = int(kvs[0].shape[1])
+        for j, (kv, ln) in enumerate(zip(kvs, lens, strict=True)):
+            o = F.scaled_dot_product_attention(
+                q[j].view(1, Hk, H // Hk, D), kv[None, 0, :, :ln], kv[None, 1, :, :ln], scale=scale
+            )
+            out[j] = o.reshape(H * D)
+        return
     for g in groups_by_length(lens):
         o = attend_padded([kvs[j] for j in g], [lens[j] for j in g], q[g], scale)
         out[g] = o.view(len(g), -1)
