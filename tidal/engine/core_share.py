@@ -62,13 +62,18 @@ class CoreShare:
         _SLOT.pack_into(self._m, self.index * _SLOT.size, 0.0)
 
     def apply(self, step_s: float = 0.0) -> int:
-        """`busy()`, and set torch's threads to it (cheap: well under a microsecond unchanged)."""
+        """`busy()`, and set torch's threads to it in the calling thread (cheap unchanged).
+
+        NOTE: the count is per thread: with OpenMP, `torch.set_num_threads` sets the calling
+        thread's ICV only, and the instance runs steps on whichever `asyncio.to_thread` worker is
+        free. Comparing with a cached count set the first worker only, so a lone stream's steps
+        ran on one thread whenever another worker took them (measured: 28 ms inter-token)."""
         import torch  # here: `tidal up` creates the file without importing torch
 
         n = self.busy(step_s)
-        if n != self.last_threads:
+        if torch.get_num_threads() != n:
             torch.set_num_threads(n)
-            self.last_threads = n
+        self.last_threads = n
         return n
 
     def close(self) -> None:
