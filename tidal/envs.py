@@ -52,6 +52,11 @@ SIM_KV_PAYLOAD_BYTES_PER_TOKEN = EnvVar(
     "",
     "sim engine: bytes of emulated KV a migration ships per token (default: all of them)",
 )
+SIM_STEP_TRACE_DIR = EnvVar(
+    "TIDAL_SIM_STEP_TRACE_DIR",
+    "",
+    "sim engine: a directory where each instance writes its steps' wall timings (ID.jsonl)",
+)
 
 ALL = (
     NATS_URL,
@@ -64,6 +69,7 @@ ALL = (
     DTYPE,
     NATS_REPLICAS,
     SIM_KV_PAYLOAD_BYTES_PER_TOKEN,
+    SIM_STEP_TRACE_DIR,
 )
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from services.cli import natsd
-from services.cli.bench_replay import _prompt_maker as _make_prompt_maker
+from services.cli.bench_replay import prompt_maker as _make_prompt_maker
 from services.cli.bench_search import Measurement, Outcome, Point, search_max_offline
 from services.cli.benchkit import metric_samples, pct, stack
 from tidal.configs import config_path

@@ -1,17 +1,22 @@
-"""`tidal bench cpu-attn`: what CPU-attention workers (OmniServe §3.2) add to a live instance.
+"""`tidal bench cpu-attn`: what CPU-attention workers (OmniServe §3.2) add to a live instance,
+at the same engine cores.
 
 For each worker count in `--workers` (default 0,1,2) it starts `tidal up` (torch engine,
 SmolLM2, policy `omniserve`, one aggregated instance whose KV pool is deliberately small,
-`--kv-cache-tokens`), sends `--offline` offline requests of about `--context-tokens` prompt
+`--kv-cache-tokens`) with the engine pinned to `--engine-cores` (default 0), the workers to
+`--cpu-attn-cores` (default 1) and the control plane and this client to `--service-cores`
+(default: the workers' cores), so the engine's cores are the same, and its own, in every phase.
+After a short warm-up it sends `--offline` offline requests of about `--context-tokens` prompt
 tokens at once and, meanwhile, streamed online requests at `--online-rate`, for `--duration-s`
-(or until the offline requests are done). It reports offline decode tokens/s, offline requests
-in flight (median and peak, sampled every 0.25 s), online TPOT p50/p99, and from the workers'
-heartbeats their attention time per layer frame. With
+(or until the offline requests are done). It reports offline decode tokens/s and its gain over
+0 workers, offline requests in flight (median and peak, sampled every 0.25 s), online TPOT
+p50/p99, and the workers' attention time per instance step against its memory-bandwidth bound
+(KV bytes read ÷ copy bandwidth measured on the worker's core; `bench_cpu_attn_bound`). With
 `--overhead` it also times the instance side of piggybacking (residual store and queues) at
 several numbers of offloaded requests, on the engine alone.
 
-On a CPU-only machine the instance's "GPU" is this CPU too, shared with the workers: the
-figures show the mechanism and its capacity effect, not a GPU's speed.
+On a CPU-only machine the instance's "GPU" is a CPU core: the figures show the mechanism and its
+capacity effect, not a GPU's speed.
 """
 
 from __future__ import annotations
@@ -20,18 +25,21 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import statistics
 import time
 from typing import Any
 
 from services.cli import natsd
+from services.cli.bench_cpu_attn_bound import CpuClock, children_of, live_bound, measure, on_cores
 from services.cli.benchkit import gateway_metrics, pct, save_json, stack
+from services.common import affinity
 
 WORDS = ["tide", "wave", "shore", "moon", "current", "reef", "harbor", "sail", "drift", "foam"]
 
 
-async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _phase(base: str, args: argparse.Namespace, pids: dict[str, int]) -> dict[str, Any]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=1800)
@@ -84,7 +92,11 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.wait_for(stop.wait(), rng.expovariate(args.online_rate))
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    for i in range(args.warmup):  # the engine's first steps allocate and warm caches
+        await online(-1 - i)
+    tpots.clear()
     m0 = await asyncio.to_thread(gateway_metrics, base)
+    clock, load0 = CpuClock(pids), os.getloadavg()[0]
     in_flight: list[int] = []
     offloaded: list[float] = []
     stop = asyncio.Event()
@@ -99,20 +111,19 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
             m = await asyncio.to_thread(gateway_metrics, base)
             offloaded.append(m.get("tidal_cpu_attn_offloaded_requests", 0.0))
     t1 = time.perf_counter()
+    cpu = clock.read() | {"loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)]}
     stop.set()
     for task in offl:  # the window is over: what is not done is cancelled (client disconnect)
         task.cancel()
     await asyncio.gather(*offl, onl, return_exceptions=True)
+    await client.close()
     m = await asyncio.to_thread(gateway_metrics, base)
 
     def delta(name: str) -> float:
         return m.get(name, 0.0) - m0.get(name, 0.0)
 
     rows = delta("tidal_cpu_attn_rows_total")
-    ctx_read = delta("tidal_cpu_attn_context_tokens_total")
-    layer_s = delta("tidal_cpu_attn_layer_seconds_sum")
     decode_s = t1 - (min(first_token) if first_token else t0)
-    n_layer = m.get("tidal_cpu_attn_layer_seconds_count", 0.0)
     return {
         "offline_tokens": state["tokens"],
         "offline_done": state["done"],
@@ -124,78 +135,141 @@ async def _phase(base: str, args: argparse.Namespace) -> dict[str, Any]:
         "online_requests": len(tpots),
         "online_tpot_p50_ms": round(1e3 * pct(tpots, 50), 1) if tpots else None,
         "online_tpot_p99_ms": round(1e3 * pct(tpots, 99), 1) if tpots else None,
-        "offloads": m.get("tidal_offloads_total", 0.0),
-        "recalls": m.get("tidal_recalls_total", 0.0),
+        "offloads": delta("tidal_offloads_total"),
+        "recalls": delta("tidal_recalls_total"),
         "worker_attn_rows": rows,
-        "worker_attn_us_per_row": round(1e6 * layer_s / rows, 1) if rows else None,
-        "worker_mean_context_tokens": round(ctx_read / rows) if rows else None,
-        "worker_attn_ms_per_layer_frame": (
-            round(1e3 * m.get("tidal_cpu_attn_layer_seconds_sum", 0.0) / n_layer, 3)
-            if n_layer
-            else None
+        "worker_attn_frames": delta("tidal_cpu_attn_layer_seconds_count"),
+        "worker_attn_s": round(delta("tidal_cpu_attn_layer_seconds_sum"), 4),
+        "worker_ctx_tokens": delta("tidal_cpu_attn_context_tokens_total"),
+        "worker_mean_context_tokens": (
+            round(delta("tidal_cpu_attn_context_tokens_total") / rows) if rows else None
         ),
+        "cpu": cpu,
     }
 
 
-def _memory_gb_per_s() -> float:
-    """This machine's copy bandwidth (read + write), one thread, median of 5: the ceiling a
-    worker's attention streams KV at."""
-    import torch
+def _up_pid(port: int) -> int:
+    """The pid of this process's child `tidal up --port PORT` (benchkit.stack's)."""
+    for pid in children_of(os.getpid()).values():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        if "up" in argv and "--port" in argv and argv[argv.index("--port") + 1] == str(port):
+            return pid
+    raise RuntimeError(f"no `tidal up --port {port}` below this process")
 
-    n = 1 << 26  # 256 MiB of fp32
-    a, b = torch.ones(n), torch.empty(n)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        times.append(time.perf_counter() - t0)
-    return 2 * a.numel() * 4 / statistics.median(times) / 1e9
+
+def _shares(cpu: dict[str, Any], cores: dict[str, tuple[int, ...]]) -> dict[str, float]:
+    """How much CPU the engine and the workers got in the window (1.0 = one core throughout),
+    and how busy their cores were with everything on the machine."""
+    w = max(cpu["window_s"], 1e-9)
+    workers = sum(v for k, v in cpu["cpu_s"].items() if k.startswith("cpu-attn"))
+
+    def busy(cs: tuple[int, ...]) -> float:
+        return round(statistics.mean(cpu["core_busy"].get(c, 0.0) for c in cs), 2)
+
+    return {
+        "engine_cpu_cores": round(cpu["cpu_s"].get("instance-0", 0.0) / w, 2),
+        "workers_cpu_cores": round(workers / w, 2),
+        "engine_cores_busy": busy(cores["engine"]),
+        "worker_cores_busy": busy(cores["cpu_attn"]),
+    }
+
+
+def _cores(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
+    """The run's core lists, checked (ValueError saying what is wrong)."""
+    engine = affinity.parse_cores(args.engine_cores, "--engine-cores")
+    workers = affinity.parse_cores(args.cpu_attn_cores, "--cpu-attn-cores")
+    service = affinity.parse_cores(args.service_cores or args.cpu_attn_cores, "--service-cores")
+    affinity.check_disjoint(**{"--engine-cores": engine, "--cpu-attn-cores": workers})
+    return {"engine": engine, "cpu_attn": workers, "service": service}
 
 
 def run(args: argparse.Namespace) -> int:
-    results: dict[str, Any] = {"copy_gb_per_s": round(_memory_gb_per_s(), 1)}
+    try:
+        cores = _cores(args)
+    except ValueError as exc:
+        print(f"tidal bench cpu-attn: {exc}")
+        return 2
+    fmt = {k: affinity.format_cores(v) for k, v in cores.items()}
+    first_worker = affinity.split_cores(cores["cpu_attn"], 1)[0]
+    print(f"bandwidth and isolated attention on core(s) {fmt['cpu_attn']} ...", flush=True)
+    bound = measure(first_worker, args.offline, args.context_tokens, args.dtype)
+    bw = bound["copy_gb_per_s"]
+    results: dict[str, Any] = {
+        "engine": f"torch, SmolLM2-135M, {args.dtype} (real timings, CPU only)",
+        "cores": fmt | {"bench_client": fmt["service"]},
+        "worker_core_bound": bound,
+    }
+    phases: dict[str, dict[str, Any]] = {}
     for workers in args.workers.split(","):
         up = ["--engine", "torch", "--policy", "omniserve", "--instances", "aggregated"]
         up += ["--kv-cache-tokens", str(args.kv_cache_tokens), "--cpu-attn", workers]
+        up += ["--dtype", args.dtype, "--engine-cores", fmt["engine"]]
+        up += ["--cpu-attn-cores", fmt["cpu_attn"], "--service-cores", fmt["service"]]
+        slices = [
+            affinity.format_cores(c) for c in affinity.split_cores(cores["cpu_attn"], int(workers))
+        ]
         print(f"workers={workers}: starting the stack ...", flush=True)
-        with stack(natsd.free_port(), *up) as base:
-            results[workers] = r = asyncio.run(_phase(base, args))
+        # The client on the service cores; not `tidal up` itself, which must see every core to
+        # place its children (it pins each of them).
+        port = natsd.free_port()
+        with stack(port, *up) as base, on_cores(cores["service"]):
+            r = asyncio.run(_phase(base, args, children_of(_up_pid(port))))
+        r["worker_cores"] = slices
+        r |= live_bound(r, bw, args.dtype) | _shares(r["cpu"], cores)
+        phases[workers] = r
         print(f"workers={workers}: {json.dumps(r)}", flush=True)
+    base_tps = phases.get("0", {}).get("offline_decode_tokens_per_s")
+    for r in phases.values():
+        tps = r["offline_decode_tokens_per_s"]
+        r["offline_gain_vs_0"] = round(tps / base_tps, 2) if base_tps else None
+    results["phases"] = phases
     if args.overhead:
         from services.cli.bench_piggyback import overhead_table
 
         results["overhead"] = overhead_table([int(x) for x in args.overhead.split(",")])
-    print(
-        f"\nCPU attention on the live stack (torch engine, SmolLM2, policy omniserve, KV pool "
-        f"{args.kv_cache_tokens} tokens; {args.offline} offline requests of ~"
-        f"{args.context_tokens} tokens x {args.offline_max_tokens} out; online "
-        f"{args.online_rate}/s). CPU-only machine: the instance and the workers share its cores."
-    )
-    print("  workers  offline tok/s  in flight p50/peak  offloaded peak  online TPOT p50/p99 ms")
-    for key, r in results.items():
-        if not isinstance(r, dict) or "offline_decode_tokens_per_s" not in r:
-            continue
-        print(
-            f"  {key:>7}  {r['offline_decode_tokens_per_s']:13.1f}  "
-            f"{r['offline_in_flight_median']:>8}/{r['offline_in_flight_peak']:<8}  "
-            f"{r['offloaded_peak']:14.0f}  {r['online_tpot_p50_ms']}/{r['online_tpot_p99_ms']}"
-        )
-    item = 2  # bf16, the dtype the embedded engine picks on this machine
-    per_token_layer = 2 * 3 * 64 * item  # SmolLM2: K and V, 3 KV heads x 64
-    print(f"  copy bandwidth here: {results['copy_gb_per_s']} GB/s (one thread, read + write)")
-    for key, r in results.items():
-        if not isinstance(r, dict) or not r.get("worker_attn_rows"):
-            continue
-        est_s = (
-            r["worker_mean_context_tokens"] * per_token_layer / (results["copy_gb_per_s"] * 1e9 / 2)
-        )
-        print(
-            f"  workers={key}: attention {r['worker_attn_us_per_row']} us per request-layer over "
-            f"~{r['worker_mean_context_tokens']} tokens; streaming its KV once at half the copy "
-            f"bandwidth would take {1e6 * est_s:.1f} us"
-        )
+    _print_table(args, results)
     save_json(args.json, {"args": args} | results)
     return 0
+
+
+def _print_table(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    c, b = results["cores"], results["worker_core_bound"]
+    print(
+        f"\nCPU attention on the live stack ({results['engine']}; policy omniserve, KV pool "
+        f"{args.kv_cache_tokens} tokens; {args.offline} offline requests of ~"
+        f"{args.context_tokens} tokens x {args.offline_max_tokens} out; online "
+        f"{args.online_rate}/s). Cores: engine {c['engine']}, CPU-attention workers "
+        f"{c['cpu_attn']}, control plane and client {c['service']}."
+    )
+    print(
+        "  workers  worker cores  offline tok/s  gain  in flight p50/peak  TPOT p50/p99 ms  "
+        "attn ms/step  KV MB/step  bound ms/step  x bound  engine CPU (core busy)  workers CPU"
+    )
+    for key, r in results["phases"].items():
+        gain = r["offline_gain_vs_0"]
+        print(
+            f"  {key:>7}  {'/'.join(r['worker_cores']) or '-':>12}  "
+            f"{r['offline_decode_tokens_per_s']:13.2f}  {gain if gain is not None else '-':>4}  "
+            f"{r['offline_in_flight_median']:>8}/{r['offline_in_flight_peak']:<8}  "
+            f"{r['online_tpot_p50_ms']}/{r['online_tpot_p99_ms']:<10}  "
+            f"{r['attn_ms_per_step'] or '-':>12}  {r['kv_mb_per_step'] or '-':>10}  "
+            f"{r['bound_ms_per_step'] or '-':>13}  {r.get('x_bound', '-'):>7}  "
+            f"{r['engine_cpu_cores']:>10} ({r['engine_cores_busy']})  "
+            f"{r['workers_cpu_cores']} ({r['worker_cores_busy']})"
+        )
+    iso = b["isolated"]
+    print(
+        f"  worker core(s) {b['cores']}: copy bandwidth {b['copy_gb_per_s']} GB/s (STREAM Copy, "
+        f"{b['threads']} thread(s)); attention alone there: {iso['us_per_frame']} us per layer "
+        f"frame of {iso['rows']} requests x {iso['context_tokens']} tokens "
+        f"({iso['kv_kb_per_frame']} KB of KV; bound {iso['bound_us_per_frame']} us, "
+        f"x{iso['x_bound']}; {iso['cpu_us_per_frame']} us of CPU time)"
+    )
+    print(
+        "  engine CPU / workers CPU: cores' worth of CPU time each got in the window; "
+        "(core busy): their cores' busy fraction with everything on the machine"
+    )
 
 
 def register(bench: argparse._SubParsersAction) -> None:
@@ -216,6 +290,17 @@ def register(bench: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--online-max-tokens", type=int, default=32, help="online output tokens")
     p.add_argument("--overhead", default="", help="also time piggybacking at these row counts")
+    p.add_argument("--engine-cores", default="0", help="the instance's cores, in every phase")
+    p.add_argument(
+        "--cpu-attn-cores", default="1", help="the workers' cores (disjoint from the engine's)"
+    )
+    p.add_argument(
+        "--service-cores", default="", help="control plane and this client (default: workers')"
+    )
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="engine and KV dtype"
+    )
+    p.add_argument("--warmup", type=int, default=2, help="online requests before measuring")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="write the results here")
     p.set_defaults(func=run)

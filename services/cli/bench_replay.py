@@ -22,18 +22,22 @@ import argparse
 import asyncio
 import dataclasses
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from services.cli import natsd
-from services.cli.benchkit import pct, save_json, stack
+from services.cli.benchkit import gateway_metrics, pct, save_json, stack
 from tidal.sim.build import instance_setups, simulate, workload
 from tidal.sim.config import SimConfig, load_config
 from tidal.sim.metrics import summarize
 from tidal.workload.mix import SimRequest
 
 
-def _prompt_maker() -> Any:
+def prompt_maker() -> Any:
     """prompt(n) -> a string the served tokenizer (the sim engine's default, SmolLM2's) reads as
     exactly n tokens: " tide" is one token, plus whatever the tokenizer adds (a BOS)."""
     from tidal.engine.sim_tokens import load_sim_tokenizer
@@ -44,6 +48,9 @@ def _prompt_maker() -> Any:
         return "tide" + " tide" * max(0, n - 1 - extra)
 
     return prompt
+
+
+_prompt_maker = prompt_maker  # the name `bench_colo_search` imports
 
 
 def _stats(ttft: list[float], tpot: list[float]) -> dict[str, float]:
@@ -59,17 +66,17 @@ async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig)
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=3600)
-    # (request, sent, first token, last token, tokens), times from t0
-    rows: list[tuple[SimRequest, float, float | None, float | None, int]] = []
+    # (request, sent, first token, last token, tokens, response id), times from t0
+    rows: list[tuple[SimRequest, float, float | None, float | None, int, str]] = []
     off_tokens = 0  # offline output tokens streamed inside the window (as the simulator bins)
-    prompt = _prompt_maker()
-    t0 = time.perf_counter()
+    prompt = prompt_maker()
+    t0, unix0 = time.perf_counter(), time.time()
 
     async def one(r: SimRequest) -> None:
         nonlocal off_tokens
         await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
         first = last = None
-        n = 0
+        n, rid = 0, ""
         sent = time.perf_counter() - t0  # later than r.arrival_s by the client's own lag
         try:
             stream = await client.completions.create(
@@ -80,6 +87,7 @@ async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig)
                 extra_body={"request_class": str(r.req_class)},
             )
             async for chunk in stream:
+                rid = rid or chunk.id
                 if chunk.choices and chunk.choices[0].text:
                     last = time.perf_counter() - t0
                     first = first if first is not None else last
@@ -87,13 +95,13 @@ async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig)
                     off_tokens += r.req_class == "offline" and last <= cfg.duration_s
         except openai.APIError:
             pass  # rejected or failed: counts as not attained, no tokens
-        rows.append((r, sent, first, last, n))
+        rows.append((r, sent, first, last, n, rid))
 
     await asyncio.gather(*(one(r) for r in reqs))
     await client.close()
     slo = cfg.slo
     ttft, tpot, ok, num_online = [], [], 0, 0
-    for r, sent, first, last, n in rows:
+    for r, sent, first, last, n, _ in rows:
         if r.req_class == "offline":
             continue
         num_online += 1
@@ -126,8 +134,11 @@ async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig)
             "first_token_s": first,
             "last_token_s": last,
             "num_chunks": n,
+            "req_id": rid,
+            "sent_unix_s": unix0 + sent,
+            "first_token_unix_s": None if first is None else unix0 + first,
         }
-        for r, sent, first, last, n in rows
+        for r, sent, first, last, n, rid in rows
     ]
     return out
 
@@ -146,48 +157,136 @@ def _simulated(cfg: SimConfig, policy: str, reqs: list[SimRequest]) -> dict[str,
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    cfg = dataclasses.replace(load_config(args.config), duration_s=args.duration_s)
-    reqs = [r for r in workload(cfg) if r.arrival_s < args.duration_s]
-    exe = ""
-    if args.client == "guidellm":
-        from services.cli import bench_replay_guidellm as gl
-
-        try:
-            exe = gl.find_guidellm(args.guidellm)
-        except gl.GuidellmError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    report: dict[str, Any] = {
-        "config": args.config,
-        "duration_s": args.duration_s,
-        "client": args.client,
-        "runs": {},
+def _resources(cfg: SimConfig, policy: str, kv_payload: int) -> dict[str, Any]:
+    """What both sides get, said out loud: the same instances and KV pools, no CPU-attention
+    worker (the sim engine has no CPU-attention path, so the simulator is given none either)."""
+    setups = instance_setups(cfg, policy)
+    return {
+        "instances": [f"{s.role}, chunk {s.chunk_size}" for s in setups],
+        "kv_tokens_per_instance": min(s.num_blocks for s in setups) * cfg.block_size,
+        "cpu_attention_workers": 0,
+        "kv_bytes_per_token_shipped": "emulated model's" if kv_payload < 0 else kv_payload,
     }
+
+
+def _one(
+    args: argparse.Namespace, cfg: SimConfig, policy: str, reqs: list[SimRequest], exe: str
+) -> dict[str, Any]:
+    """One policy, one repeat: a fresh stack, the calibration probe, the window; then the
+    simulator on the same window, as configured and with the probe's serving path."""
+    from services.cli import bench_replay_probe as probe
+
     spec = f"{cfg.model}@{cfg.hardware}"
-    for policy in args.policies:
-        setups = instance_setups(cfg, policy)
-        kv_tokens = min(s.num_blocks for s in setups) * cfg.block_size
-        max_len = max(r.input_tokens + r.output_tokens for r in reqs) + 16
-        up = ["--engine", "sim", "--config", args.config, "--policy", policy, "--cpu-attn", "0"]
-        up += ["--sim-step-model", spec, "--kv-cache-tokens", str(kv_tokens)]
-        up += ["--max-model-len", str(max_len)]
-        env = {"TIDAL_SIM_KV_PAYLOAD_BYTES_PER_TOKEN": str(args.kv_payload_bytes_per_token)}
+    res = _resources(cfg, policy, args.kv_payload_bytes_per_token)
+    max_len = max(r.input_tokens + r.output_tokens for r in reqs) + 16
+    up = ["--engine", "sim", "--config", args.config_path, "--policy", policy, "--cpu-attn", "0"]
+    up += ["--sim-step-model", spec, "--kv-cache-tokens", str(res["kv_tokens_per_instance"])]
+    up += ["--max-model-len", str(max_len)]
+    with tempfile.TemporaryDirectory(prefix="tidal-replay-") as trace_dir:
+        env = {
+            "TIDAL_SIM_KV_PAYLOAD_BYTES_PER_TOKEN": str(args.kv_payload_bytes_per_token),
+            "TIDAL_SIM_STEP_TRACE_DIR": trace_dir,
+        }
         sim_reqs = reqs
         with stack(natsd.free_port(), *up, env=env) as base:
+            lone = asyncio.run(probe.send_lone(base, "tidal-sim", probe.probe_lengths(reqs), 0.3))
+            for path in Path(trace_dir).glob("*.jsonl"):
+                path.write_text("")  # the window's steps only
             if exe:
-                live = gl.replay(exe, base, "tidal-sim", reqs, cfg)
-                sim_reqs = gl.shifted(reqs, live["start_offset_s"])
+                live = gl_replay(exe, base, reqs, cfg)
+                sim_reqs = _gl().shifted(reqs, live["start_offset_s"])
             else:
                 live = asyncio.run(_replay(base, "tidal-sim", reqs, cfg))
-        report["runs"][policy] = {"live": live, "simulator": _simulated(cfg, policy, sim_reqs)}
+            live["migrations"] = _migration_metrics(base)
+        live["steps"] = probe.step_summary(Path(trace_dir))
+        live["path"] = probe.serving_path(live["requests"], probe.request_events(Path(trace_dir)))
+    cal = probe.calibrate(cfg, policy, lone)
+    return {
+        "resources": res,
+        "calibration": cal,
+        "live": live,
+        "simulator": _simulated(probe.with_calibration(cfg, cal), policy, sim_reqs),
+        "simulator_uncalibrated": _simulated(cfg, policy, sim_reqs),
+    }
+
+
+def _gl() -> Any:
+    from services.cli import bench_replay_guidellm as gl
+
+    return gl
+
+
+def gl_replay(exe: str, base: str, reqs: list[SimRequest], cfg: SimConfig) -> dict[str, Any]:
+    out: dict[str, Any] = _gl().replay(exe, base, "tidal-sim", reqs, cfg)
+    return out
+
+
+def _migration_metrics(base: str) -> dict[str, float]:
+    """The gateway's migration counters after the window (KV transfers, bytes, seconds)."""
+    return {k: v for k, v in gateway_metrics(base).items() if "migrat" in k and "bucket" not in k}
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each side's figures as the median over repeats (the first repeat's extras kept)."""
+    out = dict(runs[0])
+    for side in ("live", "simulator", "simulator_uncalibrated"):
+        out[side] = dict(runs[0][side])
+        for key, _, _ in KEYS:
+            out[side][key] = float(np.median([r[side][key] for r in runs]))
+    out["repeats"] = [{side: {k: r[side][k] for k, _, _ in KEYS} for side in SIDES} for r in runs]
+    out["calibrations"] = [
+        {k: v for k, v in r["calibration"].items() if k != "probe"} for r in runs
+    ]
+    return out
+
+
+SIDES = ("live", "simulator", "simulator_uncalibrated")
+
+
+def run(args: argparse.Namespace) -> int:
+    exe = ""
+    if args.client == "guidellm":
+        try:
+            exe = _gl().find_guidellm(args.guidellm)
+        except _gl().GuidellmError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if args.repeats < 1 or args.duration_s <= 0:
+        print("error: --repeats must be >= 1 and --duration-s > 0", file=sys.stderr)
+        return 2
     client = "guidellm trace replay" if exe else "the openai client"
-    print(
-        f"Fidelity, live stack (sim engine, emulated {spec} step times; load from {client}) vs "
-        f"simulator, {args.config}, first {args.duration_s:.0f} s ({len(reqs)} requests):"
-    )
-    print_table(report, "guidellm" if exe else "live")
-    save_json(args.json, report)
+    reports = {}
+    for path in args.config:
+        cfg = dataclasses.replace(load_config(path), duration_s=args.duration_s)
+        # NOTE: the live sim engine has no CPU-attention path (it refuses offload), so the
+        # simulator gets no CPU-attention worker either: equal resources on both sides.
+        cfg = dataclasses.replace(cfg, cpu_workers=dataclasses.replace(cfg.cpu_workers, count=0))
+        reqs = [r for r in workload(cfg) if r.arrival_s < args.duration_s]
+        args.config_path = path
+        report: dict[str, Any] = {
+            "config": path,
+            "duration_s": args.duration_s,
+            "client": args.client,
+            "repeats": args.repeats,
+            "num_requests": len(reqs),
+            "runs": {},
+        }
+        for policy in args.policies:
+            runs = [_one(args, cfg, policy, reqs, exe) for _ in range(args.repeats)]
+            report["runs"][policy] = median_run(runs)
+        reports[path] = report
+        spec = f"{cfg.model}@{cfg.hardware}"
+        print(
+            f"Fidelity, live stack (sim engine, emulated {spec} step times; load from {client}) "
+            f"vs simulator, {path}, first {args.duration_s:.0f} s ({len(reqs)} requests), "
+            f"median of {args.repeats}; both sides emulated:"
+        )
+        print_table(report, "guidellm" if exe else "live")
+        if args.json_dir:
+            out = Path(args.json_dir) / f"{Path(path).stem}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            save_json(str(out), report)
+    save_json(args.json, {"reports": reports})
     return 0
 
 
@@ -202,14 +301,36 @@ KEYS = [
 
 
 def print_table(report: dict[str, Any], label: str) -> None:
-    """Both sides of every policy, one figure a line: `label` value, simulator value, difference
-    (points for attainment, % otherwise)."""
+    """Both sides of every policy, one figure a line: `label` value, simulator value (with the
+    measured serving path), difference (points for attainment, % otherwise), and the simulator
+    without the serving path for reference."""
     for policy, run_ in report["runs"].items():
-        print(f"  {policy}")
+        res, cal = run_["resources"], run_["calibration"]
+        print(
+            f"  {policy}  (both sides: {len(res['instances'])} instances "
+            f"[{'; '.join(res['instances'])}], {res['kv_tokens_per_instance']} KV tokens each, "
+            f"{res['cpu_attention_workers']} CPU-attention workers; KV shipped per token: "
+            f"{res['kv_bytes_per_token_shipped']})"
+        )
+        print(
+            f"    serving path (probe): dispatch {cal['dispatch_ms']:.1f} ms + "
+            f"{cal['dispatch_us_per_token']:.2f} us/token; hand-off "
+            f"{cal['link_latency_ms']:.1f} ms + KV at {cal['link_gb_per_s']:.2f} GB/s"
+        )
+        path = run_["live"].get("path") or {}
+        if path.get("num_matched"):
+            pin, pout = path["in_ms_p50_p90_p99"], path["out_ms_p50_p90_p99"]
+            print(
+                f"    serving path in the window (live, ms p50/p90/p99): client -> engine "
+                f"{'/'.join(f'{v:.0f}' for v in pin)}; first token -> client "
+                f"{'/'.join(f'{v:.0f}' for v in pout)}"
+            )
         for key, name, nd in KEYS:
-            a, b = run_["live"][key], run_["simulator"][key]
-            diff = f"{a - b:+.1f} pt" if key.endswith("pct") else f"{(a / b - 1) * 100:+.1f} %"
-            print(f"    {name:14s} {label} {a:10.{nd}f}   sim {b:10.{nd}f}   {diff}")
+            a, b, c = (run_[side][key] for side in SIDES)
+            print(
+                f"    {name:14s} {label} {a:10.{nd}f}   sim {b:10.{nd}f}   {_diff(key, a, b):>9s}"
+                f"   (sim without serving path {c:.{nd}f}, {_diff(key, a, c)})"
+            )
         live = run_["live"]
         if "start_offset_s" in live:  # guidellm's load: how it was sent
             off = ", ".join(f"{c} +{s:.2f} s" for c, s in live["start_offset_s"].items())
@@ -226,6 +347,12 @@ def print_table(report: dict[str, Any], label: str) -> None:
             )
 
 
+def _diff(key: str, a: float, b: float) -> str:
+    if key.endswith("pct"):
+        return f"{a - b:+.1f} pt"
+    return f"{(a / b - 1) * 100:+.1f} %" if b else "n/a"
+
+
 def register(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser(
         "replay",
@@ -233,19 +360,25 @@ def register(bench: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", default="configs/ooco.yaml", help="experiment config YAML")
+    p.add_argument(
+        "--config",
+        nargs="+",
+        default=["configs/ooco.yaml", "configs/ooco-long.yaml"],
+        help="experiment config YAML(s); one window each",
+    )
     p.add_argument(
         "--policies", nargs="+", default=["tidal", "ooco", "online-priority"], help="policies"
     )
-    p.add_argument("--duration-s", type=float, default=60.0, help="trace window, seconds")
+    p.add_argument("--duration-s", type=float, default=40.0, help="trace window, seconds")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs per policy (fresh stack each); medians"
+    )
     p.add_argument(
         "--kv-payload-bytes-per-token",
         type=int,
-        default=0,
-        help="emulated KV bytes a live migration really ships per token (default 0: the "
-        "simulator's link moves a request's KV in milliseconds; shipping SmolLM2-sized blobs "
-        "through Python on the same cores takes 0.1-1 s and stalls the target's decodes; -1: "
-        "the sim engine's full size)",
+        default=-1,
+        help="emulated KV bytes a live migration really ships per token (default -1: the "
+        "emulated model's full size, 57,344 for Qwen2.5-7B; 0: none)",
     )
     p.add_argument(
         "--client",
@@ -257,5 +390,8 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--guidellm", default="", help="guidellm executable (default: `guidellm` on PATH)"
     )
-    p.add_argument("--json", default="", help="also write the figures here as JSON")
+    p.add_argument("--json", default="", help="also write every config's figures here as JSON")
+    p.add_argument(
+        "--json-dir", default="", help="also write each config's figures as DIR/CONFIG.json"
+    )
     p.set_defaults(func=run)

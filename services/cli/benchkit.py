@@ -74,7 +74,9 @@ def stack(
     # worktree's, from its directory), not whatever the venv's entry point resolves to
     argv = [sys.executable, "-m", "services.cli.main", "up", "--port", str(port)]
     argv += ["--log-level", "WARNING", "--store-dir", tmp, *up_args]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_path = Path(tmp) / "up.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + start_timeout_s
@@ -82,9 +84,17 @@ def stack(
             with contextlib.suppress(OSError), urllib.request.urlopen(base + "/models") as r:
                 if b'"id"' in r.read():
                     break
+            if proc.poll() is not None:  # `tidal up` gave up: say why, do not wait out the clock
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
+                raise RuntimeError(
+                    f"the benchmark stack exited ({proc.returncode}) before serving: "
+                    + "\n".join(tail)
+                )
             time.sleep(0.2)
         else:
-            raise RuntimeError(f"the benchmark stack did not start within {start_timeout_s} s")
+            raise RuntimeError(
+                f"the benchmark stack did not start within {start_timeout_s} s (log: {log_path})"
+            )
         time.sleep(1.0)  # every instance's first state report has reached the scheduler
         yield base
     finally:

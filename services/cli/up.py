@@ -25,8 +25,8 @@ from pathlib import Path
 
 from services.cli import natsd, state
 from services.cli.model_args import check_model_args, instance_model_argv
-from services.cli.up_args import add_up_args, sglang_args
-from services.common import live_config
+from services.cli.up_args import add_up_args, parse_pinning, sglang_args
+from services.common import affinity, live_config
 from services.common.live_config import load_live_config
 from services.gateway.auth import API_KEYS_ENV, keys_from
 from services.gateway.ratelimit import RateLimiter
@@ -63,13 +63,21 @@ class Child:
     backoff_s: float = BACKOFF_START_S
     num_restarts: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    cores: tuple[int, ...] = ()  # pinned here from its first instruction (): unpinned
 
     async def start(self) -> None:
+        cores = self.cores
+
+        def setup() -> None:
+            _die_with_parent()
+            if cores:
+                os.sched_setaffinity(0, cores)
+
         self.proc = await asyncio.create_subprocess_exec(
             *self.argv,
             env={**os.environ, **self.env},
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=setup,
             stdin=asyncio.subprocess.DEVNULL,
         )
         self.started_s = time.monotonic()
@@ -90,8 +98,11 @@ class Supervisor:
         self.nats_url_shown = args.nats_url.split("@")[-1]
         self.nats_url = args.nats_url
         self.api_keys = keys_from(args.api_key)
+        self.pin = parse_pinning(args)
 
-    def _service(self, name: str, module: str, *extra: str) -> Child:
+    def _service(
+        self, name: str, module: str, *extra: str, cores: tuple[int, ...] = (), threads: int = 0
+    ) -> Child:
         # NOTE: the bus URL (with its token) travels in the environment, not in argv, which any
         # user of the machine can read with `ps`.
         argv = [sys.executable, "-m", module, "--id", name, *extra]
@@ -100,27 +111,40 @@ class Supervisor:
             env[envs.NATS_REPLICAS.name] = str(min(len(self.nats), 3))
         if name.startswith("gateway") and self.api_keys:
             env[API_KEYS_ENV] = ",".join(self.api_keys)
-        return Child(name, argv, env=env)
+        if cores:  # torch's OpenMP pool is sized from the environment when torch loads
+            argv += ["--cores", affinity.format_cores(cores)]
+            env.update(affinity.thread_env(threads or len(cores)))
+        return Child(name, argv, env=env, cores=cores)
 
     def plan(self) -> list[Child]:
         a = self.args
+        pin = self.pin
         policy_args = ["--policy", a.policy] + (["--config", a.config] if a.config else [])
         if a.instances:  # the same roles for the scheduler's policy and every instance's
             policy_args += ["--roles", ",".join(parse_roles(a.instances))]
         children = [self._service("scheduler-0", "services.scheduler", *policy_args)]
+        children[0].cores = pin.service
         addr = ["--advertise-host", a.advertise_host] if a.advertise_host else []
         gib = ["--capacity-gib", str(a.cpu_attn_gib), *addr]
         gib += ["--host", a.data_host] if a.data_host else []
+        num_workers = num_cpu_attn(a.cpu_attn)
         children += [
-            self._service(f"cpu-attn-{i}", "services.cpu_attn", *gib)
-            for i in range(num_cpu_attn(a.cpu_attn))
+            self._service(
+                f"cpu-attn-{i}",
+                "services.cpu_attn",
+                *gib,
+                *(["--num-threads", str(threads)] if cores else []),
+                cores=cores,
+                threads=threads,
+            )
+            for i, (cores, threads) in enumerate(pin.cpu_attn_slices(num_workers))
         ]
         num_instances = len(load_live_config(a.config, a.policy, a.instances).slots)
         # NOTE: instances share this machine's cores; without a split, each torch engine would
         # start one thread per core and they would fight over them. This split is where they
         # start; with a core share each step then runs on cores ÷ instances busy at the time
         # (tidal.engine.core_share), so a lone stream gets every core.
-        threads = max(1, (os.cpu_count() or 1) // num_instances)
+        threads = max(1, len(pin.engine or affinity.allowed_cores()) // num_instances)
         share: list[str] = []
         if a.engine == "torch" and num_instances > 1 and not a.fixed_threads:
             path = Path(tempfile.gettempdir()) / f"tidal-cores-{os.getpid()}.bin"
@@ -150,13 +174,18 @@ class Supervisor:
                 extra += ["--kv-cache-tokens", str(a.kv_cache_tokens)]
             if a.engine == "sglang":
                 extra += sglang_args(a, i, num_instances)
-            children.append(self._service(f"instance-{i}", "services.instance", *extra))
+            children.append(
+                self._service(
+                    f"instance-{i}", "services.instance", *extra, cores=pin.engine, threads=threads
+                )
+            )
         backlog = ["--max-backlog", str(a.max_offline_backlog)] if a.max_offline_backlog else []
         children.append(self._service("batch-0", "services.batch", *backlog))
         gateway = ["--host", a.host, "--port", str(a.port)]
         if a.rate_limit:
             gateway += ["--rate-limit", str(a.rate_limit), "--rate-burst", str(a.rate_burst)]
         children.append(self._service("gateway-0", "services.gateway", *gateway))
+        children[-2].cores = children[-1].cores = pin.service
         return children
 
     async def run(self) -> int:
@@ -201,7 +230,7 @@ class Supervisor:
         argv = natsd.nats_server_argv(
             port, self.store_dir, sync_always=self.args.sync_always, auth_token=token
         )
-        self.nats = [Child("nats-server", argv)]
+        self.nats = [Child("nats-server", argv, cores=self.pin.service)]
         self.nats_url = f"nats://{token}@127.0.0.1:{port}"
         self.nats_url_shown = f"nats://127.0.0.1:{port}"
         await self.nats[0].start()
@@ -216,7 +245,7 @@ class Supervisor:
         nodes = natsd.cluster_nodes(
             self.args.nats_cluster, self.store_dir, self.args.sync_always, token
         )
-        self.nats = [Child(n.name, n.argv) for n in nodes]
+        self.nats = [Child(n.name, n.argv, cores=self.pin.service) for n in nodes]
         self.nats_url = ",".join(f"nats://{token}@127.0.0.1:{n.port}" for n in nodes)
         self.nats_url_shown = ",".join(f"nats://127.0.0.1:{n.port}" for n in nodes)
         for child in self.nats:
@@ -335,6 +364,7 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--cpu-attn-gib must be > 0")
         if args.nats_cluster not in (0, 1) and not 3 <= args.nats_cluster <= 7:
             raise ValueError("--nats-cluster takes 3 to 7 nodes (a JetStream cluster needs 3)")
+        parse_pinning(args)  # a bad or overlapping core list
         if args.max_offline_backlog < 0:
             raise ValueError("--max-offline-backlog must be >= 0")
         if args.rate_limit:

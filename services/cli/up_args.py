@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from services.cli.model_args import add_model_args
+from services.common import affinity
 from services.gateway.ratelimit import add_rate_args
 
 
@@ -118,6 +120,24 @@ def add_up_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     )
     p.add_argument("--log-level", default="INFO", help="log level of every service")
     p.add_argument(
+        "--engine-cores",
+        default=None,
+        help="pin the instances (torch engines) to these cores, e.g. 0 or 0-3,6; threads follow "
+        "(default: unpinned, every core)",
+    )
+    p.add_argument(
+        "--cpu-attn-cores",
+        default=None,
+        help="pin the CPU-attention workers to these cores, disjoint from --engine-cores; each "
+        "worker gets its own slice when there are at least as many cores as workers",
+    )
+    p.add_argument(
+        "--service-cores",
+        default=None,
+        help="pin the control plane (nats-server, scheduler, batch service, gateway) to these "
+        "cores; may overlap the others (default: unpinned)",
+    )
+    p.add_argument(
         "--fixed-threads",
         action="store_true",
         help="torch instances keep cores ÷ instances threads, busy or not (default: each step "
@@ -145,3 +165,39 @@ def sglang_args(a: argparse.Namespace, index: int, num_instances: int) -> list[s
     if a.sglang_python:
         out += ["--sglang-python", a.sglang_python]
     return out
+
+
+@dataclass(frozen=True)
+class Pinning:
+    """Where `tidal up` pins each kind of service; () is unpinned."""
+
+    engine: tuple[int, ...] = ()  # the instances' cores
+    cpu_attn: tuple[int, ...] = ()  # the CPU-attention workers' cores, shared out among them
+    service: tuple[int, ...] = ()  # nats-server, scheduler, batch service, gateway
+
+    def cpu_attn_slices(self, num_workers: int) -> list[tuple[tuple[int, ...], int]]:
+        """(cores, threads) of each worker: its own slice, or all of them at one thread each
+        (fewer threads than cores never oversubscribe) when workers outnumber cores."""
+        if not self.cpu_attn:
+            return [((), 0)] * num_workers
+        shared = len(self.cpu_attn) < num_workers
+        return [
+            (cores, max(1, len(self.cpu_attn) // num_workers) if shared else len(cores))
+            for cores in affinity.split_cores(self.cpu_attn, num_workers)
+        ]
+
+
+def parse_pinning(a: argparse.Namespace) -> Pinning:
+    """The `--*-cores` options, checked: each a core list of cores this process may use, and the
+    engines' disjoint from the workers' (ValueError saying which)."""
+
+    def cores(spec: str | None, flag: str) -> tuple[int, ...]:
+        return () if spec is None else affinity.parse_cores(spec, flag)
+
+    pin = Pinning(
+        engine=cores(getattr(a, "engine_cores", None), "--engine-cores"),
+        cpu_attn=cores(getattr(a, "cpu_attn_cores", None), "--cpu-attn-cores"),
+        service=cores(getattr(a, "service_cores", None), "--service-cores"),
+    )
+    affinity.check_disjoint(**{"--engine-cores": pin.engine, "--cpu-attn-cores": pin.cpu_attn})
+    return pin

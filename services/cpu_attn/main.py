@@ -4,6 +4,7 @@ computes their decode attention for the instances, over its own TCP data plane
 find it there) and what it holds, for `tidal ctl status` and the gateway's `/metrics`.
 
     python -m services.cpu_attn --id cpu-attn-0 [--port 0] [--capacity-gib 8] [--num-threads 2]
+        [--cores 1]
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import time
 
 import torch
 
-from services.common import net
+from services.common import affinity, net
 from services.common.bus import connect
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
@@ -56,6 +58,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         info = {
             "data_addr": f"{advertise}:{server.port}",
             "num_threads": str(torch.get_num_threads()),
+            "cores": affinity.format_cores(affinity.allowed_cores()),
             "mem_total_gib": f"{_mem_total_gib():.1f}",
             "capacity_bytes": str(st.capacity_bytes),
             "used_bytes": str(st.used_bytes),
@@ -86,12 +89,13 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         stack.push_async_callback(server.close)
         stack.push_async_callback(nc.drain)
         log.info(
-            "cpu_attn %s ready: data plane %s:%d, %.1f GiB for KV, %d threads",
+            "cpu_attn %s ready: data plane %s:%d, %.1f GiB for KV, %d threads on cores %s",
             args.id,
             advertise,
             server.port,
             args.capacity_gib,
             torch.get_num_threads(),
+            affinity.format_cores(affinity.allowed_cores()),
         )
         await heartbeat_loop(nc, beat, stop, envs.heartbeat_s())
         await nc.publish(subjects.heartbeat("cpu_attn", args.id), codec.encode(beat("stopped")))
@@ -103,6 +107,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nats-url", default=envs.NATS_URL.get(), help="NATS server to join")
     p.add_argument("--id", default="cpu-attn-0", help="worker id (letters, digits, _ -)")
     p.add_argument("--num-threads", type=int, default=0, help="attention threads (0: all)")
+    p.add_argument(
+        "--cores",
+        default="",
+        help="pin this worker to these cores (0 or 0-3,6) with one attention thread each, or "
+        "--num-threads (default: unpinned)",
+    )
     p.add_argument(
         "--host",
         default="",
@@ -125,4 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        affinity.apply_spec(args.cores, args.num_threads)
+    except ValueError as exc:
+        print(f"cpu_attn: {exc}", file=sys.stderr)
+        return 2
     return run_service("cpu_attn", lambda stop: serve(args, stop))

@@ -97,7 +97,11 @@ def build_engine(args: argparse.Namespace) -> ControllableEngine:
             tokenizer=tokenizer,
             **sim,
         )
-        return SimEngine(config, parse_step_model(args.sim_step_model))
+        sim_engine = SimEngine(config, parse_step_model(args.sim_step_model))
+        if trace_dir := envs.SIM_STEP_TRACE_DIR.get():
+            path = Path(trace_dir) / f"{getattr(args, 'id', '') or 'instance'}.jsonl"
+            sim_engine.step_trace = path.open("a", buffering=1)  # a line a step (replay)
+        return sim_engine
     if args.engine == "torch":
         # Imported on demand: the torch engine pulls in PyTorch, which the sim engine never needs.
         torch_engine = importlib.import_module("tidal.engine.torch_engine")

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.common import net
+from services.common import affinity, net
 from services.common.bus import connect, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
@@ -285,6 +286,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's)")
     p.add_argument(
+        "--cores",
+        default="",
+        help="pin this instance to these cores (0 or 0-3,6) with one torch thread each, or "
+        "--num-threads (default: unpinned)",
+    )
+    p.add_argument(
         "--core-share",
         default="",
         help="torch: file of the engines sharing this machine's cores; each step then runs on "
@@ -378,4 +385,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:  # before torch starts a thread, so every engine thread is born pinned
+        affinity.apply_spec(args.cores, args.num_threads)
+    except ValueError as exc:
+        print(f"instance: {exc}", file=sys.stderr)
+        return 2
     return run_service("instance", lambda stop: serve(args, stop))

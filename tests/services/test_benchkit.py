@@ -28,3 +28,14 @@ def test_percentiles_are_numpys_and_nan_without_values() -> None:
     assert pct([3.0, 1.0, 2.0], 50) == 2.0
     assert pct([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)  # linear between ranks
     assert math.isnan(pct([], 50))
+
+
+def test_a_stack_that_exits_at_once_is_reported_with_its_log_not_waited_for() -> None:
+    from services.cli import natsd
+    from services.cli.benchkit import stack
+
+    with (
+        pytest.raises(RuntimeError, match=r"(?s)exited .* before serving.*nonsense"),
+        stack(natsd.free_port(), "--engine", "nonsense", start_timeout_s=600),
+    ):
+        pass

@@ -30,6 +30,8 @@ _BY_FUNC = {
     "sample": "sampling",
     "update": "detokenise",
 }
+# the matmuls of the layers and LM head; `mkldnn::_linear_pointwise` runs on packed weights
+_MATMUL_OPS = ("aten::mm", "aten::linear", "aten::addmm", "mkldnn::_linear_pointwise")
 _ATTN_FUNCS = ("sdpa_paged_attention", "decode_attention", "_decode_attention")
 _OTHER: collections.Counter[str] = collections.Counter()  # op -> us, for a look at "other ops"
 PHASES = (
@@ -60,7 +62,7 @@ def _func(ev: Any) -> str:
 
 def _py_parent(ev: Any) -> Any:
     p = ev.cpu_parent
-    while p is not None and (p.name.startswith("aten::") or p.name.startswith("<built-in")):
+    while p is not None and p.name.startswith(("aten::", "mkldnn::", "<built-in")):
         p = p.cpu_parent
     return p
 
@@ -77,7 +79,7 @@ def _owner(ev: Any) -> Any:
 
 def _phase(ev: Any, func: str, cfg: Any) -> str:
     op = ev.name
-    if op in ("aten::mm", "aten::linear", "aten::addmm") and func not in _ATTN_FUNCS:
+    if op in _MATMUL_OPS and func not in _ATTN_FUNCS:
         dims = {d for s in ev.input_shapes or [] if s and len(s) == 2 for d in s}
         if cfg.vocab_size in dims:
             return "final norm + lm_head"
@@ -139,8 +141,8 @@ def profile_decode(engine: TorchEngine, batch: int, prompt_len: int = 64, steps:
             if owner is ev:
                 phases[_BY_FUNC[_func(ev)]] += ev.cpu_time_total
             continue
-        if ev.name.startswith("aten::"):
-            if ev.cpu_parent is not None and ev.cpu_parent.name.startswith("aten::"):
+        if ev.name.startswith(("aten::", "mkldnn::")):
+            if ev.cpu_parent is not None and ev.cpu_parent.name.startswith(("aten::", "mkldnn::")):
                 continue
             pp = _py_parent(ev)
             phases[_phase(ev, _func(pp) if pp is not None else "?", cfg)] += ev.cpu_time_total

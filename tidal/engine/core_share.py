@@ -37,7 +37,8 @@ def create(path: Path, num_slots: int) -> None:
 
 class CoreShare:
     def __init__(self, path: Path, index: int, cores: int | None = None) -> None:
-        self.cores = cores or os.cpu_count() or 1
+        # The cores this process may run on (a `--cores` pin), not the machine's.
+        self.cores = cores or len(os.sched_getaffinity(0)) or 1
         self._f = open(path, "r+b")  # noqa: SIM115 - mapped for the engine's lifetime
         self._m = mmap.mmap(self._f.fileno(), 0)
         self.num_slots = len(self._m) // _SLOT.size
@@ -61,13 +62,18 @@ class CoreShare:
         _SLOT.pack_into(self._m, self.index * _SLOT.size, 0.0)
 
     def apply(self, step_s: float = 0.0) -> int:
-        """`busy()`, and set torch's threads to it (cheap: well under a microsecond unchanged)."""
+        """`busy()`, and set torch's threads to it in the calling thread (cheap unchanged).
+
+        NOTE: the count is per thread: with OpenMP, `torch.set_num_threads` sets the calling
+        thread's ICV only, and the instance runs steps on whichever `asyncio.to_thread` worker is
+        free. Comparing with a cached count set the first worker only, so a lone stream's steps
+        ran on one thread whenever another worker took them (measured: 28 ms inter-token)."""
         import torch  # here: `tidal up` creates the file without importing torch
 
         n = self.busy(step_s)
-        if n != self.last_threads:
+        if torch.get_num_threads() != n:
             torch.set_num_threads(n)
-            self.last_threads = n
+        self.last_threads = n
         return n
 
     def close(self) -> None:

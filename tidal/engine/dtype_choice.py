@@ -4,7 +4,8 @@ A CPU flag says bf16 *can* run natively, not that it is faster for this model: a
 decode step is a chain of GEMVs bound by memory (bf16 moves half the bytes) or by per-call
 overhead (oneDNN's is large at small shapes), and at larger batches by the GEMM kernel each
 dtype gets. So `choose_dtype` times this model's own layer matmuls, laid out and dispatched
-exactly as `LlamaModel` would (`llama.weight_layout` / `llama.linear`), in fp32 and bf16 at
+exactly as `LlamaModel` would (`llama.weight_layout` / `llama.linear`, packed weights
+for multi-row calls where `tidal.engine.packed` applies), in fp32 and bf16 at
 batch 1, 8 and 32 on the threads set now, and picks the dtype with the lower geometric mean
 of the time ratios. The weights are random, on enough layers to stream from memory rather than
 cache (up to `CALIBRATION_BYTES` of bf16). The choice is kept in `$TIDAL_CACHE_DIR` per CPU,
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from tidal import envs
+from tidal.engine import packed
 from tidal.engine.engine_config import default_dtype
 from tidal.engine.llama import linear, weight_layout
 from tidal.engine.model_config import ModelConfig
@@ -79,14 +81,17 @@ def measure_matmuls(
         ]
         for _ in range(n_layers)
     ]
+    # packed copies as `LlamaModel` makes them (multi-row calls run on them)
+    pk = packed.can_pack(dev, dtype)
+    packs = [[packed.pack(w) if pk else None for w in ws] for ws in layers]
     out: dict[str, float] = {}
     for m in batches:
         xs = [torch.rand(m, a, generator=g).to(dtype) for a, _ in shapes]
 
         def one_pass(xs: list[torch.Tensor] = xs) -> None:
-            for ws in layers:
-                for x, w in zip(xs, ws, strict=True):
-                    linear(x, w, None, transposed, native)
+            for ws, ps in zip(layers, packs, strict=True):
+                for x, w, p in zip(xs, ws, ps, strict=True):
+                    linear(x, w, None, transposed, native, p)
 
         one_pass()  # warm-up: first-call kernel setup, page faults
         times = []
@@ -108,7 +113,7 @@ def _cache_key(cfg: ModelConfig) -> str:
     except OSError:
         pass
     shape = _layer_shapes(cfg)
-    raw = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|{shape}"
+    raw = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|{shape}|packed"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tidal.engine import attention
+from tidal.engine import attention, packed
 from tidal.engine.attention import AttnMeta
 from tidal.engine.model_config import ModelConfig
 
@@ -155,6 +155,11 @@ class LlamaModel:
                     down=lw(p + "mlp.down_proj.weight", key=f"tidal.{i}.down"),
                 )
             )
+        # oneDNN-packed copies for multi-row matmuls, by id of the plain weight (`packed`)
+        self.packed_w: dict[int, torch.Tensor] = {}
+        if packed.can_pack(device, dtype) and self.weight_bytes() <= packed.PACK_MAX_BYTES:
+            mats = [w for lay in self.layers for w in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+            self.packed_w = {id(w): packed.pack(w) for w in [*mats, self.lm_head]}
         inv, self.rope_scale = rope_inv_freq(config)
         t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(t, inv)  # (P, D/2)
@@ -324,14 +329,15 @@ class LlamaModel:
         h = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
         if self.lm_head_t is not None and h.shape[0] == 1:
             return torch.mm(h, self.lm_head_t).float()
-        if self.gemv_native and h.shape[0] == 1:
-            return _linear_native(h, self.lm_head, None).float()
-        return F.linear(h, self.lm_head).float()
+        # NOTE: not `_linear`: the LM head keeps HF's (V, hidden) layout in every dtype
+        return linear(
+            h, self.lm_head, None, False, self.gemv_native, self.packed_w.get(id(self.lm_head))
+        ).float()
 
     def _linear(
         self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return linear(x, w, b, self.transposed, self.gemv_native)
+        return linear(x, w, b, self.transposed, self.gemv_native, self.packed_w.get(id(w)))
 
 
 def weight_layout(device: torch.device, dtype: torch.dtype) -> tuple[bool, bool]:
@@ -352,13 +358,21 @@ def weight_layout(device: torch.device, dtype: torch.dtype) -> tuple[bool, bool]
 
 
 def linear(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool, gemv_native: bool
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    transposed: bool,
+    gemv_native: bool,
+    packed_w: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x (n, in) -> (n, out) with w laid out as `weight_layout` says."""
+    """x (n, in) -> (n, out) with w laid out as `weight_layout` says; `packed_w`, w's
+    oneDNN-packed copy (`tidal.engine.packed`), serves the multi-row calls."""
     if transposed:
         return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
     if gemv_native and x.shape[0] == 1:
         return _linear_native(x, w, b)
+    if packed_w is not None:
+        return packed.linear_packed(x, packed_w, b)
     return F.linear(x, w, b)
 
 

@@ -26,9 +26,11 @@ and nothing is changed behind their back.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
+from typing import TextIO
 
 from tidal.engine.api import (
     EngineLoad,
@@ -147,6 +149,10 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin):
         # time, actual work), as on an accelerator the host's work overlaps. None: now.
         self.step_origin: float | None = None
         self.last_step_end_s = 0.0  # perf_counter() when the last realtime step ended
+        # Realtime only: where each step's wall timings go, one JSON line a step (`trace_step`),
+        # for `tidal bench replay` to say where live time went against the emulated time.
+        self.step_trace: TextIO | None = None
+        self._step_start_s = 0.0  # perf_counter() the running step's emulated time counts from
         self._init_migration()
 
     # ---- Engine protocol -------------------------------------------------------------------
@@ -159,6 +165,8 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin):
             raise ValueError(f"request id {request.req_id!r} is already in this engine")
         prompt = list(request.prompt_token_ids)
         self.seqs[request.req_id] = SimSeq(request, prompt, prompt_key(prompt))
+        if self.step_trace is not None:
+            self.trace_event("add", request.req_id)
 
     def abort(self, req_id: str) -> bool:
         seq = self.seqs.pop(req_id, None)
@@ -347,7 +355,10 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin):
         layer_s = layer_times(items, self.step_model, num_layers)
         first = min((s.partial_layer for s, _ in items), default=num_layers)
         if self.config.realtime:
+            called = time.perf_counter()
             done = self._wait_layers(layer_s, first)
+            if self.step_trace is not None:
+                self.trace_step(called, sum(layer_s[first:done]), items)
         else:
             done = num_layers  # layers run to the end
             for layer in range(first, num_layers - 1):
@@ -394,6 +405,7 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin):
         now = time.perf_counter()
         origin, self.step_origin = self.step_origin, None
         start = now if origin is None else max(min(origin, now), self.last_step_end_s)
+        self._step_start_s = start
         ends: list[float] = []  # when each layer from `first` on ends
         t = start
         for layer in range(first, num_layers):
@@ -406,13 +418,45 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin):
             k = next((i for i, end in enumerate(ends) if end >= at), len(ends) - 1)
             done = min(num_layers, first + k + 1)
             time.sleep(max(0.0, ends[k] - time.perf_counter()))
-        self.last_step_end_s = max(ends[done - first - 1] if done > first else start, start)
+        # NOTE: a step whose host work ran past its emulated end ended then (`now`), not at the
+        # emulated end: counting the next one from the emulated end would run the following
+        # steps in no time until the timeline caught up (after a 300 ms stall, ~25 decode steps
+        # of 12 ms came out ~8 ms apart), which no accelerator does. Only the sleep's own wake-up
+        # lag (`late_s`) is made up, as it is this emulation's and not the host's.
+        self.last_step_end_s = max(ends[done - first - 1] if done > first else start, start, now)
         return done
+
+    def trace_step(self, called: float, emulated_s: float, items: list[Item]) -> None:
+        """One line of `step_trace`: `host_s` is the caller's work from the step's start (its
+        origin) to the call (planning, publishing, the thread hop), `wall_s` start to end;
+        `late_s` how far the end fell past max(start + emulated, call) (the wake-up lag)."""
+        end, start = time.perf_counter(), self._step_start_s
+        shape = batch_shape(items)
+        rec = {
+            "unix_s": round(time.time(), 6),
+            "emulated_s": round(emulated_s, 6),
+            "host_s": round(max(0.0, called - start), 6),
+            "wall_s": round(end - start, 6),
+            "late_s": round(end - max(start + emulated_s, called), 6),
+            "num_prefill_tokens": shape.num_prefill_tokens,
+            "num_decode_tokens": shape.num_decode_reqs,
+        }
+        assert self.step_trace is not None
+        self.step_trace.write(json.dumps(rec) + "\n")
+
+    def trace_event(self, event: str, req_id: str) -> None:
+        """One line of `step_trace` for a request: `add` (it joined the engine), `first` (its
+        first output token was made here), at `unix_s`."""
+        assert self.step_trace is not None
+        rec = {"event": event, "req_id": req_id, "unix_s": round(time.time(), 6)}
+        self.step_trace.write(json.dumps(rec) + "\n")
 
     def _emit(self, seq: SimSeq) -> TokenEvent:
         sp = seq.req.sampling
         tok = sim_token(seq.key, seq.num_output, self.word_ids)
         seq.token_ids.append(tok)
+        if self.step_trace is not None and seq.num_output == 1:
+            self.trace_event("first", seq.req_id)
         finish: FinishReason | None = None
         delta = ""
         if tok in sp.stop_token_ids:

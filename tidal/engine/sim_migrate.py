@@ -43,6 +43,13 @@ class SimKvSource:
         return self._pattern.view(start * self.bytes_per_token, end * self.bytes_per_token)
 
 
+def _same_bytes(a: bytes | bytearray | memoryview, b: memoryview) -> bool:
+    """Every byte compared, 8 at a time where the length allows: 0.1 ms per 4 MiB frame against
+    0.8 ms byte-wise, time the receiving data-plane thread took from the decode loop."""
+    word = np.uint64 if len(a) % 8 == 0 else np.uint8
+    return len(a) == len(b) and np.array_equal(np.frombuffer(a, word), np.frombuffer(b, word))
+
+
 @dataclass
 class SimKvSink:
     req_id: str
@@ -60,7 +67,7 @@ class SimKvSink:
         if bpt == 0 or len(data) % bpt or not 0 <= start <= start + n <= self.num_tokens:
             raise ValueError(f"{self.req_id!r}: a KV chunk that does not fit its tokens")
         expected = self._pattern.view(start * bpt, (start + n) * bpt)
-        if not np.array_equal(np.frombuffer(data, np.uint8), np.frombuffer(expected, np.uint8)):
+        if not _same_bytes(data, expected):
             raise ValueError(f"{self.req_id!r}: KV chunk does not match its tokens (corrupted)")
         self.num_written += n
 

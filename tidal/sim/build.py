@@ -120,6 +120,8 @@ def simulate(
         pol,
         link_bytes_per_s=cfg.link_gb_per_s * _GB,
         link_latency_s=cfg.link_latency_ms / 1000,
+        dispatch_s=cfg.dispatch_ms / 1000,
+        dispatch_s_per_token=cfg.dispatch_us_per_token / 1e6,
         cpu=cpu,
         horizon_s=cfg.duration_s + cfg.drain_s,
         bin_s=cfg.bin_s,

@@ -93,6 +93,10 @@ class SimConfig:
     kv_capacity_tokens: int | None = None  # per instance; None = from memory and weights
     link_gb_per_s: float = 25.0  # instance <-> instance KV transfer bandwidth, GB/s
     link_latency_ms: float = 0.5  # fixed cost of one KV transfer
+    # The serving path in front of the scheduler (HTTP, gateway, bus hops, tokenising): a request
+    # is routed dispatch_ms + dispatch_us_per_token * prompt tokens after it arrives (0: at once).
+    dispatch_ms: float = 0.0
+    dispatch_us_per_token: float = 0.0
     pcie_gb_per_s: float = 25.0  # GPU <-> host copies (swap, offload), GB/s
     cpu_workers: CpuWorkers = CpuWorkers()
     duration_s: float = 600.0  # arrivals in [0, duration_s)
@@ -111,6 +115,8 @@ class SimConfig:
             raise ValueError("kv_capacity_tokens must hold at least one block")
         if self.link_gb_per_s <= 0 or self.pcie_gb_per_s <= 0 or self.link_latency_ms < 0:
             raise ValueError("link_gb_per_s and pcie_gb_per_s must be > 0, latency >= 0")
+        if self.dispatch_ms < 0 or self.dispatch_us_per_token < 0:
+            raise ValueError("dispatch_ms and dispatch_us_per_token must be >= 0")
         if self.duration_s <= 0 or self.drain_s < 0 or self.bin_s <= 0:
             raise ValueError("duration_s and bin_s must be > 0, drain_s >= 0")
         if self.online is None and self.offline is None:

@@ -77,8 +77,17 @@ class Simulator:
         bin_s: float = 10.0,
         check: bool = False,
         via_reports: bool = False,
+        dispatch_s: float = 0.0,
+        dispatch_s_per_token: float = 0.0,
     ) -> None:
+        if dispatch_s < 0 or dispatch_s_per_token < 0:
+            raise ValueError("dispatch_s and dispatch_s_per_token must be >= 0")
         self.policy = policy
+        # A request reaches the cluster's `route` this long after it arrives: the serving path
+        # in front of the scheduler (HTTP, gateway, bus hops, tokenising the prompt), which a
+        # live stack spends and its TTFT counts (`tidal bench replay` measures it).
+        self.dispatch_s = dispatch_s
+        self.dispatch_s_per_token = dispatch_s_per_token
         self.instances = [
             InstanceState(
                 instance_id=i,
@@ -108,6 +117,11 @@ class Simulator:
         self._now = 0.0
         self._num_open = 0  # requests arrived and not finished or rejected
         self._reserved = [0] * len(setups)  # blocks reserved for KV in flight to each instance
+        # When each instance's link is next free to send / to receive KV bytes: transfers that
+        # overlap share it, one after another (a link moves one request's bytes at a time at
+        # full rate, or several at a share: the last lands at the same moment either way).
+        self._send_free_s = [0.0] * len(setups)
+        self._recv_free_s = [0.0] * len(setups)
         self._check = check  # run check_integrity after every event (tests)
         # `via_reports`: the cluster half sees a view rebuilt from instance reports, exactly as
         # the live scheduler builds it (`tidal.cluster.view`). Same decisions (tests), but ~4x
@@ -154,8 +168,15 @@ class Simulator:
         n, i = len(requests), 0
         heap = self._heap
         last_progress = 0.0
+        if self.dispatch_s or self.dispatch_s_per_token:  # routed later than they arrive
+            per_token = self.dispatch_s_per_token
+            at = [r.arrival_s + self.dispatch_s + per_token * r.input_tokens for r in requests]
+            order = sorted(range(n), key=at.__getitem__)
+            requests, route_s = [requests[k] for k in order], [at[k] for k in order]
+        else:
+            route_s = [r.arrival_s for r in requests]
         while True:
-            t_arr = requests[i].arrival_s if i < n else math.inf
+            t_arr = route_s[i] if i < n else math.inf
             t_ev = heap[0][0] if heap else math.inf
             t = t_arr if t_arr <= t_ev else t_ev
             if t == math.inf or t > self.horizon_s:
@@ -307,7 +328,12 @@ class Simulator:
         r.num_blocks = 0
         src.running.remove(r)
         r.phase = Phase.MIGRATING
-        dt = self.cluster.transfer_s(r, src)
+        # The fixed part (offer, reservation, commit) runs at once; the bytes wait for the link.
+        c, sid = self.cluster, src.instance_id
+        wire_s = r.num_computed_tokens * src.kv_bytes_per_token / c.link_bytes_per_s
+        start = max(now + c.link_latency_s, self._send_free_s[sid], self._recv_free_s[dst_id])
+        self._send_free_s[sid] = self._recv_free_s[dst_id] = start + wire_s
+        dt = start + wire_s - now
         if is_migration:
             r.num_migrations += 1
             self.rec.num_migrations += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,3 +50,27 @@ def test_engine_takes_the_cores_while_busy_and_frees_its_slot(
     while engine.has_work():
         engine.step()
     assert other.busy() == 2  # the engine ran out of work and cleared its slot
+
+
+def test_apply_sets_the_threads_of_whichever_thread_steps(tmp_path: Path) -> None:
+    # the instance steps on any free asyncio.to_thread worker: each must get the count
+    core_share.create(tmp_path / "cores", 2)
+    share = core_share.CoreShare(tmp_path / "cores", 0, cores=2)
+    before = torch.get_num_threads()
+    seen: list[int] = []
+
+    def step() -> None:
+        torch.set_num_threads(1)  # a worker that last ran with another count
+        share.apply()
+        seen.append(torch.get_num_threads())
+
+    try:
+        share.apply()
+        for _ in range(2):
+            th = threading.Thread(target=step)
+            th.start()
+            th.join()
+        assert seen == [2, 2]
+    finally:
+        torch.set_num_threads(before)
+        share.close()

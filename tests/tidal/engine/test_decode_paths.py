@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.tidal.engine.test_llama import greedy, hf_all_logits, prompt
-from tidal.engine import attention, llama
+from tidal.engine import attention, llama, packed
 from tidal.engine.api import EngineRequest
 from tidal.engine.torch_engine import TorchEngine
 
@@ -97,3 +97,23 @@ def test_bf16_engine_tracks_hf(make_engine: Any, hf_models: dict[str, Any]) -> N
         for j, lg in enumerate(got[rid]):
             row = ref[len(p) - 1 + j]
             assert (lg - row).abs().max() <= 0.05 * row.abs().max() + 0.05
+
+
+def test_bf16_packed_matmul_is_exact() -> None:
+    # multi-row bf16 matmuls run on oneDNN-packed weights: the same numbers as F.linear
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(960, 576, generator=g).bfloat16()
+    b = torch.randn(960, generator=g).bfloat16()
+    pw = packed.pack(w)
+    for rows in (2, 5, 32, 33):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+        got = llama.linear(x, w, b, False, True, pw)
+        assert torch.equal(got, torch.nn.functional.linear(x, w, b))
+
+
+def test_engine_packs_bf16_weights_only(make_engine: Any) -> None:
+    bf = make_engine("llama", dtype="bfloat16").model
+    n_mats = 4 * bf.config.num_hidden_layers + 1  # qkv, o, gate_up, down per layer; LM head
+    assert len(bf.packed_w) == n_mats
+    assert id(bf.layers[0].gate_up) in bf.packed_w and id(bf.lm_head) in bf.packed_w
+    assert make_engine("llama", dtype="float32").model.packed_w == {}
