@@ -36,6 +36,7 @@ log = logging.getLogger("tidal.batch")
 
 POLL_S = 0.5
 PUBLISH_WINDOW = 256  # job publishes awaited together
+ENDS_PER_STEP = 4  # batches finalized (completed, cancelled, expired) per keeper step
 _UNRUN = {
     "expired": (
         "batch_expired",
@@ -109,14 +110,23 @@ class Keeper:
             for b in batches
             if b.status in ("in_progress", "finalizing") and b.request_counts is not None
         )
+        # New batches first, and at most ENDS_PER_STEP batches ended a step (each end reads the
+        # input and the results and writes two files): a pile of cancelled batches held a new
+        # batch in `validating` for over 120 s while they were finalized one after another.
         for b in batches:
             if b.status == "validating":
                 backlog += await self.validate(b, now_s, backlog)
-            elif b.status == "cancelling":
+        ends = 0
+        for b in batches:
+            if ends >= ENDS_PER_STEP:
+                self.kick.set()  # the rest in the next step, after any new batch
+                break
+            if b.status == "cancelling":
                 await self.dispatcher.cancel_batch(b.id)
                 await self.finalize(b, "cancelled", now_s)
+                ends += 1
             elif b.status in ("in_progress", "finalizing"):
-                await self.progress(b, now_s)
+                ends += await self.progress(b, now_s)
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -180,17 +190,20 @@ class Keeper:
 
     # -- progress and the end -----------------------------------------------------------------
 
-    async def progress(self, batch: Batch, now_s: float) -> None:
+    async def progress(self, batch: Batch, now_s: float) -> bool:
+        """Count a running batch's results, or end it; whether it was ended (finalized)."""
         if not self.tally.ready:
-            return
+            return False
         ok, failed = self.tally.counts(batch.id)
         total = batch.request_counts.total
         if batch.status == "finalizing" or ok + failed >= total:
             await self.finalize(batch, "completed", now_s)
-        elif now_s >= batch.expires_at:
+            return True
+        if now_s >= batch.expires_at:
             await self.dispatcher.cancel_batch(batch.id)
             await self.finalize(batch, "expired", now_s)
-        elif (ok, failed) != (batch.request_counts.completed, batch.request_counts.failed):
+            return True
+        if (ok, failed) != (batch.request_counts.completed, batch.request_counts.failed):
             counts = RequestCounts(total=total, completed=ok, failed=failed)
 
             def count(b: Batch) -> Batch | None:
@@ -199,6 +212,7 @@ class Keeper:
                 return msgspec.structs.replace(b, request_counts=counts)
 
             await self.store.update_batch(batch.id, count)
+        return False
 
     async def finalize(self, batch: Batch, final: str, now_s: float) -> None:
         """Assemble the output and error files in input order and end the batch as `final`."""
