@@ -123,6 +123,8 @@ def build_engine(args: argparse.Namespace) -> ControllableEngine:
             dtype=None if dtype == "auto" else dtype,
             **kwargs,
         )
+        # every thread that steps takes the count, not only this one (OpenMP's is per thread)
+        torch_eng.num_threads = args.num_threads or 0
         if share := getattr(args, "core_share", ""):
             from tidal.engine.core_share import CoreShare
 

@@ -86,6 +86,7 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin):
         self.dtype_choice: DtypeChoice | None = None  # set by load_torch_engine when it chose
         # cores shared with the other engines on this machine: threads follow who is busy
         self.core_share: CoreShare | None = None
+        self.num_threads = 0  # no core share: torch threads of every stepping thread (0: as is)
         mc: ModelConfig = model.config
         num_blocks = cfg.kv_cache_tokens // cfg.block_size
         self.block_size = cfg.block_size
@@ -190,6 +191,8 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin):
         t0 = time.perf_counter()
         if self.core_share is not None:
             self.core_share.apply(self._last_step_s)
+        elif self.num_threads and torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)  # per thread under OpenMP (CoreShare.apply)
         try:
             return self._step(plan, t0)
         finally:

@@ -74,3 +74,23 @@ def test_apply_sets_the_threads_of_whichever_thread_steps(tmp_path: Path) -> Non
     finally:
         torch.set_num_threads(before)
         share.close()
+
+
+def test_a_fixed_thread_count_reaches_whichever_thread_steps(make_engine: Any) -> None:
+    # `--fixed-threads --num-threads N`: no core share; each stepping worker gets N, not only the
+    # thread that loaded the engine
+    engine = make_engine("llama")
+    engine.num_threads = 1
+    engine.add(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0)))
+    seen: list[int] = []
+
+    def step() -> None:
+        torch.set_num_threads(2)  # a worker that last ran with another count
+        engine.step()
+        seen.append(torch.get_num_threads())
+
+    for _ in range(2):
+        th = threading.Thread(target=step)
+        th.start()
+        th.join()
+    assert seen == [1, 1]
