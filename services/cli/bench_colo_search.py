@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import io
 import json
 import os
@@ -32,7 +31,7 @@ from typing import Any
 import yaml
 
 from services.cli import natsd
-from services.cli.bench_replay import prompt_maker as _make_prompt_maker
+from services.cli.bench_replay import prompt_maker
 from services.cli.bench_search import Measurement, Outcome, Point, search_max_offline
 from services.cli.benchkit import metric_samples, pct, stack
 from tidal.configs import config_path
@@ -40,7 +39,6 @@ from tidal.sim.build import kv_geometry, with_offline_rate, workload
 from tidal.sim.config import SimConfig, parse_config, set_path
 from tidal.workload.mix import SimRequest
 
-_prompt_maker = functools.cache(_make_prompt_maker)  # the tokenizer is read once
 BATCH_MAX_INFLIGHT = 32  # the batch service's default `--max-inflight` (services/batch/main.py)
 
 
@@ -93,7 +91,7 @@ def up_args(args: argparse.Namespace, cfg_path: str, policy: str, res: dict) -> 
 
 async def _submit(client: Any, model: str, lines: list[tuple[int, int]]) -> str:
     """One batch of (prompt tokens, output tokens) lines through /v1/files + /v1/batches."""
-    prompt = _prompt_maker()
+    prompt = prompt_maker()
     body = "\n".join(
         json.dumps(
             {
@@ -174,7 +172,7 @@ async def measure_window(
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
-    prompt = _prompt_maker()
+    prompt = prompt_maker()
     slo, end_s = cfg.slo, cfg.duration_s
     rows: list[tuple[float, float | None, float | None, int, int]] = []  # sent, 1st, last, n, want
     batch_ids: list[str] = []
