@@ -248,7 +248,9 @@ def test_online_requests_keep_their_slo_while_a_batch_runs(stack: Stack) -> None
     # SLOs a few times the emulated step (3 ms): what a batch must not take from online work.
     alone = _online_attainment(stack, 40, ttft_s=0.5, tpot_s=0.05)
     c = client(stack)
-    batch = submit(c, [chat_line(f"bg{i}", max_tokens=64, ignore_eos=True) for i in range(400)])
+    # 400 x 256 tokens: several times the measurement's length, so the batch is still running
+    # when it is cancelled (at 64 tokens it once finished between the check and the cancel)
+    batch = submit(c, [chat_line(f"bg{i}", max_tokens=256, ignore_eos=True) for i in range(400)])
     wait(c, batch.id, until=("in_progress", *DONE))
     deadline = time.monotonic() + 60
     while c.batches.retrieve(batch.id).request_counts.completed == 0:  # type: ignore[union-attr]
@@ -256,8 +258,8 @@ def test_online_requests_keep_their_slo_while_a_batch_runs(stack: Stack) -> None
         time.sleep(0.2)
     busy = _online_attainment(stack, 40, ttft_s=0.5, tpot_s=0.05)
     running = c.batches.retrieve(batch.id)
-    c.batches.cancel(batch.id)
     assert running.status == "in_progress", "the batch must still run while online is measured"
+    c.batches.cancel(batch.id)
     assert busy >= alone - 0.01, (alone, busy)
 
 
