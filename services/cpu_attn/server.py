@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from services.common.torch_threads import ComputeThread
 from tidal.cpu_attn import wire
 from tidal.cpu_attn.kv_store import KvStore, StoreFull
 from tidal.cpu_attn.layer_timer import LayerTimer
@@ -30,6 +31,8 @@ class AttnServer:
         self._server: asyncio.Server | None = None
         self.port = 0
         self._owned: dict[asyncio.StreamWriter, set[str]] = {}
+        # attention and KV copies on one thread (`services.common.torch_threads`)
+        self.compute = ComputeThread("cpu-attn")
 
     async def start(self, host: str, port: int) -> None:
         self._server = await asyncio.start_server(self._serve, host, port)
@@ -42,6 +45,7 @@ class AttnServer:
                 w.close()
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
+        self.compute.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.num_connections += 1
@@ -106,7 +110,7 @@ class AttnServer:
                 with self.timer.timed():
                     return st.attend(msg.layer, msg.req_ids, msg.positions, qkv, H, msg.scale)
 
-            out, errors = await asyncio.to_thread(run)
+            out, errors = await self.compute.run(run)
             self.num_rows += B - len(errors)
             self.num_ctx_tokens += sum(
                 p + 1
@@ -122,7 +126,7 @@ class AttnServer:
                 return wire.frame(wire.Refused(msg.call, "checksum mismatch", st.free_bytes))
             kv = wire.from_bytes(payload, msg.dtype, msg.shape)
             try:
-                await asyncio.to_thread(st.put, msg.req_id, kv, msg.reserve_tokens)
+                await self.compute.run(st.put, msg.req_id, kv, msg.reserve_tokens)
             except StoreFull as exc:
                 log.info("refused %s: %s", msg.req_id, exc)
                 return wire.frame(wire.Refused(msg.call, f"worker full: {exc}", st.free_bytes))
@@ -130,7 +134,7 @@ class AttnServer:
             return wire.frame(wire.Ok(msg.call, st.free_bytes, st.stats().kv_tokens))
         if isinstance(msg, wire.Recall):
             try:
-                kv = await asyncio.to_thread(st.get, msg.req_id)
+                kv = await self.compute.run(st.get, msg.req_id)
             except KeyError:
                 return wire.frame(wire.Refused(msg.call, f"{msg.req_id!r} is not held here"))
             data = wire.to_bytes(kv)

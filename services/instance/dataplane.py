@@ -20,9 +20,9 @@ import logging
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from services.common.torch_threads import SingleTorchThreadExecutor, single_torch_thread
 from tidal.engine.migrate import KvSink, KvSource, MovableEngine, chunk_ranges
 from tidal.schemas import kv_wire as wire
 
@@ -131,6 +131,7 @@ class DataPlaneServer:
                 self._answer(conn, f"busy: {self.max_transfers} transfers in flight here")
                 return
             try:
+                single_torch_thread()  # it writes KV into torch blocks: no OpenMP pool here
                 reason = self._receive(conn)
             finally:
                 self._slots.release()
@@ -214,7 +215,8 @@ class DataPlaneServer:
         return moved
 
 
-_senders = ThreadPoolExecutor(max_workers=SEND_SLOTS, thread_name_prefix="kv-send")
+# one torch thread each: reading KV out of torch blocks must not open an OpenMP pool here
+_senders = SingleTorchThreadExecutor(max_workers=SEND_SLOTS, thread_name_prefix="kv-send")
 
 
 def send_kv_blocking(

@@ -21,11 +21,12 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.common import affinity, net
+from services.common import affinity, net, torch_threads
 from services.common.bus import connect, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
 from services.common.live_config import LiveConfig, load_live_config
+from services.common.torch_threads import ComputeThread
 from services.instance.dataplane import DataPlaneServer
 from services.instance.engines import ENGINES, build_engine, parse_step_model
 from services.instance.migration import Migrator
@@ -171,15 +172,20 @@ def build_adapter(
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     subjects.check_token(args.id, "instance id")
     live = load_live_config(args.config, args.policy, args.roles)
-    engine = await asyncio.to_thread(build_engine, args)  # loading weights can take seconds
+    torch_threads.install(asyncio.get_running_loop())
+    compute = ComputeThread("engine")
+    # Loading weights can take seconds; the torch engine also times its matmuls (dtype_choice)
+    # and packs weights there, on the one thread that will step it.
+    engine = await compute.run(build_engine, args)
+    torch_threads.single_torch_thread()  # this loop's thread, now that torch may be loaded
     if not isinstance(engine, ControllableEngine):
         raise ValueError(f"engine {engine.name!r} cannot be driven by a policy")
     try:
         adapter = build_adapter(args, live, engine)
-        await _serve(args, stop, live, engine, adapter)
+        await _serve(args, stop, live, engine, adapter, compute)
     finally:
         if (close := getattr(engine, "close", None)) is not None:
-            await asyncio.to_thread(close)  # an SGLang child stops with its worker
+            await compute.run(close)  # an SGLang child stops with its worker
 
 
 async def _serve(
@@ -188,6 +194,7 @@ async def _serve(
     live: LiveConfig,
     engine: ControllableEngine,
     adapter: PolicyAdapter,
+    compute: ComputeThread,
 ) -> None:
     pool: CpuAttnPool | None = None
     if args.cpu_attn and callable(getattr(engine, "attach_cpu_attn", None)):
@@ -200,7 +207,7 @@ async def _serve(
         engine.attach_cpu_attn(pool)  # type: ignore[attr-defined]
         adapter.cpu_capacity = pool.capacity
     nc: NATS = await connect(args.nats_url, f"instance-{args.id}", args.connect_timeout_s)
-    inst = Instance(nc, args.id, engine, adapter, live.cfg.slo)
+    inst = Instance(nc, args.id, engine, adapter, live.cfg.slo, compute)
     migrator = Migrator(inst)
     control = Control(inst, live)
     plane = DataPlaneServer(migrator)

@@ -163,7 +163,7 @@ class Migrator:
                 snap = next((s for s in inst.engine.snapshot() if s.req_id == rid), None)
                 if snap is None or snap.forced_tokens or snap.status != "running":
                     return MigrateResult(rid, "refused", "not running (or mid-chunk) here")
-                source = await asyncio.to_thread(self.mover.begin_export, rid)
+                source = await self.inst.compute.run(self.mover.begin_export, rid)
             meta = inst.adapter.meta.get(rid) or ReqMeta(None, time.time())
             inst.moving_out[rid] = ReqReport(
                 rid,
@@ -191,7 +191,7 @@ class Migrator:
 
     async def _end_export(self, rid: str, moved: bool) -> None:
         async with self.inst.engine_lock:
-            await asyncio.to_thread(self.mover.end_export, rid, moved)
+            await self.inst.compute.run(self.mover.end_export, rid, moved)
         self.inst.wake.set()
 
     async def _hand_over(
@@ -320,9 +320,9 @@ class Migrator:
             async with self.inst.engine_lock:
                 if res.aborted:
                     raise TransferRefused("aborted by the source")
-                sink = await asyncio.to_thread(self.mover.begin_import, state)
+                sink = await self.inst.compute.run(self.mover.begin_import, state)
                 if res.aborted:  # aborted or expired while the blocks were being reserved
-                    await asyncio.to_thread(self.mover.end_import, sink.req_id, False)
+                    await self.inst.compute.run(self.mover.end_import, sink.req_id, False)
                     raise TransferRefused("aborted by the source")
         except (ValueError, MemoryError) as exc:
             raise TransferRefused(f"import refused: {exc}") from None
@@ -351,7 +351,7 @@ class Migrator:
         sink, res.sink = res.sink, None
         if sink is not None:
             async with self.inst.engine_lock:
-                await asyncio.to_thread(self.mover.end_import, sink.req_id, False)
+                await self.inst.compute.run(self.mover.end_import, sink.req_id, False)
 
     async def on_commit(self, commit: MigrateCommit, msg: Msg) -> None:
         # in a task: each commit waits for this engine's lock; one per step, not one per commit
@@ -374,7 +374,7 @@ class Migrator:
                 return MigrateOfferReply(ok=False, reason="aborted by the source")
             sink, res.sink = res.sink, None
             try:
-                await asyncio.to_thread(self.mover.end_import, sink.req_id, True)
+                await self.inst.compute.run(self.mover.end_import, sink.req_id, True)
             except (ValueError, MemoryError) as exc:
                 return MigrateOfferReply(ok=False, reason=f"import failed: {exc}")
             if res.aborted:

@@ -27,6 +27,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.common.bus import respond
+from services.common.torch_threads import ComputeThread
 from services.instance.policy_adapter import PolicyAdapter, ReqMeta
 from tidal.cluster.view import SUBMITTED
 from tidal.engine.api import (
@@ -77,8 +78,11 @@ class Instance:
         engine: ControllableEngine,
         adapter: PolicyAdapter,
         default_slo: Slo,
+        compute: ComputeThread | None = None,
     ) -> None:
         self.nc = nc
+        # the one thread that runs the engine's torch work (`services.common.torch_threads`)
+        self.compute = compute or ComputeThread("engine")
         self.id = instance_id
         self.engine = engine
         self.adapter = adapter
@@ -313,9 +317,9 @@ class Instance:
         try:  # NOTE: the caller holds engine_lock
             if fcfs:
                 log.warning("the policy's plans failed %d times; one FCFS step", MAX_BAD_PLANS)
-                result = await asyncio.to_thread(self.engine.step, None)
+                result = await self.compute.run(self.engine.step, None)
             else:
-                ex = await asyncio.to_thread(execute, self.engine, plan, self.adapter.forced)
+                ex = await self.compute.run(execute, self.engine, plan, self.adapter.forced)
                 result = ex.result
                 why = OUT_OF_KV_ERROR
                 ended = [TokenEvent(r, (), "", FinishReason.ERROR, error=why) for r in ex.aborted]

@@ -5,7 +5,7 @@ cache's layout ((L, 2, T, Hk, D) per chunk); the request's state is MessagePack 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -16,6 +16,9 @@ from tidal.engine.kv_cache import BlockAllocator
 from tidal.engine.migrate import KvSink, KvSource, export_whole, import_whole
 from tidal.engine.sampling import Detokenizer, make_generator
 from tidal.engine.sequence import PartialChunk, SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from tidal.engine.core_share import CoreShare
 
 FORMAT = "tidal-torch-request/2"
 
@@ -94,6 +97,11 @@ class TorchMigrateMixin:
     model_name: str
     tokenizer: Tokenizer
     kv_bytes_per_token: float
+    core_share: CoreShare | None
+
+    if TYPE_CHECKING:
+
+        def has_work(self) -> bool: ...
 
     def _init_migration(self) -> None:
         self.exporting: dict[str, Sequence] = {}
@@ -137,6 +145,10 @@ class TorchMigrateMixin:
         )
         del self.seqs[req_id]
         self.exporting[req_id] = seq
+        if self.core_share is not None and not self.has_work():
+            # the last request is leaving: hand the cores to the engine it goes to now, not
+            # when this engine's busy stamp (3 of its prefill steps) lapses
+            self.core_share.idle()
         return TorchKvSource(
             req_id,
             msgspec.msgpack.encode(state),

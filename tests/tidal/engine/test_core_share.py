@@ -94,3 +94,21 @@ def test_a_fixed_thread_count_reaches_whichever_thread_steps(make_engine: Any) -
         th.start()
         th.join()
     assert seen == [1, 1]
+
+
+def test_exporting_the_last_request_frees_the_slot_at_once(
+    make_engine: Any, tmp_path: Path
+) -> None:
+    # a prefill instance whose request leaves for a decode instance: the decoder gets every core
+    # from its first step, not after the prefiller's busy stamp (3 prefill steps) lapses
+    path = tmp_path / "cores.bin"
+    core_share.create(path, 2)
+    decoder = core_share.CoreShare(path, 1, cores=2)
+    engine = make_engine("llama")
+    engine.core_share = core_share.CoreShare(path, 0, cores=2)
+    engine.add(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0)))
+    engine.step()
+    assert decoder.busy() == 1  # the prefiller still counts as busy
+    engine.begin_export("a")
+    assert decoder.busy() == 2
+    engine.end_export("a", True)
