@@ -263,16 +263,20 @@ async def _all_json(kv: KeyValue, keys: str, type_: type[Any], expected: int = 0
     NOTE: nats-py's watcher can put its "nothing more stored" marker ahead of entries already on
     their way (it compares the consumer's pending count with what its callback has seen, before
     the callback ran). Trusted alone, it once made a finalizer read no results and write a batch
-    with no output; with `expected`, an early marker is read past."""
+    with no output; with `expected`, an early marker is read past, and the listing ends once
+    `expected` entries are in. (Waiting for a second marker, which never comes, stalled the
+    batch keeper 10 s a step under load: windows of the live search with no offline tokens.)"""
     out = []
     seen = 0
+    early = False  # the marker came before `expected` entries: it comes once, so count instead
     watcher = await kv.watch(keys, ignore_deletes=True)
     try:
-        while True:
+        while not (early and seen >= expected):
             entry = await watcher.updates(timeout=10.0)
             if entry is None:  # the end of what is stored now, unless it came early
                 if seen >= expected:
                     break
+                early = True
                 continue
             seen += 1
             if entry.value and entry.operation is None:
