@@ -1,6 +1,6 @@
 """A request's tokens on their way to the gateway as `TokenChunk`s: one chunk per engine step
 for an online request; for an offline one (no SLO: Batch API lines, `request_class: offline`)
-several steps' tokens held back and published as one chunk (issue 29).
+several steps' tokens held back and published as one chunk.
 
 One NATS message per token per request cost an instance 7-8 % of its loop thread in socket
 writes under the co-location benchmark, and woke the gateway and the batch service per token.
