@@ -67,7 +67,8 @@ class JobPayload(msgspec.Struct, frozen=True):
 class Counters:
     done: int = 0
     failed: int = 0
-    output_tokens: int = 0
+    output_tokens: int = 0  # of lines with a stored result, counted when stored
+    generated_tokens: int = 0  # as the tokens arrive, every line (stored, retried, cancelled)
 
 
 @dataclass
@@ -193,7 +194,9 @@ class Dispatcher:
         failures = 0
         delay = RETRY_DELAY_S
         while True:
-            out: Outcome = await run_line(self.bus, job.endpoint, job.body, self.handles, key)
+            out: Outcome = await run_line(
+                self.bus, job.endpoint, job.body, self.handles, key, self._generated
+            )
             if not out.retry:
                 break
             # NOTE: retried here, the job held (its deadline kept extended), not put back: a
@@ -221,6 +224,9 @@ class Dispatcher:
             self.counters.done += 1
             self.counters.failed += 0 if ok else 1
             self.counters.output_tokens += tokens
+
+    def _generated(self, num_tokens: int) -> None:
+        self.counters.generated_tokens += num_tokens
 
     async def cancel_batch(self, batch_id: str) -> int:
         """Abort the lines of `batch_id` running here; how many there were."""

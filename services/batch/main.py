@@ -80,6 +80,7 @@ async def _stats_loop(
             lines_done_total=c.done,
             lines_failed_total=c.failed,
             output_tokens_total=c.output_tokens,
+            generated_tokens_total=c.generated_tokens,
             oldest_job_age_s=oldest_s,
         )
         with contextlib.suppress(Exception):

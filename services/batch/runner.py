@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,8 +77,16 @@ def error_body(exc: ApiError) -> dict[str, Any]:
     }
 
 
-async def collect(handle: RequestHandle) -> list[TokenChunk]:
-    return [chunk async for chunk in handle]
+async def collect(
+    handle: RequestHandle, on_tokens: Callable[[int], None] | None = None
+) -> list[TokenChunk]:
+    """Every chunk of `handle`'s stream; `on_tokens(n)` as each chunk of n tokens arrives."""
+    chunks = []
+    async for chunk in handle:
+        chunks.append(chunk)
+        if on_tokens is not None and chunk.num_tokens:
+            on_tokens(chunk.num_tokens)
+    return chunks
 
 
 def response_body(endpoint: str, handle: RequestHandle, chunks: list[TokenChunk]) -> dict:
@@ -126,6 +135,7 @@ async def run_line(
     body: dict[str, Any],
     handles: dict[str, RequestHandle],
     key: str,
+    on_tokens: Callable[[int], None] | None = None,
 ) -> Outcome:
     """Run one line to its end. `handles[key]` holds the live request while it runs (so that a
     cancel can abort it)."""
@@ -139,7 +149,7 @@ async def run_line(
         return Outcome(exc.status, error_body(exc), gen.req_id, exc.status in RETRY_STATUSES)
     handles[key] = handle
     try:
-        chunks = await collect(handle)
+        chunks = await collect(handle, on_tokens)
     except asyncio.CancelledError:  # the batch was cancelled or the service is stopping
         with contextlib.suppress(Exception):
             await asyncio.shield(handle.cancel("batch line cancelled"))

@@ -149,7 +149,7 @@ async def _settle(client: Any, model: str, batch_ids: list[str], settle_s: float
 def _batch_counters(base: str) -> dict[str, float]:
     out = {"tokens": 0.0, "lines": 0.0, "busy": 0.0}
     for name, labels, value in metric_samples(base):
-        if name == "tidal_batch_output_tokens_total":
+        if name == "tidal_batch_generated_tokens_total":  # as generated, not per stored line
             out["tokens"] += value
         elif name == "tidal_batch_lines_total" and labels.get("outcome") == "completed":
             out["lines"] += value

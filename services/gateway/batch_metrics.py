@@ -1,7 +1,8 @@
 """Prometheus metrics of the Batch API, from the batch service's `BatchStats` (once a second).
 
 Counters in `BatchStats` count since that process started; a restart (a new `started_unix_s`)
-is added on, so `tidal_batch_lines_total` and `tidal_batch_output_tokens_total` only grow.
+is added on, so `tidal_batch_lines_total`, `tidal_batch_output_tokens_total` and
+`tidal_batch_generated_tokens_total` only grow.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ class BatchMetrics:
             "Output tokens generated for batch lines (rate() gives the batch path's tokens/s)",
             registry=registry,
         )
+        self.generated_tokens = Counter(
+            "tidal_batch_generated_tokens",
+            "Output tokens of batch lines as they are generated, retried and cancelled lines "
+            "included (rate() over a short window: the batch path's decode rate)",
+            registry=registry,
+        )
         self.oldest_job_age = Gauge(
             "tidal_batch_oldest_job_age_seconds",
             "Age of the oldest batch line still on the work queue (0 when none)",
@@ -51,6 +58,8 @@ class BatchMetrics:
         self.lines.labels("completed").inc(max(0, done - failed))
         self.lines.labels("failed").inc(max(0, failed))
         self.output_tokens.inc(max(0, tokens))
+        gen = st.generated_tokens_total - (prev.generated_tokens_total if prev else 0)
+        self.generated_tokens.inc(max(0, gen))
         self._last[st.service_id] = st
         for status in ALL_STATUSES:
             self.batches.labels(status).set(st.batches_by_status.get(status, 0))

@@ -158,10 +158,10 @@ class GatewayMetrics:
         self._refusals_seen: dict[str, dict[str, int]] = {}  # instance -> reason -> count
         # instance -> (its start, {info key: count}) from its last heartbeat (sglang engine)
         self._sglang_seen: dict[str, tuple[float, dict[str, int]]] = {}
-        self.batch = BatchMetrics(self.registry)
-        self.cpu_attn = CpuAttnMetrics(self.registry)
         self.loop_lag = LoopLagMetrics(self.registry)
         self.healing = HealingMetrics(self.registry)
+        # cluster state, exported by one gateway only (`WhenExporter`), as the Batch API and the
+        # CPU-attention workers are one per cluster, not per gateway
         self.batch = BatchMetrics(self.cluster)
         self.cpu_attn = CpuAttnMetrics(self.cluster)
 

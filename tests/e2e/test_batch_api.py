@@ -207,9 +207,17 @@ def test_batch_metrics_on_metrics(stack: Stack) -> None:
         "tidal_batch_lines_in_flight",
         'tidal_batch_lines_total{outcome="completed"}',
         "tidal_batch_output_tokens_total",
+        "tidal_batch_generated_tokens_total",
         "tidal_batch_oldest_job_age_seconds",
     ):
         assert name in text, name
+    samples = [line.split() for line in text.splitlines() if line.startswith("tidal_batch_")]
+    names = [s[0] for s in samples]
+    assert len(names) == len(set(names)), "a series is on /metrics twice"
+    value = {name: float(v) for name, v in samples}
+    # every stored line's tokens were counted as they came, and cancelled lines' tokens too
+    stored = value["tidal_batch_output_tokens_total"]
+    assert value["tidal_batch_generated_tokens_total"] >= stored > 0
 
 
 def _online_attainment(stack: Stack, n: int, ttft_s: float, tpot_s: float) -> float:

@@ -259,8 +259,11 @@ class BatchStats(msgspec.Struct, frozen=True):
     lines_in_flight: int
     lines_done_total: int  # results stored by this process, successes and failures
     lines_failed_total: int
-    output_tokens_total: int
+    output_tokens_total: int  # of lines with a stored result, counted when stored
     oldest_job_age_s: float  # age of the oldest job still on the stream (0 when none)
+    # tokens of batch lines as they are generated (lines retried or cancelled too): the batch
+    # path's decode rate over any window, where `output_tokens_total` moves a line at a time
+    generated_tokens_total: int = 0
 
 
 class MigrateOffer(msgspec.Struct, frozen=True):

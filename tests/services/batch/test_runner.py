@@ -37,3 +37,19 @@ def test_penalties_reach_the_request() -> None:
     body = {"model": "m", "messages": MESSAGES, "presence_penalty": 1.5, "logit_bias": {"5": -3}}
     req = build_request(CHAT, body, "tidal.gw.g.tokens")
     assert req.sampling.presence_penalty == 1.5 and req.sampling.logit_bias == [(5, -3.0)]
+
+
+async def test_collect_counts_tokens_as_each_chunk_arrives() -> None:
+    from services.batch.runner import collect
+    from tidal.schemas.messages import TokenChunk
+
+    counts: list[int] = []
+
+    class Handle:  # a running line's stream, as a RequestHandle yields it
+        async def __aiter__(self):  # type: ignore[no-untyped-def]
+            for seq, n, finish in ((0, 1, None), (1, 4, None), (2, 0, "stop")):
+                yield TokenChunk("r", seq, "x" * n, n, 3, 0, "i0", finish_reason=finish)
+                assert sum(counts) == [1, 5, 5][seq]  # counted before the next chunk comes
+
+    chunks = await collect(Handle(), counts.append)  # type: ignore[arg-type]
+    assert [c.seq for c in chunks] == [0, 1, 2] and counts == [1, 4]

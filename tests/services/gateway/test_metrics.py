@@ -71,3 +71,20 @@ def parse(m: GatewayMetrics) -> dict[str, dict[tuple[str, ...], float]]:
             key = tuple(s.labels[k] for k in ("model_name", "engine") if k in s.labels)
             out.setdefault(fam.name, {})[key] = s.value
     return out
+
+
+def test_batch_generated_tokens_add_up_across_a_restart() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from services.gateway.batch_metrics import BatchMetrics
+    from tidal.schemas.messages import BatchStats
+
+    reg = CollectorRegistry()
+    m = BatchMetrics(reg)
+
+    def stats(started: float, generated: int) -> BatchStats:
+        return BatchStats("b", started, {}, 0, 0, 0, 0, 0, 0.0, generated_tokens_total=generated)
+
+    for st in (stats(1.0, 100), stats(1.0, 250), stats(2.0, 40)):  # the service restarted
+        m.on_stats(st)
+    assert reg.get_sample_value("tidal_batch_generated_tokens_total") == 290
