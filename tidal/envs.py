@@ -57,6 +57,17 @@ SIM_STEP_TRACE_DIR = EnvVar(
     "",
     "sim engine: a directory where each instance writes its steps' wall timings (ID.jsonl)",
 )
+OFFLINE_CHUNK_TOKENS = EnvVar(
+    "TIDAL_OFFLINE_CHUNK_TOKENS",
+    "32",
+    "instance: an offline request's tokens are published together once this many are held "
+    "(0 or 1: one chunk per step, as online requests)",
+)
+OFFLINE_CHUNK_S = EnvVar(
+    "TIDAL_OFFLINE_CHUNK_S",
+    "0.25",
+    "instance: ...or once the oldest held token is this many seconds old (0: every step)",
+)
 
 ALL = (
     NATS_URL,
@@ -70,6 +81,8 @@ ALL = (
     NATS_REPLICAS,
     SIM_KV_PAYLOAD_BYTES_PER_TOKEN,
     SIM_STEP_TRACE_DIR,
+    OFFLINE_CHUNK_TOKENS,
+    OFFLINE_CHUNK_S,
 )
 
 

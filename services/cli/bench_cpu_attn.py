@@ -213,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
         # The client on the service cores; not `tidal up` itself, which must see every core to
         # place its children (it pins each of them).
         port = natsd.free_port()
-        with stack(port, *up) as base, on_cores(cores["service"]):
+        one_chunk_a_token = {"TIDAL_OFFLINE_CHUNK_TOKENS": "1"}  # `_phase` counts chunks
+        with stack(port, *up, env=one_chunk_a_token) as base, on_cores(cores["service"]):
             r = asyncio.run(_phase(base, args, children_of(_up_pid(port))))
         r["worker_cores"] = slices
         r |= live_bound(r, bw, args.dtype) | _shares(r["cpu"], cores)

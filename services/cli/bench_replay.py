@@ -185,6 +185,7 @@ def _one(
         env = {
             "TIDAL_SIM_KV_PAYLOAD_BYTES_PER_TOKEN": str(args.kv_payload_bytes_per_token),
             "TIDAL_SIM_STEP_TRACE_DIR": trace_dir,
+            "TIDAL_OFFLINE_CHUNK_TOKENS": "1",  # `_replay` counts a streamed chunk as a token
         }
         sim_reqs = reqs
         with stack(natsd.free_port(), *up, env=env) as base:

@@ -27,6 +27,7 @@ from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
 from services.common.live_config import LiveConfig, load_live_config
 from services.common.torch_threads import ComputeThread
+from services.instance.chunks import Coalescing
 from services.instance.dataplane import DataPlaneServer
 from services.instance.engines import ENGINES, build_engine, parse_step_model
 from services.instance.migration import Migrator
@@ -207,7 +208,7 @@ async def _serve(
         engine.attach_cpu_attn(pool)  # type: ignore[attr-defined]
         adapter.cpu_capacity = pool.capacity
     nc: NATS = await connect(args.nats_url, f"instance-{args.id}", args.connect_timeout_s)
-    inst = Instance(nc, args.id, engine, adapter, live.cfg.slo, compute)
+    inst = Instance(nc, args.id, engine, adapter, live.cfg.slo, compute, coalescing(args))
     migrator = Migrator(inst)
     control = Control(inst, live)
     plane = DataPlaneServer(migrator)
@@ -263,6 +264,10 @@ async def _serve(
             codec.encode(heartbeat(inst, status="stopped")),
         )
     log.info("instance %s stopped", args.id)
+
+
+def coalescing(args: argparse.Namespace) -> Coalescing:
+    return Coalescing(args.offline_chunk_tokens, args.offline_chunk_s)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -387,6 +392,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="on SIGTERM, let running requests finish this long before aborting",
     )
     p.add_argument("--connect-timeout-s", type=float, default=10.0, help="give up after this")
+    for env, flag, kind in (
+        (envs.OFFLINE_CHUNK_TOKENS, "--offline-chunk-tokens", int),
+        (envs.OFFLINE_CHUNK_S, "--offline-chunk-s", float),
+    ):  # an offline request's tokens go out together (`chunks.Coalescing`)
+        p.add_argument(flag, type=kind, default=env.get(), help=f"{env.help} (${env.name})")
     return p.parse_args(argv)
 
 
@@ -394,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:  # before torch starts a thread, so every engine thread is born pinned
         affinity.apply_spec(args.cores, args.num_threads)
+        coalescing(args)
     except ValueError as exc:
         print(f"instance: {exc}", file=sys.stderr)
         return 2

@@ -164,6 +164,8 @@ class Migrator:
                 if snap is None or snap.forced_tokens or snap.status != "running":
                     return MigrateResult(rid, "refused", "not running (or mid-chunk) here")
                 source = await self.inst.compute.run(self.mover.begin_export, rid)
+                # what it held back goes out first: the target's chunks continue from this seq
+                await inst.flush(rid)
             meta = inst.adapter.meta.get(rid) or ReqMeta(None, time.time())
             inst.moving_out[rid] = ReqReport(
                 rid,

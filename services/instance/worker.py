@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -28,6 +26,7 @@ from nats.aio.msg import Msg
 
 from services.common.bus import respond
 from services.common.torch_threads import ComputeThread
+from services.instance.chunks import Coalescing, Stream, build_chunk
 from services.instance.policy_adapter import PolicyAdapter, ReqMeta
 from tidal.cluster.view import SUBMITTED
 from tidal.engine.api import (
@@ -61,15 +60,6 @@ IDLE_PLAN_RETRY_S = 0.02  # the policy left a busy instance idle: ask it again t
 MAX_BAD_PLANS = 3  # plans the engine refused in a row before one step of its own FCFS planner
 
 
-@dataclass
-class Stream:
-    """Where a request's tokens go, and the seq of its next chunk."""
-
-    reply_subject: str
-    seq: int = 0
-    num_prev_output: int = 0  # tokens streamed before a recompute resumed it elsewhere
-
-
 class Instance:
     def __init__(
         self,
@@ -79,8 +69,11 @@ class Instance:
         adapter: PolicyAdapter,
         default_slo: Slo,
         compute: ComputeThread | None = None,
+        coalescing: Coalescing | None = None,
     ) -> None:
         self.nc = nc
+        # how long an offline request's tokens may be held back to go out together (`chunks.py`)
+        self.coalescing = coalescing or Coalescing()
         # the one thread that runs the engine's torch work (`services.common.torch_threads`)
         self.compute = compute or ComputeThread("engine")
         self.id = instance_id
@@ -228,8 +221,11 @@ class Instance:
 
     # ---- the engine loop ----
 
-    def _apply_pending(self) -> list[TokenEvent]:
+    def _apply_pending(self) -> tuple[list[TokenEvent], list[tuple[str, TokenChunk]]]:
+        """Hand the engine what came in since the last step: the requests it refused as
+        events, and what the cancelled ones held back as (subject, chunk) to publish."""
         failed: list[TokenEvent] = []
+        held: list[tuple[str, TokenChunk]] = []
         adds, self.pending_add = self.pending_add, []
         for req in adds:
             try:
@@ -239,9 +235,11 @@ class Instance:
         aborts, self.pending_abort = self.pending_abort, []
         for req_id in aborts:
             self.engine.abort(req_id)
-            self.streams.pop(req_id, None)  # a cancelled client wants nothing more
+            stream = self.streams.pop(req_id, None)  # a cancelled client wants nothing more
+            if stream is not None and (chunk := stream.take()) is not None:
+                held.append((stream.reply_subject, chunk))  # but nothing goes out of order
             self.adapter.meta.pop(req_id, None)
-        return failed
+        return failed, held
 
     async def idle_plan(self) -> None:
         """Ask the policy for a plan with no work here (once per idle report): what it plans is
@@ -272,9 +270,12 @@ class Instance:
         while not stop.is_set():
             origin = time.perf_counter() if origin is None else origin
             async with self.engine_lock:
-                failed = self._apply_pending()
-            await self._publish(failed)
+                failed, held = self._apply_pending()
+            for subject, chunk in held:
+                await self.nc.publish(subject, codec.encode(chunk))
+            await self._publish(failed)  # and what has been held long enough
             if not self.engine.has_work():
+                await self.flush_due(everything=True)  # nothing more is coming to join it
                 # NOTE: going idle with requests just ended reports them now, not when the idle
                 # interval comes round: the scheduler counts them as queued here until it knows.
                 stale = time.time() - self.last_report_s > IDLE_REPORT_INTERVAL_S
@@ -353,52 +354,52 @@ class Instance:
         await self._publish(result.events)
         return True
 
-    def _token_texts(self, token_ids: Sequence[int]) -> list[str]:
-        """Each token's own text, as OpenAI's logprobs list it (a token holding part of a UTF-8
-        character reads as U+FFFD)."""
-        return [self.engine.tokenizer.decode([t]) for t in token_ids]
-
     async def _publish(self, events: list[TokenEvent]) -> None:
         now = time.time()
+        coalesce = self.coalescing.is_on
         for ev in events:
             stream = self.streams.get(ev.req_id)
             if stream is None:
                 continue
-            self.adapter.on_tokens(ev.req_id, now, len(ev.token_ids))
-            chunk = TokenChunk(
-                req_id=ev.req_id,
-                seq=stream.seq,
-                text=ev.text,
-                num_tokens=len(ev.token_ids),
-                num_prompt_tokens=ev.num_prompt_tokens - stream.num_prev_output,
-                num_output_tokens=ev.num_output_tokens + stream.num_prev_output,
-                instance_id=self.id,
-                finish_reason=None if ev.finish_reason is None else str(ev.finish_reason),
-                logprobs=list(ev.logprobs),
-                tokens=self._token_texts(ev.token_ids) if ev.logprobs else [],
-                top_logprobs=[
-                    list(
-                        zip(
-                            self._token_texts([t for t, _ in top]),
-                            [lp for _, lp in top],
-                            strict=True,
-                        )
-                    )
-                    for top in ev.top_logprobs
-                ],
-                is_emulated=self.engine.is_emulated,
-                error=ev.error,
-                token_ids=list(ev.token_ids),
-            )
+            self.adapter.on_tokens(ev.req_id, now, len(ev.token_ids))  # now, held or not
             meta = self.adapter.meta.get(ev.req_id)
+            is_online = meta is not None and meta.slo is not None
             if stream.seq == 0 and ev.token_ids and ev.finish_reason is None:
-                self.placement_due |= meta is not None and meta.slo is not None  # online
-            stream.seq += 1
-            if ev.finish_reason is not None:
-                del self.streams[ev.req_id]
-                self.adapter.meta.pop(ev.req_id, None)
-                self.finished_ids.append(ev.req_id)
-            await self.nc.publish(stream.reply_subject, codec.encode(chunk))
+                self.placement_due |= is_online
+            if ev.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+                # NOTE: a failed end goes alone, after what is held: a client is sent the
+                # error instead of a failing chunk's text (`gateway.routers.openai`)
+                await self._send(ev.req_id, stream)
+            stream.hold(build_chunk(ev, stream, self.id, self.engine), now)
+            held_back = coalesce and not is_online and ev.finish_reason is None
+            if held_back and not stream.is_due(now, self.coalescing):
+                continue  # an offline request's tokens go out together (`chunks.py`)
+            await self._send(ev.req_id, stream)
+        await self.flush_due(now=now)
+
+    async def _send(self, req_id: str, stream: Stream) -> None:
+        """Publish what `stream` holds as one chunk; a finished request is forgotten here."""
+        chunk = stream.take()
+        if chunk is None:
+            return
+        if chunk.finish_reason is not None:
+            self.streams.pop(req_id, None)
+            self.adapter.meta.pop(req_id, None)
+            self.finished_ids.append(req_id)
+        await self.nc.publish(stream.reply_subject, codec.encode(chunk))
+
+    async def flush(self, req_id: str) -> None:
+        """Publish what `req_id` holds back now (it is about to leave this instance)."""
+        stream = self.streams.get(req_id)
+        if stream is not None:
+            await self._send(req_id, stream)
+
+    async def flush_due(self, everything: bool = False, now: float | None = None) -> None:
+        """Publish the held tokens that have waited long enough (all of them: `everything`)."""
+        now = time.time() if now is None else now
+        for req_id, stream in list(self.streams.items()):
+            if stream.held and (everything or stream.is_due(now, self.coalescing)):
+                await self._send(req_id, stream)
 
     def _submitted(self, req: EngineRequest) -> ReqReport:
         """A request handed over but not yet in the engine (it joins at the next step

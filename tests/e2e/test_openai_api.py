@@ -240,3 +240,26 @@ def test_killed_instance_is_reported_restarted_and_routed_around(stack: Stack) -
 
     wait_until(back, 20, "instance-0 to come back")
     assert "instance-0 restarted" in stack.log()
+
+
+def test_streamed_offline_chat_gets_all_its_text_in_fewer_chunks(stack: Stack) -> None:
+    """An offline request's tokens leave the instance in chunks of up to 32 (or every 0.25 s,
+    `services.instance.chunks`): a streaming client still gets every token's text."""
+    c = client(stack)
+    prompt = [{"role": "user", "content": "Summarise the tide tables."}]
+    common = {"model": MODEL, "messages": prompt, "max_tokens": 100, "temperature": 0.0}
+    stream = c.chat.completions.create(
+        **common,  # type: ignore[arg-type]
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"request_class": "offline", "ignore_eos": True},
+    )
+    chunks = list(stream)
+    deltas = [ch.choices[0].delta.content for ch in chunks if ch.choices]
+    text = "".join(d or "" for d in deltas)
+    online = c.chat.completions.create(**common, extra_body={"ignore_eos": True})  # type: ignore[arg-type]
+    assert text == online.choices[0].message.content
+    assert len(text.split()) == 100
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 100
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert 1 <= len([d for d in deltas if d]) < 100  # several tokens a chunk

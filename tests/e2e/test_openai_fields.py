@@ -168,6 +168,33 @@ def test_logprobs_on_the_sim_engine(stack: Stack) -> None:
     assert len(lp.token_logprobs or []) == 4 and all(len(t) == 2 for t in lp.top_logprobs or [])
 
 
+def test_streamed_offline_logprobs_cover_every_token_of_the_larger_chunks(stack: Stack) -> None:
+    """An offline request's tokens come several to a chunk: each chunk's logprobs list them all."""
+    stream = sim_client(stack).completions.create(
+        model=SIM,
+        prompt="The sea",
+        max_tokens=80,
+        logprobs=2,
+        stream=True,
+        extra_body={"request_class": "offline", "ignore_eos": True},
+    )
+    chunks = [c for c in stream if c.choices and c.choices[0].text]
+    text = "".join(c.choices[0].text for c in chunks)
+    tokens: list[str] = []
+    offsets: list[int] = []
+    tops: list[dict[str, float]] = []
+    for c in chunks:
+        lp = c.choices[0].logprobs
+        assert lp is not None and len(lp.tokens or []) == len(lp.token_logprobs or [])
+        tokens += lp.tokens or []
+        offsets += lp.text_offset or []
+        tops += lp.top_logprobs or []
+    assert "".join(tokens) == text and len(tokens) == 80
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(80)]
+    assert all(len(t) == 2 for t in tops)
+    assert len(chunks) < 80  # several tokens a chunk
+
+
 # ---- refused -------------------------------------------------------------------------------
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
