@@ -80,7 +80,7 @@ class Keeper:
                 try:
                     await self.step(time.time())
                 except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
-                    log.warning("batch keeper: %r; trying again", exc)
+                    log.warning("batch keeper: %s; trying again", exc or repr(exc))  # says why
                 # a batch created, cancelled or counted wakes the keeper at once; expiry and
                 # progress are looked at every POLL_S anyway
                 with contextlib.suppress(TimeoutError):

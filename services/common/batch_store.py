@@ -256,6 +256,9 @@ def decode_or_none(data: bytes | None, type_: type[Any], what: str) -> Any:
         return None
 
 
+LISTING_CONSUMER_TTL_S = 2.0  # how long a listing's consumer outlives it on the server
+
+
 async def _all_json(kv: KeyValue, keys: str, type_: type[Any], expected: int = 0) -> list[Any]:
     """Every live value under `keys`, read with one watcher (no request per key). With
     `expected` (how many keys the server holds there, none deleted), at least that many.
@@ -269,7 +272,10 @@ async def _all_json(kv: KeyValue, keys: str, type_: type[Any], expected: int = 0
     out = []
     seen = 0
     early = False  # the marker came before `expected` entries: it comes once, so count instead
-    watcher = await kv.watch(keys, ignore_deletes=True)
+    # NOTE: its consumer outlives the watcher (stopping only unsubscribes) by the inactive
+    # threshold, 5 min by default: a keeper listing a few times a second reached the server's
+    # 1,000 consumers a stream within minutes, and every later listing failed (BadRequest).
+    watcher = await kv.watch(keys, ignore_deletes=True, inactive_threshold=LISTING_CONSUMER_TTL_S)
     try:
         while not (early and seen >= expected):
             entry = await watcher.updates(timeout=10.0)

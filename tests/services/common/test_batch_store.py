@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import nats
 import nats.errors
+import pytest
 
-from services.common.batch_store import _all_json
+from services.common.batch_store import LISTING_CONSUMER_TTL_S, BatchStore, _all_json
 
 
 class _Entry:
@@ -37,7 +39,7 @@ class _Kv:
     def __init__(self, watcher: _Watcher) -> None:
         self.watcher = watcher
 
-    async def watch(self, keys: str, ignore_deletes: bool = False) -> _Watcher:
+    async def watch(self, keys: str, **kwargs: Any) -> _Watcher:
         return self.watcher
 
 
@@ -53,3 +55,29 @@ def test_the_marker_ends_a_listing_that_has_every_expected_entry() -> None:
     w = _Watcher([_Entry("a"), _Entry("b"), None, _Entry("late")])
     out = asyncio.run(_all_json(_Kv(w), ">", dict, expected=2))  # type: ignore[arg-type]
     assert [v["k"] for v in out] == ["a", "b"] and w.waited == 0.0
+
+
+@pytest.mark.nats
+def test_listings_leave_no_consumers_behind(nats_url: str) -> None:
+    # each listing's consumer used to outlive it by 5 min: a keeper listing a few times a
+    # second hit the server's 1,000 consumers a stream, and every listing after failed
+    async def main() -> int:
+        nc = await nats.connect(nats_url)
+        try:
+            store = await BatchStore.open(nc)
+            t0 = loop.time()
+            for i in range(1100):
+                await store.list_batches()
+                # paced so the run outlasts a listing consumer's time on the server
+                await asyncio.sleep(
+                    max(0.0, (i + 1) * 1.3 * LISTING_CONSUMER_TTL_S / 1000 - (loop.time() - t0))
+                )
+            return len(await store.list_batches())
+        finally:
+            await nc.close()
+
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(main()) == 0
+    finally:
+        loop.close()
