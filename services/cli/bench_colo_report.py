@@ -125,6 +125,9 @@ def run_search(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.measure_s <= 0 or args.warmup_s < 0:
         print("error: --repeats >= 1, --measure-s > 0 and --warmup-s >= 0", file=sys.stderr)
         return 2
+    if args.batch_max_inflight < 1:
+        print("error: --batch-max-inflight must be >= 1", file=sys.stderr)
+        return 2
     try:
         cfg, cfg_path = cs.write_config(args, cs.temp_dir())
     except (ValueError, OSError) as e:
@@ -218,6 +221,12 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
         "--without-cpu-attn",
         default="tidal",
         help="policies also searched with no CPU-attention worker (torch engine)",
+    )
+    g.add_argument(
+        "--batch-max-inflight",
+        type=int,
+        default=32,
+        help="Batch API lines running at once in every policy's stack (tidal up's flag)",
     )
     g.add_argument("--measure-s", type=float, default=10.0, help="measured part of a window")
     g.add_argument("--repeats", type=int, default=3, help="windows per offline load")

@@ -39,8 +39,6 @@ from tidal.sim.build import kv_geometry, with_offline_rate, workload
 from tidal.sim.config import SimConfig, parse_config, set_path
 from tidal.workload.mix import SimRequest
 
-BATCH_MAX_INFLIGHT = 32  # the batch service's default `--max-inflight` (services/batch/main.py)
-
 
 def write_config(args: argparse.Namespace, tmp: str) -> tuple[SimConfig, str]:
     """The config after `--set`, checked, and a YAML copy of it the live stack reads too (so the
@@ -75,7 +73,9 @@ def resources(args: argparse.Namespace, cfg: SimConfig, policy: str, cpu_attn: i
         "cpu_attn_workers": cpu_attn,
         # NOTE: the sim engine has no CPU-attention path: its workers run but take no work
         "cpu_attn_workers_usable": usable,
-        "batch_max_inflight": BATCH_MAX_INFLIGHT,
+        # NOTE: the simulator admits every offline request; the live batch service runs this many
+        # lines at once, which caps the live offline rate at high loads (docs/colocation.md)
+        "batch_max_inflight": args.batch_max_inflight,
         "host_cores": os.cpu_count(),
     }
 
@@ -84,6 +84,7 @@ def up_args(args: argparse.Namespace, cfg_path: str, policy: str, res: dict) -> 
     up = ["--engine", args.engine, "--config", cfg_path, "--policy", policy]
     up += ["--cpu-attn", str(res["cpu_attn_workers"])]
     up += ["--kv-cache-tokens", str(res["kv_cache_tokens_per_instance"])]
+    up += ["--batch-max-inflight", str(res["batch_max_inflight"])]
     if args.engine == "sim":
         up += ["--sim-step-model", args.sim_step_model, "--max-model-len", str(args.max_model_len)]
     return up

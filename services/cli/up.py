@@ -180,7 +180,8 @@ class Supervisor:
                 )
             )
         backlog = ["--max-backlog", str(a.max_offline_backlog)] if a.max_offline_backlog else []
-        children.append(self._service("batch-0", "services.batch", *backlog))
+        inflight = ["--max-inflight", str(a.batch_max_inflight)]
+        children.append(self._service("batch-0", "services.batch", *backlog, *inflight))
         gateway = ["--host", a.host, "--port", str(a.port)]
         if a.rate_limit:
             gateway += ["--rate-limit", str(a.rate_limit), "--rate-burst", str(a.rate_burst)]
@@ -367,6 +368,8 @@ def _run(args: argparse.Namespace) -> int:
         parse_pinning(args)  # a bad or overlapping core list
         if args.max_offline_backlog < 0:
             raise ValueError("--max-offline-backlog must be >= 0")
+        if args.batch_max_inflight < 1:
+            raise ValueError("--batch-max-inflight must be >= 1")
         if args.rate_limit:
             RateLimiter(args.rate_limit, args.rate_burst)  # a bad rate fails here
     except ValueError as exc:

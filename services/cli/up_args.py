@@ -68,6 +68,12 @@ def add_up_args(p: argparse.ArgumentParser, model_required: bool) -> None:
         help="Batch API lines queued over all batches past which a new batch fails (0: none)",
     )
     p.add_argument(
+        "--batch-max-inflight",
+        type=int,
+        default=32,
+        help="Batch API lines running at once (the offline load a batch can put on the cluster)",
+    )
+    p.add_argument(
         "--cpu-attn-gib",
         type=float,
         default=4.0,

@@ -75,6 +75,8 @@ def test_bad_input_is_refused_with_a_message(tmp_path: Path, capsys: pytest.Capt
     assert "--repeats" in capsys.readouterr().err
     assert main([*TINY, "--set", "online.no_such_key=1", "--json", out]) == 2
     assert "no_such_key" in capsys.readouterr().err
+    assert main([*TINY, "--batch-max-inflight", "0", "--json", out]) == 2
+    assert "--batch-max-inflight" in capsys.readouterr().err
     assert not Path(out).exists()
 
 
@@ -119,7 +121,7 @@ def test_a_tiny_search_on_the_sim_engine_reports_live_and_simulated_figures(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "colo.json"
-    assert main([*TINY, "--json", str(out)]) == 0
+    assert main([*TINY, "--batch-max-inflight", "8", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["emulated"] is True and report["engine"] == "sim"
     e = report["policies"]["ooco"]
@@ -131,4 +133,5 @@ def test_a_tiny_search_on_the_sim_engine_reports_live_and_simulated_figures(
     assert e["sim_max_offline_tokens_per_s"] > 0
     assert e["resources"]["cpu_attn_workers"] == 0
     assert e["resources"]["kv_cache_tokens_per_instance"] > 0
+    assert e["resources"]["batch_max_inflight"] == 8  # the stack's batch service ran with it
     assert Path(report["plot"]).exists()

@@ -1,5 +1,6 @@
 """`tidal up --engine-cores/--cpu-attn-cores/--service-cores`: what each service is started with,
-the errors for bad core lists, and a worker started with `--cores` running there."""
+the errors for bad core lists, and a worker started with `--cores` running there; also the batch
+service's `--batch-max-inflight`, planned the same way."""
 
 from __future__ import annotations
 
@@ -115,3 +116,15 @@ def test_a_worker_started_with_cores_runs_there(nats_url: str) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=15)
+
+
+def test_batch_max_inflight_reaches_the_batch_service_and_a_bad_one_fails(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert flag(plan("--cpu-attn", "0")["batch-0"], "--max-inflight") == "32"
+    assert (
+        flag(plan("--cpu-attn", "0", "--batch-max-inflight", "128")["batch-0"], "--max-inflight")
+        == "128"
+    )
+    assert main(["up", "--engine", "sim", "--cpu-attn", "0", "--batch-max-inflight", "0"]) == 2
+    assert "--batch-max-inflight must be >= 1" in capsys.readouterr().err
