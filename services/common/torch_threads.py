@@ -12,8 +12,8 @@ worker and copied KV on its data-plane threads, so its steps were that slow on t
 
 So a service that computes with torch runs that work on its `ComputeThread` (one thread, the only
 one whose torch thread count is above 1) and every other thread keeps one torch thread: the loop's
-default executor (`install`) calls `single_torch_thread` before each job, and the threads a service
-starts itself (data-plane senders and receivers, link readers) call it first. A process without
+default executor (`install`) calls `single_torch_thread` before each job, and so do the threads an
+instance starts for KV copies (data-plane senders and receivers). A process without
 torch imported (a `sim` instance) is untouched.
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import sys
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
@@ -51,10 +50,6 @@ class ComputeThread:
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
-
-    def thread_ident(self) -> int:
-        """The compute thread's `threading.get_ident()` (starting it if need be)."""
-        return self._pool.submit(threading.get_ident).result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

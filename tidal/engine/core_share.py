@@ -65,9 +65,11 @@ class CoreShare:
         """`busy()`, and set torch's threads to it in the calling thread (cheap unchanged).
 
         NOTE: the count is per thread: with OpenMP, `torch.set_num_threads` sets the calling
-        thread's ICV only, and the instance runs steps on whichever `asyncio.to_thread` worker is
-        free. Comparing with a cached count set the first worker only, so a lone stream's steps
-        ran on one thread whenever another worker took them (measured: 28 ms inter-token)."""
+        thread's ICV only. When the instance stepped on whichever `asyncio.to_thread` worker was
+        free, comparing with a cached count set the first worker only, so a lone stream's steps
+        ran on one thread whenever another worker took them (measured: 28 ms inter-token). It
+        now steps on one compute thread (`services.common.torch_threads`); the check stays, as
+        any caller may step from any thread."""
         import torch  # here: `tidal up` creates the file without importing torch
 
         n = self.busy(step_s)

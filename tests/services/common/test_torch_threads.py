@@ -16,15 +16,16 @@ def test_a_compute_thread_runs_every_call_on_one_thread_in_order() -> None:
     compute = torch_threads.ComputeThread("t")
     seen: list[tuple[int, int]] = []
 
-    async def main() -> None:
+    async def main() -> int:
         await asyncio.gather(
             *(compute.run(lambda i=i: seen.append((i, threading.get_ident()))) for i in range(8))
         )
+        return await compute.run(threading.get_ident)
 
     try:
-        asyncio.run(main())
+        ident = asyncio.run(main())
         assert [i for i, _ in seen] == list(range(8))
-        assert {t for _, t in seen} == {compute.thread_ident()} != {threading.get_ident()}
+        assert {t for _, t in seen} == {ident} != {threading.get_ident()}
     finally:
         compute.close()
 

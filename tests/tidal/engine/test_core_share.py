@@ -33,15 +33,24 @@ def test_threads_follow_who_is_busy(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     b.close()
 
 
-def test_engine_takes_the_cores_while_busy_and_frees_its_slot(
-    make_engine: Any, tmp_path: Path
-) -> None:
+def _engine_beside_another(
+    make_engine: Any, tmp_path: Path, max_tokens: int
+) -> tuple[Any, core_share.CoreShare]:
+    """An engine in slot 0 of a 2-core share with one request added, and slot 1's share."""
     path = tmp_path / "cores.bin"
     core_share.create(path, 2)
     other = core_share.CoreShare(path, 1, cores=2)
     engine = make_engine("llama")
     engine.core_share = core_share.CoreShare(path, 0, cores=2)
-    engine.add(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0)))
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0)
+    engine.add(EngineRequest("a", [1, 2, 3], sp))
+    return engine, other
+
+
+def test_engine_takes_the_cores_while_busy_and_frees_its_slot(
+    make_engine: Any, tmp_path: Path
+) -> None:
+    engine, other = _engine_beside_another(make_engine, tmp_path, max_tokens=3)
     engine.step()
     assert torch.get_num_threads() == 2 and other.busy() == 1  # both busy now
     engine.step()
@@ -101,12 +110,7 @@ def test_exporting_the_last_request_frees_the_slot_at_once(
 ) -> None:
     # a prefill instance whose request leaves for a decode instance: the decoder gets every core
     # from its first step, not after the prefiller's busy stamp (3 prefill steps) lapses
-    path = tmp_path / "cores.bin"
-    core_share.create(path, 2)
-    decoder = core_share.CoreShare(path, 1, cores=2)
-    engine = make_engine("llama")
-    engine.core_share = core_share.CoreShare(path, 0, cores=2)
-    engine.add(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0)))
+    engine, decoder = _engine_beside_another(make_engine, tmp_path, max_tokens=8)
     engine.step()
     assert decoder.busy() == 1  # the prefiller still counts as busy
     engine.begin_export("a")
