@@ -77,6 +77,10 @@ def resources(args: argparse.Namespace, cfg: SimConfig, policy: str, cpu_attn: i
         # lines at once, which caps the live offline rate at high loads (docs/colocation.md)
         "batch_max_inflight": args.batch_max_inflight,
         "host_cores": os.cpu_count(),
+        # NOTE: None = unpinned (every process on every core)
+        "engine_cores": args.engine_cores,
+        "cpu_attn_cores": args.cpu_attn_cores,
+        "service_cores": args.service_cores,
     }
 
 
@@ -85,6 +89,9 @@ def up_args(args: argparse.Namespace, cfg_path: str, policy: str, res: dict) -> 
     up += ["--cpu-attn", str(res["cpu_attn_workers"])]
     up += ["--kv-cache-tokens", str(res["kv_cache_tokens_per_instance"])]
     up += ["--batch-max-inflight", str(res["batch_max_inflight"])]
+    for flag in ("engine_cores", "cpu_attn_cores", "service_cores"):
+        if res[flag] is not None:
+            up += ["--" + flag.replace("_", "-"), res[flag]]
     if args.engine == "sim":
         up += ["--sim-step-model", args.sim_step_model, "--max-model-len", str(args.max_model_len)]
     return up
