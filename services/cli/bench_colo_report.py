@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -139,7 +138,7 @@ def run_search(args: argparse.Namespace) -> int:
         print("error: --batch-max-inflight must be >= 1", file=sys.stderr)
         return 2
     try:
-        pin = parse_pinning(args)
+        parse_pinning(args)  # a bad or overlapping core list, before any stack starts
         cfg, cfg_path = cs.write_config(args, cs.temp_dir())
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -178,8 +177,6 @@ def run_search(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    if pin.service:  # the load generator beside the control plane, off the engine's cores
-        os.sched_setaffinity(0, pin.service)
     t0 = time.perf_counter()
     with Progress(
         SpinnerColumn(),

@@ -25,6 +25,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from services.cli import natsd
 from services.cli.bench_replay import prompt_maker
 from services.cli.bench_search import Measurement, Outcome, Point, search_max_offline
 from services.cli.benchkit import metric_samples, pct, stack
+from services.common import affinity
 from tidal.configs import config_path
 from tidal.sim.build import kv_geometry, with_offline_rate, workload
 from tidal.sim.config import SimConfig, parse_config, set_path
@@ -382,7 +384,8 @@ def run_policy(
                 f"{m.offline_tokens_per_s:.0f} offline tok/s",
             )
 
-        out = live_search(args, cfg, base, model, on_window)
+        with on_cores(args.service_cores):  # the load generator beside the control plane
+            out = live_search(args, cfg, base, model, on_window)
     prog.update(task, description=f"{policy} (cpu-attn {cpu_attn}): simulating")
     sim = simulated(cfg, policy, args, res["cpu_attn_workers_usable"])
     prog.update(task, description=f"{policy} (cpu-attn {cpu_attn}): done")
@@ -406,6 +409,21 @@ def run_policy(
         # the live sim engine cannot offload attention; what the simulator's worker adds
         entry["simulator_with_cpu_attn"] = simulated(cfg, policy, args, cfg.cpu_workers.count)
     return entry
+
+
+@contextlib.contextmanager
+def on_cores(spec: str | None) -> Iterator[None]:
+    """This process (its threads from now on) on `spec`'s cores, then back where it was; the
+    stack is started before, so its processes do not inherit the mask."""
+    if spec is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, affinity.parse_cores(spec, "--service-cores"))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
