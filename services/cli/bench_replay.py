@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from services.cli import bench_replay_trace as trc
 from services.cli import natsd
 from services.cli.benchkit import gateway_metrics, pct, save_json, stack
 from tidal.sim.build import instance_setups, simulate, workload
@@ -192,14 +193,23 @@ def _one(
             lone = asyncio.run(probe.send_lone(base, "tidal-sim", probe.probe_lengths(reqs), 0.3))
             for path in Path(trace_dir).glob("*.jsonl"):
                 path.write_text("")  # the window's steps only
+            bus = trc.find_bus(base)
             if exe:
                 live = gl_replay(exe, base, reqs, cfg)
                 sim_reqs = _gl().shifted(reqs, live["start_offset_s"])
+                events: list[dict[str, Any]] = []
             else:
-                live = asyncio.run(_replay(base, "tidal-sim", reqs, cfg))
+                live, events = asyncio.run(_window(base, bus, reqs, cfg))
             live["migrations"] = _migration_metrics(base)
         live["steps"] = probe.step_summary(Path(trace_dir))
         live["path"] = probe.serving_path(live["requests"], probe.request_events(Path(trace_dir)))
+        live["migration_kinds"] = trc.summarize_migrations(events)
+        live["migration_events"] = events
+        if args.trace_dir:
+            name = f"{Path(args.config_path).stem}-{policy}"
+            n = sum(1 for _ in Path(args.trace_dir).glob(f"{name}-*"))
+            dest = Path(args.trace_dir) / f"{name}-{n}"
+            trc.keep(Path(trace_dir), bus[1] if bus else None, dest, events)
     cal = probe.calibrate(cfg, policy, lone)
     return {
         "resources": res,
@@ -208,6 +218,18 @@ def _one(
         "simulator": _simulated(probe.with_calibration(cfg, cal), policy, sim_reqs),
         "simulator_uncalibrated": _simulated(cfg, policy, sim_reqs),
     }
+
+
+async def _window(
+    base: str, bus: tuple[str, Path] | None, reqs: list[SimRequest], cfg: SimConfig
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The window through the openai client, with the scheduler's migration events beside it
+    (none when the stack's bus is not found)."""
+    if bus is None:
+        return await _replay(base, "tidal-sim", reqs, cfg), []
+    async with trc.migration_log(bus[0]) as events:
+        live = await _replay(base, "tidal-sim", reqs, cfg)
+    return live, events
 
 
 def _gl() -> Any:
@@ -389,6 +411,12 @@ def register(bench: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--guidellm", default="", help="guidellm executable (default: `guidellm` on PATH)"
+    )
+    p.add_argument(
+        "--trace-dir",
+        default="",
+        help="keep each window's sim-engine step traces, stack log and migration events under "
+        "DIR/CONFIG-POLICY-N/ (for finding where live time went)",
     )
     p.add_argument("--json", default="", help="also write every config's figures here as JSON")
     p.add_argument(
