@@ -190,10 +190,11 @@ def _one(
         }
         sim_reqs = reqs
         with stack(natsd.free_port(), *up, env=env) as base:
-            lone = asyncio.run(probe.send_lone(base, "tidal-sim", probe.probe_lengths(reqs), 0.3))
+            bus = trc.find_bus(base)
+            lone, probe_events = asyncio.run(_probe(base, bus, probe.probe_lengths(reqs)))
+            delays = trc.handoff_delays(probe_events, probe.request_events(Path(trace_dir)))
             for path in Path(trace_dir).glob("*.jsonl"):
                 path.write_text("")  # the window's steps only
-            bus = trc.find_bus(base)
             if exe:
                 live = gl_replay(exe, base, reqs, cfg)
                 sim_reqs = _gl().shifted(reqs, live["start_offset_s"])
@@ -210,7 +211,7 @@ def _one(
             n = sum(1 for _ in Path(args.trace_dir).glob(f"{name}-*"))
             dest = Path(args.trace_dir) / f"{name}-{n}"
             trc.keep(Path(trace_dir), bus[1] if bus else None, dest, events)
-    cal = probe.calibrate(cfg, policy, lone)
+    cal = probe.calibrate(cfg, policy, lone, delays)
     return {
         "resources": res,
         "calibration": cal,
@@ -218,6 +219,19 @@ def _one(
         "simulator": _simulated(probe.with_calibration(cfg, cal), policy, sim_reqs),
         "simulator_uncalibrated": _simulated(cfg, policy, sim_reqs),
     }
+
+
+async def _probe(
+    base: str, bus: tuple[str, Path] | None, lengths: list[int]
+) -> tuple[list[Any], list[dict[str, Any]]]:
+    """The calibration probe, with its migration events (none when the bus is not found)."""
+    from services.cli import bench_replay_probe as probe
+
+    if bus is None:
+        return await probe.send_lone(base, "tidal-sim", lengths, 0.3), []
+    async with trc.migration_log(bus[0]) as events:
+        lone = await probe.send_lone(base, "tidal-sim", lengths, 0.3)
+    return lone, events
 
 
 async def _window(
@@ -337,8 +351,19 @@ def print_table(report: dict[str, Any], label: str) -> None:
         print(
             f"    serving path (probe): dispatch {cal['dispatch_ms']:.1f} ms + "
             f"{cal['dispatch_us_per_token']:.2f} us/token; hand-off "
-            f"{cal['link_latency_ms']:.1f} ms + KV at {cal['link_gb_per_s']:.2f} GB/s"
+            f"{cal['link_latency_ms']:.1f} ms (of it {cal.get('handoff_delay_ms', 0.0):.1f} ms "
+            f"before the source's export) + KV at {cal['link_gb_per_s']:.2f} GB/s"
         )
+        kinds = run_["live"].get("migration_kinds") or {}
+        if kinds:
+            print(
+                "    KV transfers in the window (live): "
+                + "; ".join(
+                    f"{k} {v['num_ok']} ok, {v['gb']:.2f} GB, data plane "
+                    f"{v['gb'] / max(v['transfer_s'], 1e-9):.2f} GB/s"
+                    for k, v in kinds.items()
+                )
+            )
         path = run_["live"].get("path") or {}
         if path.get("num_matched"):
             pin, pout = path["in_ms_p50_p90_p99"], path["out_ms_p50_p90_p99"]

@@ -88,6 +88,18 @@ def summarize_migrations(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def handoff_delays(rows: list[dict[str, Any]], events: dict[str, dict[str, float]]) -> list[float]:
+    """Per push: seconds from its first token (the engine's `first` event: the prefill step's
+    end) to its source's migrate command (the migration's start): the report, the scheduler's
+    tick and the command, before the source can export it."""
+    out = []
+    for r in rows:
+        first = events.get(r["req_id"], {}).get("first")
+        if r["kind"] == "push" and first is not None:
+            out.append(max(0.0, r["start_unix_s"] - first))
+    return out
+
+
 def keep(trace_dir: Path, stack_dir: Path | None, dest: Path, rows: list[dict[str, Any]]) -> None:
     """Copy a window's step traces, its stack log and its migration events to `dest`."""
     dest.mkdir(parents=True, exist_ok=True)
