@@ -31,10 +31,11 @@ from tidal.policy.base import (
 )
 from tidal.schemas.enums import RequestClass
 from tidal.sim.apply import Span, finish_span, start_span
+from tidal.sim.link import Flow, SharedLink
 from tidal.sim.recorder import Recorder
 from tidal.workload.mix import SimRequest
 
-_STEP, _LAND, _TICK, _HANDOFF = 0, 1, 2, 3  # event kinds
+_STEP, _XFER, _TICK, _HANDOFF = 0, 1, 2, 3  # event kinds
 # An idle instance's policy is asked for a plan at most this often (simulated seconds; the live
 # instance's idle report interval), so it can ask for work: OOCO's strict instances pull
 # offline decodes only after a `schedule` that found room, which an idle one never ran.
@@ -127,11 +128,8 @@ class Simulator:
         self._now = 0.0
         self._num_open = 0  # requests arrived and not finished or rejected
         self._reserved = [0] * len(setups)  # blocks reserved for KV in flight to each instance
-        # When each instance's link is next free to send / to receive KV bytes: transfers that
-        # overlap share it, one after another (a link moves one request's bytes at a time at
-        # full rate, or several at a share: the last lands at the same moment either way).
-        self._send_free_s = [0.0] * len(setups)
-        self._recv_free_s = [0.0] * len(setups)
+        # KV transfers share each instance's send and receive side of the link (`tidal.sim.link`)
+        self._link = SharedLink(len(setups), link_bytes_per_s)
         self._check = check  # run check_integrity after every event (tests)
         # `via_reports`: the cluster half sees a view rebuilt from instance reports, exactly as
         # the live scheduler builds it (`tidal.cluster.view`). Same decisions (tests), but ~4x
@@ -203,8 +201,8 @@ class Simulator:
                 _, _, kind, payload = heapq.heappop(heap)
                 if kind == _STEP:
                     self._step_end(payload, t)  # type: ignore[arg-type]
-                elif kind == _LAND:
-                    self._land(payload, t)  # type: ignore[arg-type]
+                elif kind == _XFER:
+                    self._xfer(payload, t)  # type: ignore[arg-type]
                 elif kind == _HANDOFF:
                     self._handoff(payload, t)  # type: ignore[arg-type]
             self._apply(self.policy.tick(self._view(t), t), t)
@@ -352,8 +350,8 @@ class Simulator:
         is_migration: bool,
         fixed_s: float | None = None,
     ) -> bool:
-        """Move `r`'s KV to `dst_id` (its bytes after `fixed_s`, default the link's latency,
-        and after the transfers already on either end's link); False if it does not fit."""
+        """Move `r`'s KV to `dst_id`: its bytes go on the link after `fixed_s` (default the
+        link's latency) and share it with the transfers moving then; False if it does not fit."""
         if not 0 <= dst_id < len(self.instances):
             raise PolicyError(f"no instance {dst_id} to move {r.req_id} to")
         dst = self.instances[dst_id]
@@ -375,23 +373,35 @@ class Simulator:
         r.num_blocks = 0
         src.running.remove(r)
         r.phase = Phase.MIGRATING
-        # The fixed part (offer, reservation, commit) runs at once; the bytes wait for the link.
-        c, sid = self.cluster, src.instance_id
-        wire_s = r.num_computed_tokens * src.kv_bytes_per_token / c.link_bytes_per_s
-        fixed = c.link_latency_s if fixed_s is None else fixed_s
-        start = max(now + fixed, self._send_free_s[sid], self._recv_free_s[dst_id])
-        self._send_free_s[sid] = self._recv_free_s[dst_id] = start + wire_s
-        dt = start + wire_s - now
+        # The fixed part (offer, reservation, commit) runs at once; then the bytes share the link.
+        fixed = self.cluster.link_latency_s if fixed_s is None else fixed_s
+        flow = Flow(
+            r, src.instance_id, dst_id, need, r.num_computed_tokens * src.kv_bytes_per_token
+        )
         if is_migration:
             r.num_migrations += 1
             self.rec.num_migrations += 1
         else:
             self.rec.num_kv_transfers += 1
-        self._push(now + dt, _LAND, (r, dst_id, need))
+        self._push(now + fixed, _XFER, (flow, flow.version))
         return True
 
-    def _land(self, payload: tuple[ReqState, int, int], now: float) -> None:
-        r, dst_id, need = payload
+    def _xfer(self, payload: tuple[Flow, int], now: float) -> None:
+        """A transfer's fixed part is over (its bytes start moving) or its last byte moved."""
+        flow, version = payload
+        if version != flow.version:
+            return  # its end moved since (the link's shares changed)
+        if not flow.moving and flow.bytes_left > 0:
+            changed = self._link.start(flow, now)
+        else:
+            changed = self._link.finish(flow, now) if flow.moving else []
+            self._land(flow, now)
+        for f in changed:
+            f.version += 1
+            self._push(self._link.end_s(f), _XFER, (f, f.version))
+
+    def _land(self, flow: Flow, now: float) -> None:
+        r, dst_id, need = flow.req, flow.dst, flow.num_blocks
         dst = self.instances[dst_id]
         dst.num_incoming -= 1
         self._reserved[dst_id] -= need

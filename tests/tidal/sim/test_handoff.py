@@ -34,9 +34,10 @@ def test_push_waits_for_the_source_step_it_began_meanwhile() -> None:
     # Prefills of 100 tokens, one a step (0.01 + 0.001 * 100 = 0.11): a's first token at 0.11,
     # b's at 0.22. KV 100 tokens * 1000 B at 1e6 B/s = 0.1 s. a's push reaches P at
     # 0.11 + 0.02 = 0.13, inside b's prefill (0.11 -> 0.22): exported at 0.22, the rest of the
-    # fixed part (0.05 - 0.02) -> bytes 0.25 -> 0.35. b's reaches an idle P at 0.24: exported
-    # at once, 0.27, but the link is a's until 0.35 -> 0.45.
-    assert _lands(0.02) == [pytest.approx(0.35), pytest.approx(0.45)]
+    # fixed part (0.05 - 0.02) -> a's bytes from 0.25. b's reaches an idle P at 0.24: exported
+    # at once, its bytes from 0.27, when a has 0.08 s of bytes left: both at half rate, a lands
+    # at 0.27 + 0.16 = 0.43, b (0.02 s left) alone -> 0.45.
+    assert _lands(0.02) == [pytest.approx(0.43), pytest.approx(0.45)]
 
 
 def test_no_handoff_delay_is_the_old_simulator() -> None:
