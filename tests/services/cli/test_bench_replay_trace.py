@@ -100,3 +100,14 @@ def test_migration_log_records_published_events(nats_url: str) -> None:
     rows = asyncio.run(go())
     assert [r["req_id"] for r in rows] == ["a"]
     assert rows[0]["start_unix_s"] == pytest.approx(rows[0]["end_unix_s"] - 0.05)  # type: ignore[operator]
+
+
+def test_trace_dir_is_an_option_off_by_default() -> None:
+    import argparse
+
+    from services.cli import bench_replay
+
+    parser = argparse.ArgumentParser()
+    bench_replay.register(parser.add_subparsers())
+    assert parser.parse_args(["replay"]).trace_dir == ""
+    assert parser.parse_args(["replay", "--trace-dir", "/tmp/x"]).trace_dir == "/tmp/x"
