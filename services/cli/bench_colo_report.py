@@ -30,7 +30,8 @@ def table(report: dict[str, Any]) -> str:
         f"Live max offline load at >= {100 - report['violation']:g}% online SLO attainment "
         f"({label(report)}; {report['config']}, online trace window {report['window']}; "
         f"{report['repeats']} windows a point: attainment over all their online requests, "
-        f"offline tok/s their median, [min, max] over the windows; simulator: emulated):",
+        f"offline tok/s their median, [min, max] over the windows; simulator: emulated, with the "
+        f"same {report.get('batch_max_inflight', '?')} batch lines in flight):",
         "  policy                   live offline tok/s [spread]       QPS  attain % [spread]"
         "        sim tok/s",
     ]
@@ -112,7 +113,8 @@ def plot(report: dict[str, Any], path: str) -> str:
 def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """`new`'s policies added to an earlier report of the same method (a search split over two
     runs); refused when the engine, config, window or search differ."""
-    keys = ("engine", "sim_step_model", "config", "set", "window", "violation", "repeats", "search")
+    keys = ["engine", "sim_step_model", "config", "set", "window", "violation", "repeats"]
+    keys += ["search", "batch_max_inflight"]
     diff = [k for k in keys if old.get(k) != new.get(k)]
     if diff:
         raise ValueError(f"--append: the earlier report differs in {diff}")
@@ -157,6 +159,7 @@ def run_search(args: argparse.Namespace) -> int:
         "warmup_s": args.warmup_s,
         "measure_s": args.measure_s,
         "search": {"start_qps": args.start_qps, "max_qps": args.max_qps, "iters": args.iters},
+        "batch_max_inflight": args.batch_max_inflight,  # live and simulated alike
         "policies": {},
     }
     earlier = None
@@ -226,7 +229,8 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
         "--batch-max-inflight",
         type=int,
         default=32,
-        help="Batch API lines running at once in every policy's stack (tidal up's flag)",
+        help="Batch API lines running at once in every policy's stack (tidal up's flag) and "
+        "in the simulator beside it",
     )
     g.add_argument("--measure-s", type=float, default=10.0, help="measured part of a window")
     g.add_argument("--repeats", type=int, default=3, help="windows per offline load")

@@ -4,6 +4,7 @@ bad input refused, reports merged, and one tiny search on a real stack (sim engi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -67,6 +68,22 @@ def test_a_simulated_window_counts_only_after_the_warm_up(tmp_path: Path) -> Non
     # 16-token lines finish in well under a second of emulated time: about 2 lines/s complete
     assert 1.0 <= busy.offline_lines_per_s <= 3.0
     assert busy.offline_tokens_per_s <= 16 * busy.offline_lines_per_s
+
+
+def test_a_simulated_window_keeps_the_batch_lines_in_flight_and_counts_tokens_as_made(
+    tmp_path: Path,
+) -> None:
+    cfg, _ = cs.write_config(_args(set=["offline.max_output_tokens=256"]), str(tmp_path))
+    assert cs.window_bin_s(2.0, 6.0) == 2.0 and cs.window_bin_s(4.0, 14.5) == 0.5
+    free = cs.sim_window(cfg, "ooco", 16.0, 2.0)
+    capped = cs.sim_window(dataclasses.replace(cfg, batch_max_inflight=2), "ooco", 16.0, 2.0)
+    assert capped.num_online == free.num_online > 0
+    # two lines at a time cannot keep up with 16 lines/s of up to 256 tokens each
+    assert 0 < capped.offline_tokens_per_s < free.offline_tokens_per_s
+    assert capped.offline_lines_per_s < free.offline_lines_per_s
+    # tokens count as they are made, so lines still running at the end count too (the live
+    # `tidal_batch_generated_tokens_total`); a line's tokens are never more than its 256
+    assert capped.offline_tokens_per_s <= 256 * (capped.offline_lines_per_s + 2 / 4.0)
 
 
 def test_bad_input_is_refused_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
