@@ -99,7 +99,7 @@ def plot(report: dict[str, Any], path: str) -> str:
     ax1.set_xlabel("offline load offered through the Batch API (lines/s, uniform)")
     ax1.set_ylabel("online SLO attainment (%): all repeats' requests")
     ax2.set_xlabel("offline load offered (lines/s)")
-    ax2.set_ylabel("offline output tokens/s completed")
+    ax2.set_ylabel("offline output tokens/s generated in the window")
     ax1.legend(fontsize=8)
     ax2.legend(fontsize=8)
     fig.suptitle(f"Live max-offline search ({label(report)})", fontsize=10)

@@ -71,6 +71,10 @@ def test_config_cap_reaches_the_simulator_and_slows_a_burst() -> None:
     )
     cfg = dataclasses.replace(cfg, duration_s=3.0, online=None)
     free = simulate(cfg, "ooco").requests
+    assert cfg.batch_max_inflight is None  # no cap unless configured
+    # `tidal sim ... --set batch_max_inflight=4` sets it the same way
+    set_cfg = load_config("configs/ooco.yaml", ("batch_max_inflight=4",))
+    assert set_cfg.batch_max_inflight == 4
     capped = simulate(dataclasses.replace(cfg, batch_max_inflight=4), "ooco").requests
     assert len(free) == len(capped) == 120
     assert all(r.phase is Phase.FINISHED for r in capped)
