@@ -110,12 +110,24 @@ def plot(report: dict[str, Any], path: str) -> str:
     return path
 
 
+def _batch_cap(report: dict[str, Any]) -> int | None:
+    """The report's batch lines in flight (a report from before it was recorded at the top: its
+    policies' resources; None if it has neither)."""
+    if "batch_max_inflight" in report:
+        return int(report["batch_max_inflight"])
+    for e in report.get("policies", {}).values():
+        if "batch_max_inflight" in e.get("resources", {}):
+            return int(e["resources"]["batch_max_inflight"])
+    return None
+
+
 def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """`new`'s policies added to an earlier report of the same method (a search split over two
     runs); refused when the engine, config, window or search differ."""
-    keys = ["engine", "sim_step_model", "config", "set", "window", "violation", "repeats"]
-    keys += ["search", "batch_max_inflight"]
+    keys = ("engine", "sim_step_model", "config", "set", "window", "violation", "repeats", "search")
     diff = [k for k in keys if old.get(k) != new.get(k)]
+    if None not in (cap := (_batch_cap(old), _batch_cap(new))) and cap[0] != cap[1]:
+        diff.append("batch_max_inflight")
     if diff:
         raise ValueError(f"--append: the earlier report differs in {diff}")
     out = {**new, "policies": {**old["policies"], **new["policies"]}}

@@ -126,6 +126,10 @@ def test_a_split_search_merges_only_into_a_report_of_the_same_settings() -> None
     assert list(m["policies"]) == ["ooco", "tidal"] and m["wall_s"] == 15.0
     with pytest.raises(ValueError, match="window"):
         merged(a, {**b, "window": "other"})
+    # an earlier report records its lines in flight in its policies' resources only (32 here)
+    assert list(merged(a, {**b, "batch_max_inflight": 32})["policies"]) == ["ooco", "tidal"]
+    with pytest.raises(ValueError, match="batch_max_inflight"):
+        merged(a, {**b, "batch_max_inflight": 128})
     text = table({**m, "sim_step_model": None})
     assert "ooco" in text and "tidal" in text and "KV 1024 tokens/instance" in text
     assert "1 CPU-attn worker(s) (1 usable" in text
