@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from services.cli import natsd
@@ -315,11 +316,14 @@ def sim_window(cfg: SimConfig, policy: str, qps: float, warmup_s: float) -> Meas
         if not r.is_online and r.phase is Phase.FINISHED and warmup_s <= (r.finish_s or 0.0) < end_s
     ]
     tokens = sum(rec.offline_tokens[round(warmup_s / bin_s) : round(end_s / bin_s)])
+    ttft, tpot = on["ttft"][counted], on["tpot"][counted]
     return Measurement(
         attainment_pct=100.0 * float(on["ok"][counted].sum()) / max(1, int(counted.sum())),
         offline_tokens_per_s=tokens / measured_s,
         offline_lines_per_s=len(done) / measured_s,
         num_online=int(counted.sum()),
+        ttft_p99_s=pct(ttft[~np.isnan(ttft)].tolist(), 99),
+        tpot_p99_s=pct(tpot[~np.isnan(tpot)].tolist(), 99),
     )
 
 

@@ -78,6 +78,7 @@ def test_a_simulated_window_keeps_the_batch_lines_in_flight_and_counts_tokens_as
     free = cs.sim_window(cfg, "ooco", 16.0, 2.0)
     capped = cs.sim_window(dataclasses.replace(cfg, batch_max_inflight=2), "ooco", 16.0, 2.0)
     assert capped.num_online == free.num_online > 0
+    assert 0 < capped.tpot_p99_s < 0.05 and 0 < capped.ttft_p99_s < 2.0  # beside the live p99s
     # two lines at a time cannot keep up with 16 lines/s of up to 256 tokens each
     assert 0 < capped.offline_tokens_per_s < free.offline_tokens_per_s
     assert capped.offline_lines_per_s < free.offline_lines_per_s
