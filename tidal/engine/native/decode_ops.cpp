@@ -1,0 +1,137 @@
+// Small fused CPU kernels for the torch engine's one-row decode step (tidal/engine/fast_decode.py).
+//
+// At batch 1 a SmolLM2 layer is 4 GEMVs (torch's, at ~86 % of memory bandwidth) and ~15 small
+// torch ops (RMSNorm, RoPE, KV write, attention, SiLU*mul, residual adds), each costing 5-30 us of
+// dispatch for microseconds of work. These kernels do that small work in 3 calls a layer.
+// Single-threaded on purpose: the work is tiny, and a second OpenMP runtime would fight torch's
+// (see services/common/torch_threads.py). bf16 values travel as uint16_t; every kernel computes in
+// fp32 and rounds where the torch ops it replaces round, so results match them to bf16 rounding.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float bf2f(uint16_t u) {
+    uint32_t b = static_cast<uint32_t>(u) << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+}
+
+inline uint16_t f2bf(float f) {  // round to nearest even, as torch's bf16 conversion
+    uint32_t b;
+    std::memcpy(&b, &f, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);  // NaN
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return static_cast<uint16_t>(b >> 16);
+}
+
+inline float rb(float f) { return bf2f(f2bf(f)); }  // the value after a bf16 round trip
+
+}  // namespace
+
+extern "C" {
+
+// x += delta (bf16 rounding, as torch's add_), then h = rms_norm(x) * w computed in fp32 and
+// rounded once (as F.rms_norm). delta may be null (no residual to add first).
+void tidal_add_rms_norm(uint16_t* x, const uint16_t* delta, const uint16_t* w, uint16_t* h,
+                        int64_t n, float eps) {
+    float ss = 0.f;
+    if (delta != nullptr) {
+        for (int64_t i = 0; i < n; ++i) {
+            x[i] = f2bf(bf2f(x[i]) + bf2f(delta[i]));
+        }
+    }
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = bf2f(x[i]);
+        ss += v * v;
+    }
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) h[i] = f2bf(bf2f(x[i]) * r * bf2f(w[i]));
+}
+
+// RoPE on the q and k heads of one row's fused qkv (H + Hk heads of D, then Hk heads of v), in
+// place: qk = bf16(bf16(qk * cos) + roll(qk, D/2) * sin_rot), as llama.py's torch ops round.
+// Then k and v go to the cache at `slot` (caches are (slots, Hk, D)).
+void tidal_rope_kv_write(uint16_t* qkv, const uint16_t* cos, const uint16_t* sin_rot,
+                         uint16_t* k_cache, uint16_t* v_cache, int64_t slot, int64_t H,
+                         int64_t Hk, int64_t D) {
+    const int64_t half = D / 2;
+    float tmp[512];
+    for (int64_t h = 0; h < H + Hk; ++h) {
+        uint16_t* p = qkv + h * D;
+        for (int64_t d = 0; d < D; ++d) {
+            const float rolled = bf2f(p[(d + half) % D]);
+            tmp[d] = rb(bf2f(p[d]) * bf2f(cos[d])) + rolled * bf2f(sin_rot[d]);
+        }
+        for (int64_t d = 0; d < D; ++d) p[d] = f2bf(tmp[d]);
+    }
+    std::memcpy(k_cache + slot * Hk * D, qkv + H * D, Hk * D * sizeof(uint16_t));
+    std::memcpy(v_cache + slot * Hk * D, qkv + (H + Hk) * D, Hk * D * sizeof(uint16_t));
+}
+
+// One query row's attention over T cached tokens: slots[t] when slots is not null, else
+// start + t. q (H, D) inside qkv; out (H, D). GQA: the G = H / Hk query heads of a KV head are
+// scored together, so each K/V row is read once. fp32 scores and softmax, output rounded once
+// (as SDPA's CPU kernel). scores: G * T floats of scratch.
+void tidal_decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                            const int64_t* slots, int64_t start, int64_t T, int64_t H,
+                            int64_t Hk, int64_t D, float scale, float* scores, uint16_t* out) {
+    const int64_t G = H / Hk;
+    float qf[8][256];
+    float kf[256];
+    float acc[8][256];
+    for (int64_t kh = 0; kh < Hk; ++kh) {
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d) qf[g][d] = bf2f(q[(kh * G + g) * D + d]) * scale;
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t s = slots != nullptr ? slots[t] : start + t;
+            const uint16_t* k = k_cache + (s * Hk + kh) * D;
+            for (int64_t d = 0; d < D; ++d) kf[d] = bf2f(k[d]);
+            for (int64_t g = 0; g < G; ++g) {
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; ++d) dot += qf[g][d] * kf[d];
+                scores[g * T + t] = dot;
+            }
+        }
+        float inv[8];
+        for (int64_t g = 0; g < G; ++g) {
+            float* sc = scores + g * T;
+            float mx = -INFINITY;
+            for (int64_t t = 0; t < T; ++t) mx = sc[t] > mx ? sc[t] : mx;
+            float sum = 0.f;
+            for (int64_t t = 0; t < T; ++t) {
+                sc[t] = std::exp(sc[t] - mx);
+                sum += sc[t];
+            }
+            inv[g] = 1.f / sum;
+            for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
+        }
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t s = slots != nullptr ? slots[t] : start + t;
+            const uint16_t* v = v_cache + (s * Hk + kh) * D;
+            for (int64_t d = 0; d < D; ++d) kf[d] = bf2f(v[d]);
+            for (int64_t g = 0; g < G; ++g) {
+                const float p = scores[g * T + t];
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) acc[g][d] += p * kf[d];
+            }
+        }
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d) out[(kh * G + g) * D + d] = f2bf(acc[g][d] * inv[g]);
+    }
+}
+
+// out = bf16(bf16(silu(g)) * u) for gu = [g | u] (2 * n), as F.silu(g) * u rounds.
+void tidal_silu_mul(const uint16_t* gu, uint16_t* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float g = bf2f(gu[i]);
+        const float s = rb(g / (1.f + std::exp(-g)));
+        out[i] = f2bf(s * bf2f(gu[n + i]));
+    }
+}
+
+}  // extern "C"
