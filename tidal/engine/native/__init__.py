@@ -20,6 +20,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tidal import envs
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_ops.cpp")
@@ -34,11 +36,8 @@ _SIGNATURES = {
 
 
 def cache_dir() -> Path:
-    """Where built kernels are kept: `TIDAL_CACHE_DIR`, else `$XDG_CACHE_HOME/tidal`."""
-    root = os.environ.get("TIDAL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tidal"
-    )
-    return Path(root) / "native"
+    """Where built kernels are kept: `native/` under `TIDAL_CACHE_DIR` (~/.cache/tidal)."""
+    return Path(envs.CACHE_DIR.get()) / "native"
 
 
 def _cpu_key() -> bytes:
