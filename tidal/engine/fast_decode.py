@@ -1,15 +1,19 @@
-"""The one-row decode step on native kernels: the interactive case (a lone stream) on CPU.
+"""Decode steps on native kernels: every step whose rows are all single-token decodes, on CPU.
 
-At batch 1 a layer's four GEMVs take ~9 ms of a SmolLM2 step's ~16 ms; the rest was ~15 small
+At batch 1 a SmolLM2 layer's four GEMVs take ~9 ms of a ~16 ms step; the rest was ~15 small
 torch ops a layer (RMSNorm, RoPE, KV write, attention, SiLU*mul, residual adds), each a 5-30 us
-dispatch around microseconds of work. Here those run as three calls a layer into
-`tidal.engine.native` and the GEMVs write into buffers made once, so a layer is seven calls:
+dispatch around microseconds of work, and at batch 32 the same ops still cost their dispatch.
+Here the small work runs as three or four calls a layer into `tidal.engine.native`; the matmuls
+stay torch's (ATen's GEMV at one row, written into buffers made once; oneDNN's packed GEMM at
+more, `llama.linear`):
 
-    add+norm -> qkv GEMV -> RoPE+KV write -> attention -> o GEMV -> add+norm -> gate_up GEMV
-    -> SiLU*mul -> down GEMV   (the down output is added by the next layer's add+norm)
+    add+norm -> qkv matmul -> RoPE+KV write -> attention -> o matmul -> add+norm
+    -> gate_up matmul -> SiLU*mul -> down matmul   (the next layer's add+norm adds its output)
 
-`LlamaModel.forward_layers` takes this path when `OneRowDecode.fits` says so and computes the
-same values either way (to bf16 rounding: the kernels round where the torch ops do).
+Attention is the native kernel for one row over up to `NATIVE_MAX_T` tokens, else the engine's
+`attention.ATTENTION` (batched matmuls over gathered KV; SDPA for a long lone context).
+`LlamaModel.forward_layers` takes this path when `NativeDecode.fits` says so; both paths compute
+the same values to bf16 rounding (the kernels round where the torch ops do).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
+from tidal.engine import attention
 from tidal.engine.attention import AttnMeta
 
 if TYPE_CHECKING:
@@ -32,49 +36,41 @@ NATIVE_MAX_T = 512
 _MAX_G, _MAX_D = 8, 256  # the kernels' stack buffers
 
 
-class OneRowDecode:
-    """Buffers and weight pointers for one model's one-row decode step."""
+class NativeDecode:
+    """Weight pointers and one-row buffers for one model's decode steps."""
 
     def __init__(self, model: LlamaModel, lib: ctypes.CDLL) -> None:
         cfg = model.config
         self.model, self.lib = model, lib
         self.H, self.Hk, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.hidden, self.eps = cfg.hidden_size, float(cfg.rms_norm_eps)
-        inter = model.layers[0].down.shape[1]
-        self.inter = inter
+        self.inter = model.layers[0].down.shape[1]
+        self.qkv_width = cfg.q_size + 2 * cfg.kv_size
 
         def buf(width: int) -> torch.Tensor:
             return torch.empty(1, width, dtype=model.dtype, device=model.device)
 
-        self.h = buf(self.hidden)
-        self.qkv = buf(cfg.q_size + 2 * cfg.kv_size)
-        self.attn = buf(cfg.q_size)
-        self.o = buf(self.hidden)
-        self.gu = buf(2 * inter)
-        self.act = buf(inter)
-        self.down = buf(self.hidden)
+        # one row: every matmul writes into these (ATen's GEMV, `torch.mm(..., out=)`)
+        self.h, self.qkv, self.attn = buf(self.hidden), buf(self.qkv_width), buf(cfg.q_size)
+        self.o, self.gu = buf(self.hidden), buf(2 * self.inter)
+        self.act, self.down = buf(self.inter), buf(self.hidden)
         self.scores = torch.empty(_MAX_G * NATIVE_MAX_T, dtype=torch.float32)
-        # (out, in) weights as torch views for `torch.mm(x, w.t(), out=...)`: ATen's GEMV
-        self.w = [(lay.qkv.t(), lay.o.t(), lay.gate_up.t(), lay.down.t()) for lay in model.layers]
-        self.qkv_bias = [lay.qkv_bias for lay in model.layers]  # Qwen2's
         self.norms = [(lay.in_norm.data_ptr(), lay.post_norm.data_ptr()) for lay in model.layers]
-        self.row_bytes = model.cos.shape[1] * model.cos.element_size()
 
     @staticmethod
     def fits(model: LlamaModel, batch: ForwardBatch) -> bool:
-        """Whether this step is one decode row this path computes (else the torch path)."""
+        """Whether every row of this step is a decode this path computes (else torch's path)."""
         cfg = model.config
         if model.device.type != "cpu" or model.dtype != torch.bfloat16 or model.transposed:
             return False
-        if batch.hidden.shape[0] != 1 or len(batch.groups) != 1 or batch.groups[0][0] != 0:
-            return False
-        meta = batch.groups[0][2]
-        G = cfg.num_attention_heads // cfg.num_key_value_heads
+        if len(batch.groups) != 1 or batch.groups[0][0] != 0:
+            return False  # rows resumed after a preemption start at a later layer
+        n, meta = batch.hidden.shape[0], batch.groups[0][2]
         return (
             not meta.prefills
-            and G <= _MAX_G
+            and meta.decode_rows == slice(0, n)
+            and cfg.num_attention_heads // cfg.num_key_value_heads <= _MAX_G
             and cfg.head_dim <= _MAX_D
-            and _context(meta) is not None
             and batch.hidden.is_contiguous()
         )
 
@@ -84,71 +80,87 @@ class OneRowDecode:
         kv_views: list[tuple[torch.Tensor, torch.Tensor]],
         should_stop: Callable[[], bool] | None,
     ) -> int:
-        """Every layer on `batch.hidden` (1 row) in place; returns how many layers ran."""
-        lib, H, Hk, D, n = self.lib, self.H, self.Hk, self.D, self.hidden
-        ctx = _context(batch.groups[0][2])
-        assert ctx is not None
-        start, T, slots = ctx
-        slots_p = slots.data_ptr() if slots is not None else None
-        native_attn = T <= NATIVE_MAX_T
+        """Every layer on `batch.hidden` in place; returns how many layers ran (all of them
+        unless `should_stop()` turned true at a layer boundary)."""
+        if batch.hidden.shape[0] == 1:
+            was = torch._C._get_mkldnn_enabled()
+            torch._C._set_mkldnn_enabled(False)  # ATen's own GEMV (see llama.weight_layout)
+            try:
+                return self._run(batch, kv_views, should_stop)
+            finally:
+                torch._C._set_mkldnn_enabled(was)
+        return self._run(batch, kv_views, should_stop)
+
+    def _run(
+        self,
+        batch: ForwardBatch,
+        kv_views: list[tuple[torch.Tensor, torch.Tensor]],
+        should_stop: Callable[[], bool] | None,
+    ) -> int:
+        lib, model = self.lib, self.model
+        H, Hk, D, n, eps = self.H, self.Hk, self.D, self.hidden, self.eps
         x = batch.hidden
-        xp, hp, qkvp = x.data_ptr(), self.h.data_ptr(), self.qkv.data_ptr()
-        attnp, op, gup = self.attn.data_ptr(), self.o.data_ptr(), self.gu.data_ptr()
-        actp, downp, scp = self.act.data_ptr(), self.down.data_ptr(), self.scores.data_ptr()
-        pos = int(batch.positions[0])
-        cosp = self.model.cos.data_ptr() + pos * self.row_bytes
-        sinp = self.model.sin_rot.data_ptr() + pos * self.row_bytes
-        slot = int(batch.slot_mapping[0])
-        scale = self.model.scale
-        h, qkv, attn, o, gu, act, down = (
-            self.h,
-            self.qkv,
-            self.attn,
-            self.o,
-            self.gu,
-            self.act,
-            self.down,
-        )
-        pending = None  # the last down output, added by the next add+norm
-        L = len(self.w)
-        was = torch._C._get_mkldnn_enabled()
-        torch._C._set_mkldnn_enabled(False)  # ATen's own GEMV (see llama.weight_layout)
-        try:
-            for li in range(L):
-                w_qkv, w_o, w_gu, w_down = self.w[li]
-                in_norm, post_norm = self.norms[li]
-                k_cache, v_cache = kv_views[li]
-                kp, vp = k_cache.data_ptr(), v_cache.data_ptr()
-                lib.tidal_add_rms_norm(xp, pending, in_norm, hp, n, self.eps)
-                bias = self.qkv_bias[li]
-                if bias is None:
-                    torch.mm(h, w_qkv, out=qkv)
-                else:
-                    torch.addmm(bias, h, w_qkv, out=qkv)
-                lib.tidal_rope_kv_write(qkvp, cosp, sinp, kp, vp, slot, H, Hk, D)
-                if native_attn:
-                    lib.tidal_decode_attention(
-                        qkvp, kp, vp, slots_p, start, T, H, Hk, D, scale, scp, attnp
-                    )
-                else:
-                    attn.copy_(_sdpa(qkv, k_cache, v_cache, start, T, slots, H, Hk, D, scale))
-                torch.mm(attn, w_o, out=o)
-                lib.tidal_add_rms_norm(xp, op, post_norm, hp, n, self.eps)
-                torch.mm(h, w_gu, out=gu)
-                lib.tidal_silu_mul(gup, actp, self.inter)
-                torch.mm(act, w_down, out=down)
-                pending = downp
-                if should_stop is not None and li + 1 < L and should_stop():
-                    x += down
-                    return li + 1
-        finally:
-            torch._C._set_mkldnn_enabled(was)
+        B = x.shape[0]
+        meta = batch.groups[0][2]
+        one = B == 1
+        ctx = _context(meta) if one else None
+        native_attn = ctx is not None and ctx[1] <= NATIVE_MAX_T
+        start, T, slots = ctx if ctx is not None else (0, 0, None)
+        ctx_p = slots.data_ptr() if slots is not None else None
+        positions = batch.positions.contiguous()
+        slot_map = batch.slot_mapping.contiguous()
+        pos_p, slot_p = positions.data_ptr(), slot_map.data_ptr()
+        cos_p, sin_p = model.cos.data_ptr(), model.sin_rot.data_ptr()
+        h = self.h if one else torch.empty(B, n, dtype=x.dtype)
+        act = self.act if one else torch.empty(B, self.inter, dtype=x.dtype)
+        xp, hp, actp = x.data_ptr(), h.data_ptr(), act.data_ptr()
+        down: torch.Tensor | None = None
+        L = len(model.layers)
+        for li, lay in enumerate(model.layers):
+            in_norm, post_norm = self.norms[li]
+            k_cache, v_cache = kv_views[li]
+            kp, vp = k_cache.data_ptr(), v_cache.data_ptr()
+            lib.tidal_add_rms_norm(
+                xp, None if down is None else down.data_ptr(), in_norm, hp, B, n, eps
+            )
+            qkv = self._mm(h, lay.qkv, self.qkv, lay.qkv_bias)
+            lib.tidal_rope_kv_write(
+                qkv.data_ptr(), self.qkv_width, cos_p, sin_p, pos_p, kp, vp, slot_p, B, H, Hk, D
+            )
+            if native_attn:
+                attn = self.attn
+                lib.tidal_decode_attention(
+                    qkv.data_ptr(), kp, vp, ctx_p, start, T, H, Hk, D, model.scale,
+                    self.scores.data_ptr(), attn.data_ptr(),
+                )  # fmt: skip
+            else:
+                q = qkv[:, : H * D].view(B, H, D)
+                attn = attention.ATTENTION(q, k_cache, v_cache, meta, model.scale)
+            o = self._mm(attn, lay.o, self.o)
+            lib.tidal_add_rms_norm(xp, o.data_ptr(), post_norm, hp, B, n, eps)
+            gu = self._mm(h, lay.gate_up, self.gu)
+            lib.tidal_silu_mul(gu.data_ptr(), actp, B, self.inter)
+            down = self._mm(act, lay.down, self.down)
+            if should_stop is not None and li + 1 < L and should_stop():
+                x += down
+                return li + 1
+        assert down is not None
         x += down
         return L
 
+    def _mm(
+        self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x @ w.T (+ b): into `out` at one row (ATen's GEMV), else the model's packed GEMM."""
+        if x.shape[0] == 1:
+            if b is None:
+                return torch.mm(x, w.t(), out=out)
+            return torch.addmm(b, x, w.t(), out=out)
+        return self.model._linear(x, w, b)
+
 
 def _context(meta: AttnMeta) -> tuple[int, int, torch.Tensor | None] | None:
-    """(first slot, T, slots or None) of the one decode row's context, or None."""
+    """(first slot, T, slots or None) of a lone decode row's context, or None."""
     if meta.decode_span is not None:
         start, T = meta.decode_span
         return start, T, None
@@ -158,26 +170,3 @@ def _context(meta: AttnMeta) -> tuple[int, int, torch.Tensor | None] | None:
         slots = meta.decode_slots[0]
         return 0, int(slots.shape[0]), slots.contiguous()
     return None
-
-
-def _sdpa(
-    qkv: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    start: int,
-    T: int,
-    slots: torch.Tensor | None,
-    H: int,
-    Hk: int,
-    D: int,
-    scale: float,
-) -> torch.Tensor:
-    """torch's SDPA for a long context (2 threads beat the 1-thread kernel there)."""
-    G = H // Hk
-    q = qkv[:, : H * D].view(1, Hk, G, D)
-    if slots is None:
-        k, v = k_cache[start : start + T], v_cache[start : start + T]
-    else:
-        k, v = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
-    k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    return F.scaled_dot_product_attention(q, k, v, scale=scale).view(1, H * D)

@@ -35,15 +35,15 @@ def _ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
 def test_add_rms_norm_matches_torch() -> None:
     assert lib is not None
     g = torch.Generator().manual_seed(0)
-    x, d = torch.randn(1, 576, generator=g).to(BF), torch.randn(1, 576, generator=g).to(BF)
+    x, d = torch.randn(4, 576, generator=g).to(BF), torch.randn(4, 576, generator=g).to(BF)
     w = torch.rand(576, generator=g).to(BF)
     ref_x = x + d
     ref_h = F.rms_norm(ref_x, (576,), w, 1e-5)
     h = torch.empty_like(x)
-    lib.tidal_add_rms_norm(_p(x), _p(d), _p(w), _p(h), 576, 1e-5)
+    lib.tidal_add_rms_norm(_p(x), _p(d), _p(w), _p(h), 4, 576, 1e-5)
     assert torch.equal(x, ref_x)  # the residual add rounds as torch's does
     assert _ulps(h, ref_h) <= 1.0
-    lib.tidal_add_rms_norm(_p(x), None, _p(w), _p(h), 576, 1e-5)  # no residual: norm only
+    lib.tidal_add_rms_norm(_p(x), None, _p(w), _p(h), 4, 576, 1e-5)  # no residual: norm only
     assert torch.equal(x, ref_x) and _ulps(h, ref_h) <= 1.0
 
 
@@ -51,29 +51,33 @@ def test_add_rms_norm_matches_torch() -> None:
 def test_rope_kv_write_and_attention_match_torch() -> None:
     assert lib is not None
     g = torch.Generator().manual_seed(1)
-    H, Hk, D, T, slots_n = 9, 3, 64, 37, 64
-    qkv = torch.randn(1, (H + 2 * Hk) * D, generator=g).to(BF)
-    cos, sin = torch.randn(D, generator=g).to(BF), torch.randn(D, generator=g).to(BF)
+    H, Hk, D, T, slots_n, rows = 9, 3, 64, 37, 64, 3
+    width = (H + 2 * Hk) * D
+    qkv = torch.randn(rows, width, generator=g).to(BF)
+    cos, sin = torch.randn(50, D, generator=g).to(BF), torch.randn(50, D, generator=g).to(BF)
+    positions, slots = torch.tensor([7, 0, 49]), torch.tensor([20, 3, 63])
     kc = torch.randn(slots_n, Hk, D, generator=g).to(BF)
     vc = torch.randn(slots_n, Hk, D, generator=g).to(BF)
-    qk = qkv[:, : (H + Hk) * D].view(1, H + Hk, D)
-    ref_qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # llama.py's RoPE
-    ref_v = qkv[:, (H + Hk) * D :].view(Hk, D).clone()
-    slot = 20
-    lib.tidal_rope_kv_write(_p(qkv), _p(cos), _p(sin), _p(kc), _p(vc), slot, H, Hk, D)
-    assert _ulps(qkv[:, : (H + Hk) * D].view(1, H + Hk, D), ref_qk) <= 1.0
-    assert torch.equal(kc[slot], qkv[0, H * D : (H + Hk) * D].view(Hk, D))
-    assert torch.equal(vc[slot], ref_v)
-    # attention over slots [4, 4 + T) in place, and over a scattered slot list
-    q = qkv[:, : H * D].view(1, Hk, H // Hk, D)
+    qk = qkv[:, : (H + Hk) * D].view(rows, H + Hk, D)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    ref_qk = torch.addcmul(qk * c, qk.roll(D // 2, -1), s)  # llama.py's RoPE
+    ref_v = qkv[:, (H + Hk) * D :].view(rows, Hk, D).clone()
+    lib.tidal_rope_kv_write(
+        _p(qkv), width, _p(cos), _p(sin), _p(positions), _p(kc), _p(vc), _p(slots), rows, H, Hk, D
+    )
+    assert _ulps(qkv[:, : (H + Hk) * D].view(rows, H + Hk, D), ref_qk) <= 1.0
+    assert torch.equal(kc[slots], qkv[:, H * D : (H + Hk) * D].view(rows, Hk, D))
+    assert torch.equal(vc[slots], ref_v)
+    # one row's attention over slots [4, 4 + T) in place, and over a scattered slot list
+    q = qkv[:1, : H * D].view(1, Hk, H // Hk, D)
     scores = torch.empty(8 * T)
-    for slots in (None, torch.randperm(slots_n, generator=g)[:T]):
-        idx = torch.arange(4, 4 + T) if slots is None else slots
+    for ctx in (None, torch.randperm(slots_n, generator=g)[:T]):
+        idx = torch.arange(4, 4 + T) if ctx is None else ctx
         k = kc.index_select(0, idx).transpose(0, 1).unsqueeze(0)
         v = vc.index_select(0, idx).transpose(0, 1).unsqueeze(0)
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=D**-0.5)
         out = torch.empty(1, H * D, dtype=BF)
-        sp = None if slots is None else _p(slots)
+        sp = None if ctx is None else _p(ctx)
         lib.tidal_decode_attention(
             _p(qkv), _p(kc), _p(vc), sp, 4, T, H, Hk, D, D**-0.5, _p(scores), _p(out)
         )
@@ -83,10 +87,10 @@ def test_rope_kv_write_and_attention_match_torch() -> None:
 @needs_native
 def test_silu_mul_matches_torch() -> None:
     assert lib is not None
-    gu = torch.randn(1, 2 * 1536, generator=torch.Generator().manual_seed(2)).to(BF) * 4
+    gu = torch.randn(3, 2 * 1536, generator=torch.Generator().manual_seed(2)).to(BF) * 4
     g, u = gu.chunk(2, dim=-1)
-    out = torch.empty(1, 1536, dtype=BF)
-    lib.tidal_silu_mul(_p(gu), _p(out), 1536)
+    out = torch.empty(3, 1536, dtype=BF)
+    lib.tidal_silu_mul(_p(gu), _p(out), 3, 1536)
     assert _ulps(out, F.silu(g) * u) <= 1.0
 
 
@@ -105,33 +109,64 @@ def _decode(engine: TorchEngine, rid: str, p: list[int], steps: int) -> tuple[li
 @needs_native
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3-rope"])
 @pytest.mark.parametrize("context", ["span", "slots", "long"])
-def test_one_row_decode_matches_the_torch_path(
+def test_native_decode_decode_matches_the_torch_path(
     make_engine: Any, monkeypatch: pytest.MonkeyPatch, arch: str, context: str
 ) -> None:
     engine = make_engine(arch, dtype="bfloat16", chunk_size=7, token_budget=16)
     model = engine.model
-    assert model.one_row is not None
+    assert model.native_decode is not None
     if context == "long":  # contexts past the kernel's limit go to torch's SDPA
         monkeypatch.setattr(fast_decode, "NATIVE_MAX_T", 8)
     if context == "slots":  # another request's blocks between this one's: no in-place span
         monkeypatch.setattr("tidal.engine.runner._span", lambda seq, bs: None)
     ran: list[int] = []
-    real = fast_decode.OneRowDecode.run
+    real = fast_decode.NativeDecode.run
 
     def spy(self: Any, *a: Any) -> int:
         ran.append(1)
         return real(self, *a)
 
-    monkeypatch.setattr(fast_decode.OneRowDecode, "run", spy)
+    monkeypatch.setattr(fast_decode.NativeDecode, "run", spy)
     p = prompt(30, 5)
     toks, logits = _decode(engine, "native", p, 12)
     assert len(ran) == 11  # every decode step after the first token
-    one_row, model.one_row = model.one_row, None
+    native_decode, model.native_decode = model.native_decode, None
     ref_toks, ref_logits = _decode(engine, "torch", p, 12)
-    model.one_row = one_row
+    model.native_decode = native_decode
     assert toks == ref_toks
     for lg, ref in zip(logits, ref_logits, strict=True):
         assert (lg - ref).abs().max() <= 0.02 * ref.abs().max() + 0.02
+
+
+@needs_native
+def test_batched_decodes_match_the_torch_path(make_engine: Any) -> None:
+    engine = make_engine("qwen2", dtype="bfloat16")
+    model = engine.model
+    prompts = {"a": prompt(20, 7), "b": prompt(9, 8), "c": prompt(14, 9)}
+
+    def run(tag: str) -> dict[str, list[int]]:
+        toks: dict[str, list[int]] = {r: [] for r in prompts}
+        for rid, p in prompts.items():
+            engine.add(EngineRequest(tag + rid, p, greedy(10)))
+        while engine.has_work():
+            for ev in engine.step().events:
+                toks[ev.req_id[len(tag) :]] += ev.token_ids
+        return toks
+
+    steps: list[int] = []
+    real = fast_decode.NativeDecode.run
+
+    def spy(self: Any, batch: Any, *a: Any) -> int:
+        steps.append(batch.hidden.shape[0])
+        return real(self, batch, *a)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fast_decode.NativeDecode, "run", spy)
+        got = run("n-")
+    assert 3 in steps  # the three decoded together on the native path
+    native_decode, model.native_decode = model.native_decode, None
+    assert got == run("t-")
+    model.native_decode = native_decode
 
 
 @needs_native
@@ -142,8 +177,8 @@ def test_a_preempted_step_stops_at_the_same_layer(make_engine: Any) -> None:
     engine.step()  # prefill; "a" now decodes
     seq = engine.seqs["a"]
     outs = []
-    for one_row in (model.one_row, None):
-        model.one_row = one_row
+    for native_decode in (model.native_decode, None):
+        model.native_decode = native_decode
         batch, _ = runner._build([(seq, 1)], [0])
         calls = iter(range(100))
         layers = model.forward_layers(batch, runner.kv, lambda c=calls: next(c) == 1)

@@ -1,4 +1,4 @@
-"""Native CPU kernels for the torch engine's one-row decode step (`decode_ops.cpp`).
+"""Native CPU kernels for the torch engine's decode steps (`decode_ops.cpp`).
 
 Built on first use with the machine's C++ compiler (`-O3 -march=native`) into a cache keyed by
 the source, the flags and the CPU, then loaded with ctypes: no torch headers, so a build takes
@@ -28,10 +28,10 @@ SOURCE = Path(__file__).with_name("decode_ops.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "tidal_add_rms_norm": (_P, _P, _P, _P, _I, _F),
-    "tidal_rope_kv_write": (_P, _P, _P, _P, _P, _I, _I, _I, _I),
+    "tidal_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
+    "tidal_rope_kv_write": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I),
     "tidal_decode_attention": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P),
-    "tidal_silu_mul": (_P, _P, _I),
+    "tidal_silu_mul": (_P, _P, _I, _I),
 }
 
 

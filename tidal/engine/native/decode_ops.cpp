@@ -1,8 +1,9 @@
-// Small fused CPU kernels for the torch engine's one-row decode step (tidal/engine/fast_decode.py).
+// Small fused CPU kernels for the torch engine's decode steps (tidal/engine/fast_decode.py).
 //
 // At batch 1 a SmolLM2 layer is 4 GEMVs (torch's, at ~86 % of memory bandwidth) and ~15 small
 // torch ops (RMSNorm, RoPE, KV write, attention, SiLU*mul, residual adds), each costing 5-30 us of
-// dispatch for microseconds of work. These kernels do that small work in 3 calls a layer.
+// dispatch for microseconds of work; at batch 32 the same ops still cost their dispatch. These
+// kernels do the small work in 4 calls a layer (3 where torch runs the attention).
 // Single-threaded on purpose: the work is tiny, and a second OpenMP runtime would fight torch's
 // (see services/common/torch_threads.py). bf16 values travel as uint16_t; every kernel computes in
 // fp32 and rounds where the torch ops it replaces round, so results match them to bf16 rounding.
@@ -53,43 +54,53 @@ inline float exp_neg(float x) {
 
 extern "C" {
 
-// x += delta (bf16 rounding, as torch's add_), then h = rms_norm(x) * w computed in fp32 and
-// rounded once (as F.rms_norm). delta may be null (no residual to add first).
+// For each of `rows` rows of n: x += delta (bf16 rounding, as torch's add_), then
+// h = rms_norm(x) * w computed in fp32 and rounded once (as F.rms_norm). delta may be null (no
+// residual to add first). All three are (rows, n) row-major.
 void tidal_add_rms_norm(uint16_t* x, const uint16_t* delta, const uint16_t* w, uint16_t* h,
-                        int64_t n, float eps) {
-    float ss = 0.f;
-    if (delta != nullptr) {
-        for (int64_t i = 0; i < n; ++i) {
-            x[i] = f2bf(bf2f(x[i]) + bf2f(delta[i]));
+                        int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; ++r, x += n, h += n) {
+        if (delta != nullptr) {
+            for (int64_t i = 0; i < n; ++i) x[i] = f2bf(bf2f(x[i]) + bf2f(delta[i]));
+            delta += n;
         }
-    }
+        float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; ++i) {
-        const float v = bf2f(x[i]);
-        ss += v * v;
+        for (int64_t i = 0; i < n; ++i) {
+            const float v = bf2f(x[i]);
+            ss += v * v;
+        }
+        const float rs = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+        for (int64_t i = 0; i < n; ++i) h[i] = f2bf(bf2f(x[i]) * rs * bf2f(w[i]));
     }
-    const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    for (int64_t i = 0; i < n; ++i) h[i] = f2bf(bf2f(x[i]) * r * bf2f(w[i]));
 }
 
-// RoPE on the q and k heads of one row's fused qkv (H + Hk heads of D, then Hk heads of v), in
-// place: qk = bf16(bf16(qk * cos) + roll(qk, D/2) * sin_rot), as llama.py's torch ops round.
-// Then k and v go to the cache at `slot` (caches are (slots, Hk, D)).
-void tidal_rope_kv_write(uint16_t* qkv, const uint16_t* cos, const uint16_t* sin_rot,
-                         uint16_t* k_cache, uint16_t* v_cache, int64_t slot, int64_t H,
+// For each of `rows` rows of the fused qkv (row r at qkv + r * stride: H + Hk heads of D, then
+// Hk heads of v): RoPE on its q and k heads in place at position positions[r],
+// qk = bf16(bf16(qk * cos) + roll(qk, D/2) * sin_rot) as llama.py's torch ops round (cos and
+// sin_rot are (positions, D) tables); then its k and v go to the caches ((slots, Hk, D)) at
+// slots[r].
+void tidal_rope_kv_write(uint16_t* qkv, int64_t stride, const uint16_t* cos_tab,
+                         const uint16_t* sin_tab, const int64_t* positions, uint16_t* k_cache,
+                         uint16_t* v_cache, const int64_t* slots, int64_t rows, int64_t H,
                          int64_t Hk, int64_t D) {
     const int64_t half = D / 2;
     float tmp[512];
-    for (int64_t h = 0; h < H + Hk; ++h) {
-        uint16_t* p = qkv + h * D;
-        for (int64_t d = 0; d < D; ++d) {
-            const float rolled = bf2f(p[(d + half) % D]);
-            tmp[d] = rb(bf2f(p[d]) * bf2f(cos[d])) + rolled * bf2f(sin_rot[d]);
+    for (int64_t r = 0; r < rows; ++r) {
+        uint16_t* row = qkv + r * stride;
+        const uint16_t* cos = cos_tab + positions[r] * D;
+        const uint16_t* sin_rot = sin_tab + positions[r] * D;
+        for (int64_t h = 0; h < H + Hk; ++h) {
+            uint16_t* p = row + h * D;
+            for (int64_t d = 0; d < D; ++d) {
+                const float rolled = bf2f(p[(d + half) % D]);
+                tmp[d] = rb(bf2f(p[d]) * bf2f(cos[d])) + rolled * bf2f(sin_rot[d]);
+            }
+            for (int64_t d = 0; d < D; ++d) p[d] = f2bf(tmp[d]);
         }
-        for (int64_t d = 0; d < D; ++d) p[d] = f2bf(tmp[d]);
+        std::memcpy(k_cache + slots[r] * Hk * D, row + H * D, Hk * D * sizeof(uint16_t));
+        std::memcpy(v_cache + slots[r] * Hk * D, row + (H + Hk) * D, Hk * D * sizeof(uint16_t));
     }
-    std::memcpy(k_cache + slot * Hk * D, qkv + H * D, Hk * D * sizeof(uint16_t));
-    std::memcpy(v_cache + slot * Hk * D, qkv + (H + Hk) * D, Hk * D * sizeof(uint16_t));
 }
 
 // One query row's attention over T cached tokens: slots[t] when slots is not null, else
@@ -147,12 +158,15 @@ void tidal_decode_attention(const uint16_t* q, const uint16_t* k_cache, const ui
     }
 }
 
-// out = bf16(bf16(silu(g)) * u) for gu = [g | u] (2 * n), as F.silu(g) * u rounds.
-void tidal_silu_mul(const uint16_t* gu, uint16_t* out, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-        const float g = bf2f(gu[i]);
-        const float s = rb(g / (1.f + std::exp(-g)));
-        out[i] = f2bf(s * bf2f(gu[n + i]));
+// out = bf16(bf16(silu(g)) * u) for each of `rows` rows gu = [g | u] (2 * n), as
+// F.silu(g) * u rounds; out is (rows, n).
+void tidal_silu_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; ++r, gu += 2 * n, out += n) {
+        for (int64_t i = 0; i < n; ++i) {
+            const float g = bf2f(gu[i]);
+            const float s = rb(g / (1.f + std::exp(-g)));
+            out[i] = f2bf(s * bf2f(gu[n + i]));
+        }
     }
 }
 
