@@ -82,21 +82,6 @@ class NativeDecode:
     ) -> int:
         """Every layer on `batch.hidden` in place; returns how many layers ran (all of them
         unless `should_stop()` turned true at a layer boundary)."""
-        if batch.hidden.shape[0] == 1:
-            was = torch._C._get_mkldnn_enabled()
-            torch._C._set_mkldnn_enabled(False)  # ATen's own GEMV (see llama.weight_layout)
-            try:
-                return self._run(batch, kv_views, should_stop)
-            finally:
-                torch._C._set_mkldnn_enabled(was)
-        return self._run(batch, kv_views, should_stop)
-
-    def _run(
-        self,
-        batch: ForwardBatch,
-        kv_views: list[tuple[torch.Tensor, torch.Tensor]],
-        should_stop: Callable[[], bool] | None,
-    ) -> int:
         lib, model = self.lib, self.model
         H, Hk, D, n, eps = self.H, self.Hk, self.D, self.hidden, self.eps
         x = batch.hidden
@@ -152,11 +137,18 @@ class NativeDecode:
         self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, b: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x @ w.T (+ b): into `out` at one row (ATen's GEMV), else the model's packed GEMM."""
-        if x.shape[0] == 1:
+        if x.shape[0] > 1:
+            return self.model._linear(x, w, b)
+        # NOTE: oneDNN off for this call only: its per-call cost loses at one row (see
+        # llama.weight_layout), and the attention's batched matmuls need it on
+        was = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)
+        try:
             if b is None:
                 return torch.mm(x, w.t(), out=out)
             return torch.addmm(b, x, w.t(), out=out)
-        return self.model._linear(x, w, b)
+        finally:
+            torch._C._set_mkldnn_enabled(was)
 
 
 def _context(meta: AttnMeta) -> tuple[int, int, torch.Tensor | None] | None:

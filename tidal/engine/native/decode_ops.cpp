@@ -13,28 +13,22 @@
 
 namespace {
 
-inline float bf2f(uint16_t u) {
-    uint32_t b = static_cast<uint32_t>(u) << 16;
-    float f;
-    std::memcpy(&f, &b, 4);
-    return f;
-}
+inline float bf2f(uint16_t u) { return __builtin_bit_cast(float, static_cast<uint32_t>(u) << 16); }
 
 inline uint16_t f2bf(float f) {  // round to nearest even, as torch's bf16 conversion
-    uint32_t b;
-    std::memcpy(&b, &f, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);  // NaN
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return static_cast<uint16_t>(b >> 16);
+    const uint32_t b = __builtin_bit_cast(uint32_t, f);
+    const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    const uint32_t nan = (b >> 16) | 0x40u;  // quiet NaN, never rounded into infinity
+    return static_cast<uint16_t>((b & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 inline float rb(float f) { return bf2f(f2bf(f)); }  // the value after a bf16 round trip
 
-// e^x for x <= 0 (softmax after subtracting the max), vectorisable where std::exp is not:
-// 2^(x log2 e) split into an integer power and a degree-5 minimax polynomial on [0, 1),
-// relative error ~2e-7 (below fp32 softmax's own rounding at these lengths).
-inline float exp_neg(float x) {
-    x = x < -87.f ? -87.f : x;
+// e^x, vectorisable where std::exp is not: 2^(x log2 e) split into an integer power and a
+// degree-5 minimax polynomial on [0, 1), relative error ~2e-7 (below the bf16 rounding of
+// SiLU's output and fp32 softmax's own rounding); x is clamped to [-87, 88].
+inline float exp_approx(float x) {
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
     const float t = x * 1.44269504089f;
     const float fi = std::floor(t);
     const float f = t - fi;
@@ -45,9 +39,7 @@ inline float exp_neg(float x) {
     p = p * f + 6.9315308e-1f;
     p = p * f + 9.9999994e-1f;
     const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
-    float s;
-    std::memcpy(&s, &bits, 4);
-    return p * s;
+    return p * __builtin_bit_cast(float, bits);
 }
 
 }  // namespace
@@ -92,10 +84,10 @@ void tidal_rope_kv_write(uint16_t* qkv, int64_t stride, const uint16_t* cos_tab,
         const uint16_t* sin_rot = sin_tab + positions[r] * D;
         for (int64_t h = 0; h < H + Hk; ++h) {
             uint16_t* p = row + h * D;
-            for (int64_t d = 0; d < D; ++d) {
-                const float rolled = bf2f(p[(d + half) % D]);
-                tmp[d] = rb(bf2f(p[d]) * bf2f(cos[d])) + rolled * bf2f(sin_rot[d]);
-            }
+            for (int64_t d = 0; d < half; ++d)  // roll(p, D/2): the halves swap
+                tmp[d] = rb(bf2f(p[d]) * bf2f(cos[d])) + bf2f(p[d + half]) * bf2f(sin_rot[d]);
+            for (int64_t d = half; d < D; ++d)
+                tmp[d] = rb(bf2f(p[d]) * bf2f(cos[d])) + bf2f(p[d - half]) * bf2f(sin_rot[d]);
             for (int64_t d = 0; d < D; ++d) p[d] = f2bf(tmp[d]);
         }
         std::memcpy(k_cache + slots[r] * Hk * D, row + H * D, Hk * D * sizeof(uint16_t));
@@ -137,7 +129,7 @@ void tidal_decode_attention(const uint16_t* q, const uint16_t* k_cache, const ui
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t t = 0; t < T; ++t) {
-                sc[t] = exp_neg(sc[t] - mx);
+                sc[t] = exp_approx(sc[t] - mx);
                 sum += sc[t];
             }
             inv[g] = 1.f / sum;
@@ -161,11 +153,15 @@ void tidal_decode_attention(const uint16_t* q, const uint16_t* k_cache, const ui
 // out = bf16(bf16(silu(g)) * u) for each of `rows` rows gu = [g | u] (2 * n), as
 // F.silu(g) * u rounds; out is (rows, n).
 void tidal_silu_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t n) {
-    for (int64_t r = 0; r < rows; ++r, gu += 2 * n, out += n) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* __restrict g_row = gu + r * 2 * n;
+        const uint16_t* __restrict u_row = g_row + n;
+        uint16_t* __restrict o_row = out + r * n;
+#pragma omp simd
         for (int64_t i = 0; i < n; ++i) {
-            const float g = bf2f(gu[i]);
-            const float s = rb(g / (1.f + std::exp(-g)));
-            out[i] = f2bf(s * bf2f(gu[n + i]));
+            const float g = bf2f(g_row[i]);
+            const float s = rb(g / (1.f + exp_approx(-g)));
+            o_row[i] = f2bf(s * bf2f(u_row[i]));
         }
     }
 }
