@@ -42,6 +42,61 @@ inline float exp_approx(float x) {
     return p * __builtin_bit_cast(float, bits);
 }
 
+// One query row's attention (see tidal_decode_attention). DC > 0 fixes the head size at compile
+// time, so the per-token loops over it unroll fully (2x faster at 64, measured); DC = 0 reads D.
+template <int DC>
+void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                      const int64_t* slots, int64_t start, int64_t T, int64_t H, int64_t Hk,
+                      int64_t D_, float scale, float* scores, uint16_t* out) {
+    const int64_t D = DC > 0 ? DC : D_;
+    const int64_t G = H / Hk;
+    float qf[8][256];
+    float kf[256];
+    float acc[8][256];
+    for (int64_t kh = 0; kh < Hk; ++kh) {
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d) qf[g][d] = bf2f(q[(kh * G + g) * D + d]) * scale;
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t s = slots != nullptr ? slots[t] : start + t;
+            const uint16_t* k = k_cache + (s * Hk + kh) * D;
+            for (int64_t d = 0; d < D; ++d) kf[d] = bf2f(k[d]);
+            for (int64_t g = 0; g < G; ++g) {
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; ++d) dot += qf[g][d] * kf[d];
+                scores[g * T + t] = dot;
+            }
+        }
+        float inv[8];
+        for (int64_t g = 0; g < G; ++g) {
+            float* sc = scores + g * T;
+            float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+            for (int64_t t = 0; t < T; ++t) mx = sc[t] > mx ? sc[t] : mx;
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < T; ++t) {
+                sc[t] = exp_approx(sc[t] - mx);
+                sum += sc[t];
+            }
+            inv[g] = 1.f / sum;
+            for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
+        }
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t s = slots != nullptr ? slots[t] : start + t;
+            const uint16_t* v = v_cache + (s * Hk + kh) * D;
+            for (int64_t d = 0; d < D; ++d) kf[d] = bf2f(v[d]);
+            for (int64_t g = 0; g < G; ++g) {
+                const float p = scores[g * T + t];
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) acc[g][d] += p * kf[d];
+            }
+        }
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d) out[(kh * G + g) * D + d] = f2bf(acc[g][d] * inv[g]);
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -102,52 +157,12 @@ void tidal_rope_kv_write(uint16_t* qkv, int64_t stride, const uint16_t* cos_tab,
 void tidal_decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                             const int64_t* slots, int64_t start, int64_t T, int64_t H,
                             int64_t Hk, int64_t D, float scale, float* scores, uint16_t* out) {
-    const int64_t G = H / Hk;
-    float qf[8][256];
-    float kf[256];
-    float acc[8][256];
-    for (int64_t kh = 0; kh < Hk; ++kh) {
-        for (int64_t g = 0; g < G; ++g)
-            for (int64_t d = 0; d < D; ++d) qf[g][d] = bf2f(q[(kh * G + g) * D + d]) * scale;
-        for (int64_t t = 0; t < T; ++t) {
-            const int64_t s = slots != nullptr ? slots[t] : start + t;
-            const uint16_t* k = k_cache + (s * Hk + kh) * D;
-            for (int64_t d = 0; d < D; ++d) kf[d] = bf2f(k[d]);
-            for (int64_t g = 0; g < G; ++g) {
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; ++d) dot += qf[g][d] * kf[d];
-                scores[g * T + t] = dot;
-            }
-        }
-        float inv[8];
-        for (int64_t g = 0; g < G; ++g) {
-            float* sc = scores + g * T;
-            float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-            for (int64_t t = 0; t < T; ++t) mx = sc[t] > mx ? sc[t] : mx;
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < T; ++t) {
-                sc[t] = exp_approx(sc[t] - mx);
-                sum += sc[t];
-            }
-            inv[g] = 1.f / sum;
-            for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
-        }
-        for (int64_t t = 0; t < T; ++t) {
-            const int64_t s = slots != nullptr ? slots[t] : start + t;
-            const uint16_t* v = v_cache + (s * Hk + kh) * D;
-            for (int64_t d = 0; d < D; ++d) kf[d] = bf2f(v[d]);
-            for (int64_t g = 0; g < G; ++g) {
-                const float p = scores[g * T + t];
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) acc[g][d] += p * kf[d];
-            }
-        }
-        for (int64_t g = 0; g < G; ++g)
-            for (int64_t d = 0; d < D; ++d) out[(kh * G + g) * D + d] = f2bf(acc[g][d] * inv[g]);
-    }
+    if (D == 64)
+        decode_attention<64>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
+    else if (D == 128)
+        decode_attention<128>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
+    else
+        decode_attention<0>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
 }
 
 // out = bf16(bf16(silu(g)) * u) for each of `rows` rows gu = [g | u] (2 * n), as
