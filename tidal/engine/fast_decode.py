@@ -30,9 +30,10 @@ from tidal.engine.attention import AttnMeta
 if TYPE_CHECKING:
     from tidal.engine.llama import ForwardBatch, LlamaModel
 
-# past this many context tokens torch's 2-thread SDPA beats the 1-thread kernel (measured:
-# 74 vs 65 us a layer at 512 tokens, 38 vs 43 at 256; SmolLM2, bf16, this 2-core VM)
-NATIVE_MAX_T = 512
+# the 1-thread kernel beats torch's 2-thread SDPA at every length measured (SmolLM2, bf16, this
+# 2-core VM: 21 vs 43 us a layer at 256 tokens, 151 vs 216 at 2048, 586 vs 803 at 8000); past
+# this many tokens (its score buffer's size) the attention is torch's
+NATIVE_MAX_T = 8192
 _MAX_G, _MAX_D = 8, 256  # the kernels' stack buffers
 
 
