@@ -30,7 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from services.cli import bench_replay_trace as trc
+from services.cli import bench_replay_window as wnd
 from services.cli import natsd
+from services.cli.bench_replay_table import KEYS, SIDES, print_table
 from services.cli.benchkit import gateway_metrics, pct, save_json, stack
 from tidal.sim.build import instance_setups, simulate, workload
 from tidal.sim.config import SimConfig, load_config
@@ -172,7 +175,9 @@ def _one(
     args: argparse.Namespace, cfg: SimConfig, policy: str, reqs: list[SimRequest], exe: str
 ) -> dict[str, Any]:
     """One policy, one repeat: a fresh stack, the calibration probe, the window; then the
-    simulator on the same window, as configured and with the probe's serving path."""
+    simulator on the same window: with the serving path as the window had it (dispatch and KV
+    link rate read from its records, `bench_replay_window`), with the probe's, and as
+    configured."""
     from services.cli import bench_replay_probe as probe
 
     spec = f"{cfg.model}@{cfg.hardware}"
@@ -189,25 +194,64 @@ def _one(
         }
         sim_reqs = reqs
         with stack(natsd.free_port(), *up, env=env) as base:
-            lone = asyncio.run(probe.send_lone(base, "tidal-sim", probe.probe_lengths(reqs), 0.3))
+            bus = trc.find_bus(base)
+            lone, probe_events = asyncio.run(_probe(base, bus, probe.probe_lengths(reqs)))
+            delays = trc.handoff_delays(probe_events, probe.request_events(Path(trace_dir)))
             for path in Path(trace_dir).glob("*.jsonl"):
                 path.write_text("")  # the window's steps only
             if exe:
                 live = gl_replay(exe, base, reqs, cfg)
                 sim_reqs = _gl().shifted(reqs, live["start_offset_s"])
+                events: list[dict[str, Any]] = []
             else:
-                live = asyncio.run(_replay(base, "tidal-sim", reqs, cfg))
+                live, events = asyncio.run(_window(base, bus, reqs, cfg))
             live["migrations"] = _migration_metrics(base)
         live["steps"] = probe.step_summary(Path(trace_dir))
         live["path"] = probe.serving_path(live["requests"], probe.request_events(Path(trace_dir)))
-    cal = probe.calibrate(cfg, policy, lone)
+        trace = wnd.read_trace(Path(trace_dir))
+        live["migration_kinds"] = trc.summarize_migrations(events)
+        live["migration_events"] = events
+        if args.trace_dir:
+            name = f"{Path(args.config_path).stem}-{policy}"
+            n = sum(1 for _ in Path(args.trace_dir).glob(f"{name}-*"))
+            dest = Path(args.trace_dir) / f"{name}-{n}"
+            trc.keep(Path(trace_dir), bus[1] if bus else None, dest, events)
+    cal = probe.calibrate(cfg, policy, lone, delays)
+    win = wnd.window_calibration(cal, live, trace, cfg.link_gb_per_s)
     return {
         "resources": res,
         "calibration": cal,
+        "window_calibration": win,
         "live": live,
-        "simulator": _simulated(probe.with_calibration(cfg, cal), policy, sim_reqs),
+        "simulator": _simulated(probe.with_calibration(cfg, win), policy, sim_reqs),
+        "simulator_probe": _simulated(probe.with_calibration(cfg, cal), policy, sim_reqs),
         "simulator_uncalibrated": _simulated(cfg, policy, sim_reqs),
     }
+
+
+async def _probe(
+    base: str, bus: tuple[str, Path] | None, lengths: list[int]
+) -> tuple[list[Any], list[dict[str, Any]]]:
+    """The calibration probe, with its migration events (none when the bus is not found)."""
+    from services.cli import bench_replay_probe as probe
+
+    if bus is None:
+        return await probe.send_lone(base, "tidal-sim", lengths, 0.3), []
+    async with trc.migration_log(bus[0]) as events:
+        lone = await probe.send_lone(base, "tidal-sim", lengths, 0.3)
+    return lone, events
+
+
+async def _window(
+    base: str, bus: tuple[str, Path] | None, reqs: list[SimRequest], cfg: SimConfig
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The window through the openai client, with the scheduler's migration events beside it
+    (none when the stack's bus is not found)."""
+    if bus is None:
+        return await _replay(base, "tidal-sim", reqs, cfg), []
+    async with trc.migration_log(bus[0]) as events:
+        live = await _replay(base, "tidal-sim", reqs, cfg)
+    return live, events
 
 
 def _gl() -> Any:
@@ -229,7 +273,7 @@ def _migration_metrics(base: str) -> dict[str, float]:
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each side's figures as the median over repeats (the first repeat's extras kept)."""
     out = dict(runs[0])
-    for side in ("live", "simulator", "simulator_uncalibrated"):
+    for side in SIDES:
         out[side] = dict(runs[0][side])
         for key, _, _ in KEYS:
             out[side][key] = float(np.median([r[side][key] for r in runs]))
@@ -237,10 +281,8 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["calibrations"] = [
         {k: v for k, v in r["calibration"].items() if k != "probe"} for r in runs
     ]
+    out["window_calibrations"] = [r.get("window_calibration", {}) for r in runs]
     return out
-
-
-SIDES = ("live", "simulator", "simulator_uncalibrated")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -290,69 +332,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-KEYS = [
-    ("slo_attainment_pct", "attain %", 1),
-    ("ttft_p50_s", "TTFT p50 s", 3),
-    ("ttft_p99_s", "TTFT p99 s", 3),
-    ("tpot_p50_s", "TPOT p50 s", 4),
-    ("tpot_p99_s", "TPOT p99 s", 4),
-    ("offline_tokens_per_s", "offline tok/s", 1),
-]
-
-
-def print_table(report: dict[str, Any], label: str) -> None:
-    """Both sides of every policy, one figure a line: `label` value, simulator value (with the
-    measured serving path), difference (points for attainment, % otherwise), and the simulator
-    without the serving path for reference."""
-    for policy, run_ in report["runs"].items():
-        res, cal = run_["resources"], run_["calibration"]
-        print(
-            f"  {policy}  (both sides: {len(res['instances'])} instances "
-            f"[{'; '.join(res['instances'])}], {res['kv_tokens_per_instance']} KV tokens each, "
-            f"{res['cpu_attention_workers']} CPU-attention workers; KV shipped per token: "
-            f"{res['kv_bytes_per_token_shipped']})"
-        )
-        print(
-            f"    serving path (probe): dispatch {cal['dispatch_ms']:.1f} ms + "
-            f"{cal['dispatch_us_per_token']:.2f} us/token; hand-off "
-            f"{cal['link_latency_ms']:.1f} ms + KV at {cal['link_gb_per_s']:.2f} GB/s"
-        )
-        path = run_["live"].get("path") or {}
-        if path.get("num_matched"):
-            pin, pout = path["in_ms_p50_p90_p99"], path["out_ms_p50_p90_p99"]
-            print(
-                f"    serving path in the window (live, ms p50/p90/p99): client -> engine "
-                f"{'/'.join(f'{v:.0f}' for v in pin)}; first token -> client "
-                f"{'/'.join(f'{v:.0f}' for v in pout)}"
-            )
-        for key, name, nd in KEYS:
-            a, b, c = (run_[side][key] for side in SIDES)
-            print(
-                f"    {name:14s} {label} {a:10.{nd}f}   sim {b:10.{nd}f}   {_diff(key, a, b):>9s}"
-                f"   (sim without serving path {c:.{nd}f}, {_diff(key, a, c)})"
-            )
-        live = run_["live"]
-        if "start_offset_s" in live:  # guidellm's load: how it was sent
-            off = ", ".join(f"{c} +{s:.2f} s" for c, s in live["start_offset_s"].items())
-            print(
-                f"    (guidellm: dispatch lag p50/p99 {live['dispatch_lag_p50_s'] * 1e3:.1f}/"
-                f"{live['dispatch_lag_p99_s'] * 1e3:.1f} ms; process start {off}; "
-                f"unrecorded {live['unrecorded']}; errored/incomplete {live['failed']}; "
-                f"prompt token counts off {live['prompt_tokens_mismatched']})"
-            )
-        elif "dispatch_lag_p50_s" in live:
-            print(
-                f"    (client: dispatch lag p50/p99 {live['dispatch_lag_p50_s'] * 1e3:.1f}/"
-                f"{live['dispatch_lag_p99_s'] * 1e3:.1f} ms, not in TTFT)"
-            )
-
-
-def _diff(key: str, a: float, b: float) -> str:
-    if key.endswith("pct"):
-        return f"{a - b:+.1f} pt"
-    return f"{(a / b - 1) * 100:+.1f} %" if b else "n/a"
-
-
 def register(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser(
         "replay",
@@ -389,6 +368,12 @@ def register(bench: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--guidellm", default="", help="guidellm executable (default: `guidellm` on PATH)"
+    )
+    p.add_argument(
+        "--trace-dir",
+        default="",
+        help="keep each window's sim-engine step traces, stack log and migration events under "
+        "DIR/CONFIG-POLICY-N/ (for finding where live time went)",
     )
     p.add_argument("--json", default="", help="also write every config's figures here as JSON")
     p.add_argument(

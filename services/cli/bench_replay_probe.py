@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,8 +135,12 @@ def simulated_lone(cfg: SimConfig, policy: str, lone: list[Lone]) -> list[Lone]:
     return out
 
 
-def calibrate(cfg: SimConfig, policy: str, lone: list[Lone]) -> dict[str, Any]:
-    """The serving-path figures from the live probe against the simulator's twin of it."""
+def calibrate(
+    cfg: SimConfig, policy: str, lone: list[Lone], handoff_delays_s: Sequence[float] = ()
+) -> dict[str, Any]:
+    """The serving-path figures from the live probe against the simulator's twin of it;
+    `handoff_delays_s`, the probe's pushes' first token -> migrate command (seconds), gives the
+    part of the hand-off's fixed cost spent before the source exports (median)."""
     if not lone:
         raise ValueError("no probe request completed: the live stack did not serve")
     sim = simulated_lone(cfg, policy, lone)
@@ -151,10 +156,13 @@ def calibrate(cfg: SimConfig, policy: str, lone: list[Lone]) -> dict[str, Any]:
     fixed_s, s_per_token = fit_line(n, extra)
     link_bps = cfg.link_gb_per_s * 1e9
     s_per_byte = 1 / link_bps + s_per_token / kvb
+    latency_ms = cfg.link_latency_ms + 1e3 * fixed_s
+    delay_ms = 1e3 * float(np.median(handoff_delays_s)) if len(handoff_delays_s) else 0.0
     return {
         "dispatch_ms": 1e3 * dispatch_s,
         "dispatch_us_per_token": 1e6 * per_token_s,
-        "link_latency_ms": cfg.link_latency_ms + 1e3 * fixed_s,
+        "link_latency_ms": latency_ms,
+        "handoff_delay_ms": min(delay_ms, latency_ms),
         "link_gb_per_s": 1 / s_per_byte / 1e9,
         "probe": [
             {
@@ -178,6 +186,7 @@ def with_calibration(cfg: SimConfig, cal: dict[str, Any]) -> SimConfig:
         dispatch_us_per_token=float(cal["dispatch_us_per_token"]),
         link_latency_ms=float(cal["link_latency_ms"]),
         link_gb_per_s=float(cal["link_gb_per_s"]),
+        handoff_delay_ms=float(cal.get("handoff_delay_ms", 0.0)),
     )
 
 

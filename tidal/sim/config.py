@@ -97,6 +97,9 @@ class SimConfig:
     # is routed dispatch_ms + dispatch_us_per_token * prompt tokens after it arrives (0: at once).
     dispatch_ms: float = 0.0
     dispatch_us_per_token: float = 0.0
+    # Of link_latency_ms, the part before a prefill's push reaches its source (the live
+    # scheduler's report -> tick -> command); the source then exports it between its steps.
+    handoff_delay_ms: float = 0.0
     pcie_gb_per_s: float = 25.0  # GPU <-> host copies (swap, offload), GB/s
     cpu_workers: CpuWorkers = CpuWorkers()
     # Offline requests are Batch API lines: at most this many in the cluster at once, the rest
@@ -120,6 +123,8 @@ class SimConfig:
             raise ValueError("link_gb_per_s and pcie_gb_per_s must be > 0, latency >= 0")
         if self.dispatch_ms < 0 or self.dispatch_us_per_token < 0:
             raise ValueError("dispatch_ms and dispatch_us_per_token must be >= 0")
+        if not 0 <= self.handoff_delay_ms <= self.link_latency_ms:
+            raise ValueError("handoff_delay_ms must be in [0, link_latency_ms] (a part of it)")
         if self.duration_s <= 0 or self.drain_s < 0 or self.bin_s <= 0:
             raise ValueError("duration_s and bin_s must be > 0, drain_s >= 0")
         if self.batch_max_inflight is not None and self.batch_max_inflight < 1:

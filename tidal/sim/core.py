@@ -32,10 +32,11 @@ from tidal.policy.base import (
 from tidal.schemas.enums import RequestClass
 from tidal.sim.apply import Span, finish_span, start_span
 from tidal.sim.batch_gate import BatchGate
+from tidal.sim.link import Flow, SharedLink
 from tidal.sim.recorder import Recorder
 from tidal.workload.mix import SimRequest
 
-_STEP, _LAND, _TICK = 0, 1, 2  # event kinds
+_STEP, _XFER, _TICK, _HANDOFF = 0, 1, 2, 3  # event kinds
 # An idle instance's policy is asked for a plan at most this often (simulated seconds; the live
 # instance's idle report interval), so it can ask for work: OOCO's strict instances pull
 # offline decodes only after a `schedule` that found room, which an idle one never ran.
@@ -81,9 +82,12 @@ class Simulator:
         dispatch_s: float = 0.0,
         dispatch_s_per_token: float = 0.0,
         batch_max_inflight: int | None = None,
+        handoff_delay_s: float = 0.0,
     ) -> None:
         if dispatch_s < 0 or dispatch_s_per_token < 0:
             raise ValueError("dispatch_s and dispatch_s_per_token must be >= 0")
+        if not 0 <= handoff_delay_s <= link_latency_s:
+            raise ValueError("handoff_delay_s must be in [0, link_latency_s] (a part of it)")
         # Offline requests are Batch API lines: at most this many in the cluster (None: all).
         self.batch = None if batch_max_inflight is None else BatchGate(batch_max_inflight)
         self.policy = policy
@@ -92,6 +96,12 @@ class Simulator:
         # live stack spends and its TTFT counts (`tidal bench replay` measures it).
         self.dispatch_s = dispatch_s
         self.dispatch_s_per_token = dispatch_s_per_token
+        # A prefill's push reaches its source this long after the step ended (the live
+        # scheduler's report -> tick -> migrate command, a part of the link's fixed cost), and
+        # the source exports it at its first step boundary from then: the instance loop moves
+        # a request between steps, so a step it began meanwhile (the next prefill) runs out
+        # first. 0: the push leaves at the prefill's own step boundary, at once.
+        self.handoff_delay_s = handoff_delay_s
         self.instances = [
             InstanceState(
                 instance_id=i,
@@ -117,15 +127,13 @@ class Simulator:
         self._seq = 0
         self._spans: list[Span | None] = [None] * len(setups)
         self._idle_plan_s = [0.0] * len(setups)  # when each idle instance is next asked
-        self._pending_out: list[list[tuple[str, int]]] = [[] for _ in setups]
+        # per instance: (req_id, target, is_push) to move out at its step boundary
+        self._pending_out: list[list[tuple[str, int, bool]]] = [[] for _ in setups]
         self._now = 0.0
         self._num_open = 0  # requests arrived and not finished or rejected
         self._reserved = [0] * len(setups)  # blocks reserved for KV in flight to each instance
-        # When each instance's link is next free to send / to receive KV bytes: transfers that
-        # overlap share it, one after another (a link moves one request's bytes at a time at
-        # full rate, or several at a share: the last lands at the same moment either way).
-        self._send_free_s = [0.0] * len(setups)
-        self._recv_free_s = [0.0] * len(setups)
+        # KV transfers share each instance's send and receive side of the link (`tidal.sim.link`)
+        self._link = SharedLink(len(setups), link_bytes_per_s)
         self._check = check  # run check_integrity after every event (tests)
         # `via_reports`: the cluster half sees a view rebuilt from instance reports, exactly as
         # the live scheduler builds it (`tidal.cluster.view`). Same decisions (tests), but ~4x
@@ -200,8 +208,10 @@ class Simulator:
                 _, _, kind, payload = heapq.heappop(heap)
                 if kind == _STEP:
                     self._step_end(payload, t)  # type: ignore[arg-type]
-                elif kind == _LAND:
-                    self._land(payload, t)  # type: ignore[arg-type]
+                elif kind == _XFER:
+                    self._xfer(payload, t)  # type: ignore[arg-type]
+                elif kind == _HANDOFF:
+                    self._handoff(payload, t)  # type: ignore[arg-type]
             if self.batch is not None:
                 self._admit_lines(t)
             self._apply(self.policy.tick(self._view(t), t), t)
@@ -312,21 +322,56 @@ class Simulator:
                 )
             else:
                 dst = self.policy.place_decode(r, inst, self.cluster, now)
-            if dst is not None and dst != inst_id:
+            if dst is None or dst == inst_id:
+                continue
+            if self.handoff_delay_s > 0:
+                r.phase = Phase.TRANSFER_WAIT  # asked for: no step schedules it meanwhile
+                self._push(now + self.handoff_delay_s, _HANDOFF, (r, dst))
+            else:
                 self._start_transfer(r, inst, dst, now, is_migration=False)
         if self._pending_out[inst_id]:
             pend, self._pending_out[inst_id] = self._pending_out[inst_id], []
-            for rid, dst in pend:
+            for rid, dst, is_push in pend:
                 r = self.reqs[rid]
-                if r.phase is Phase.RUNNING and r.instance_id == inst_id and r.is_decoding:
+                if is_push:
+                    self._export_push(r, dst, now)
+                elif r.phase is Phase.RUNNING and r.instance_id == inst_id and r.is_decoding:
                     self._migrate(rid, dst, now)
                 else:  # it finished (or was preempted) in the step it was waiting for
                     self.rec.num_migrations_refused += 1
 
     # ---------------------------------------------------------------- KV transfers
+    def _handoff(self, payload: tuple[ReqState, int], now: float) -> None:
+        """A push asked for `handoff_delay_s` ago reaches its source: exported now, or at the
+        end of the step the source is in."""
+        r, dst = payload
+        src_id = r.instance_id
+        assert src_id is not None
+        if self._spans[src_id] is not None:
+            self._pending_out[src_id].append((r.req_id, dst, True))
+            self._interrupt(src_id, now)  # a span of repeated steps ends at the next step
+            return
+        self._export_push(r, dst, now)
+
+    def _export_push(self, r: ReqState, dst: int, now: float) -> None:
+        if r.phase is not Phase.TRANSFER_WAIT or r in self.instances[dst].pending_in:
+            return  # no longer waiting for this push (NOTE: no policy plans such requests)
+        r.phase = Phase.RUNNING
+        src = self.instances[r.instance_id]  # type: ignore[index]
+        fixed_s = self.cluster.link_latency_s - self.handoff_delay_s  # what is left of it
+        self._start_transfer(r, src, dst, now, is_migration=False, fixed_s=fixed_s)
+
     def _start_transfer(
-        self, r: ReqState, src: InstanceState, dst_id: int, now: float, is_migration: bool
+        self,
+        r: ReqState,
+        src: InstanceState,
+        dst_id: int,
+        now: float,
+        is_migration: bool,
+        fixed_s: float | None = None,
     ) -> bool:
+        """Move `r`'s KV to `dst_id`: its bytes go on the link after `fixed_s` (default the
+        link's latency) and share it with the transfers moving then; False if it does not fit."""
         if not 0 <= dst_id < len(self.instances):
             raise PolicyError(f"no instance {dst_id} to move {r.req_id} to")
         dst = self.instances[dst_id]
@@ -348,22 +393,35 @@ class Simulator:
         r.num_blocks = 0
         src.running.remove(r)
         r.phase = Phase.MIGRATING
-        # The fixed part (offer, reservation, commit) runs at once; the bytes wait for the link.
-        c, sid = self.cluster, src.instance_id
-        wire_s = r.num_computed_tokens * src.kv_bytes_per_token / c.link_bytes_per_s
-        start = max(now + c.link_latency_s, self._send_free_s[sid], self._recv_free_s[dst_id])
-        self._send_free_s[sid] = self._recv_free_s[dst_id] = start + wire_s
-        dt = start + wire_s - now
+        # The fixed part (offer, reservation, commit) runs at once; then the bytes share the link.
+        fixed = self.cluster.link_latency_s if fixed_s is None else fixed_s
+        flow = Flow(
+            r, src.instance_id, dst_id, need, r.num_computed_tokens * src.kv_bytes_per_token
+        )
         if is_migration:
             r.num_migrations += 1
             self.rec.num_migrations += 1
         else:
             self.rec.num_kv_transfers += 1
-        self._push(now + dt, _LAND, (r, dst_id, need))
+        self._push(now + fixed, _XFER, (flow, flow.version))
         return True
 
-    def _land(self, payload: tuple[ReqState, int, int], now: float) -> None:
-        r, dst_id, need = payload
+    def _xfer(self, payload: tuple[Flow, int], now: float) -> None:
+        """A transfer's fixed part is over (its bytes start moving) or its last byte moved."""
+        flow, version = payload
+        if version != flow.version:
+            return  # its end moved since (the link's shares changed)
+        if not flow.moving and flow.bytes_left > 0:
+            changed = self._link.start(flow, now)
+        else:
+            changed = self._link.finish(flow, now) if flow.moving else []
+            self._land(flow, now)
+        for f in changed:
+            f.version += 1
+            self._push(self._link.end_s(f), _XFER, (f, f.version))
+
+    def _land(self, flow: Flow, now: float) -> None:
+        r, dst_id, need = flow.req, flow.dst, flow.num_blocks
         dst = self.instances[dst_id]
         dst.num_incoming -= 1
         self._reserved[dst_id] -= need
@@ -391,7 +449,7 @@ class Simulator:
         if src_id == dst:
             return
         if self._spans[src_id] is not None:  # in a step now: move it at the step boundary
-            self._pending_out[src_id].append((rid, dst))
+            self._pending_out[src_id].append((rid, dst, False))
             self._interrupt(src_id, now)
             return
         self._start_transfer(r, self.instances[src_id], dst, now, is_migration=True)

@@ -122,7 +122,12 @@ def test_plot_writes_one_panel_per_config(tmp_path: Path) -> None:
     def side(x: float) -> dict[str, float]:
         return {key: x for key, _, _ in bench_replay.KEYS}
 
-    run = {"live": side(1.0), "simulator": side(1.05), "simulator_uncalibrated": side(0.5)}
+    run = {
+        "live": side(1.0),
+        "simulator": side(1.05),
+        "simulator_probe": side(0.9),
+        "simulator_uncalibrated": side(0.5),
+    }
     assert bench_replay_plot.errors(run, "simulator")[0] == pytest.approx(0.05)  # points
     assert bench_replay_plot.errors(run, "simulator")[1] == pytest.approx(5.0)  # %
     rep = {"config": "configs/ooco.yaml", "duration_s": 30.0, "runs": {"ooco": run, "tidal": run}}
@@ -133,7 +138,7 @@ def test_plot_writes_one_panel_per_config(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = bench_replay_plot.markdown(rep).splitlines()
     assert len(table) == 2 + len(bench_replay.KEYS)
-    assert "1.000 / 1.050 / **+5.0 %** (-50.0 %)" in table[3]  # TTFT p50 row
+    assert "1.000 / 1.050 / **+5.0 %** (-10.0 %; -50.0 %)" in table[3]  # TTFT p50 row
 
 
 def test_serving_path_matches_client_and_engine_clocks(tmp_path: Path) -> None:

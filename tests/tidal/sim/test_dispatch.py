@@ -80,15 +80,31 @@ def test_overlapping_transfers_share_the_link() -> None:
     assert got["b"].finish_s == pytest.approx(0.32 + 0.011)
 
 
-def test_concurrent_transfers_queue_for_the_bytes_not_the_latency() -> None:
+def test_concurrent_transfers_share_the_links_bytes_not_the_latency() -> None:
     # Prefills of 100 tokens, one a step: first tokens at 0.11 (a) and 0.22 (b). KV 100 tokens
-    # * 1000 B over 1e5 B/s = 1 s each, after a 0.05 s fixed part (in parallel): a's bytes
-    # 0.16 -> 1.16; b's wait for the link: 1.16 -> 2.16 (alone they would land at 1.27).
+    # * 1000 B over 1e5 B/s = 1 s each, after a 0.05 s fixed part (in parallel): a's bytes move
+    # alone 0.16 -> 0.27 (0.11 s of its 1 s), then both at half rate: a's last 0.89 s of bytes
+    # take 1.78 s -> 2.05; b moved 0.89 s' worth by then, its last 0.11 alone -> 2.16 (the same
+    # moment as one after the other; alone they would land at 1.16 and 1.27).
     roles = (InstanceRole.PREFILL, InstanceRole.DECODE)
     pol = make_policy_for("pd-disagg", roles)
     sim = Simulator([make_setup(r) for r in roles], pol, link_bytes_per_s=1e5, link_latency_s=0.05)
     rec = sim.run([req("a", 0.0, 100, 1000), req("b", 0.0, 100, 1000)])
     firsts = sorted(r.first_token_s for r in rec.requests if r.first_token_s is not None)
     assert firsts == [pytest.approx(0.11), pytest.approx(0.22)]
-    lands = sorted(r.queued_s for r in rec.requests)
-    assert lands == [pytest.approx(1.16), pytest.approx(2.16)]
+    got = {r.req_id: r.queued_s for r in rec.requests}
+    assert got == {"a": pytest.approx(2.05), "b": pytest.approx(2.16)}
+
+
+def test_a_short_transfer_is_not_queued_behind_a_long_one() -> None:
+    # long: 1000 tokens, prefill 0.01 + 1.0 (chunk 2048) -> 1.01; its KV 1e6 B at 1e6 B/s moves
+    # 1.01 -> ... short (10 tokens, prefill 0.02) first token at 1.03, its 1e4 B on the link from
+    # 1.03 at half rate: 0.02 s -> 1.05 (after the long one: 2.03). The long one lost 0.01 s of
+    # bytes to it: 1.01 + 1.0 + 0.01 = 2.02. (No fixed part: link latency 0.)
+    roles = (InstanceRole.PREFILL, InstanceRole.DECODE)
+    pol = make_policy_for("pd-disagg", roles)
+    setups = [make_setup(r, chunk_size=2048) for r in roles]
+    sim = Simulator(setups, pol, link_bytes_per_s=1e6, check=True)
+    rec = sim.run([req("long", 0.0, 1000, 50), req("short", 0.0, 10, 50)])
+    got = {r.req_id: r.queued_s for r in rec.requests}
+    assert got == {"long": pytest.approx(2.02), "short": pytest.approx(1.05)}
