@@ -31,7 +31,8 @@ def table(report: dict[str, Any]) -> str:
         f"Live max offline load at >= {100 - report['violation']:g}% online SLO attainment "
         f"({label(report)}; {report['config']}, online trace window {report['window']}; "
         f"{report['repeats']} windows a point: attainment over all their online requests, "
-        f"offline tok/s their median, [min, max] over the windows; simulator: emulated):",
+        f"offline tok/s their median, [min, max] over the windows; simulator: emulated, with the "
+        f"same {report.get('batch_max_inflight', '?')} batch lines in flight):",
         "  policy                   live offline tok/s [spread]       QPS  attain % [spread]"
         "        sim tok/s",
     ]
@@ -107,7 +108,7 @@ def plot(report: dict[str, Any], path: str) -> str:
     ax1.set_xlabel("offline load offered through the Batch API (lines/s, uniform)")
     ax1.set_ylabel("online SLO attainment (%): all repeats' requests")
     ax2.set_xlabel("offline load offered (lines/s)")
-    ax2.set_ylabel("offline output tokens/s completed")
+    ax2.set_ylabel("offline output tokens/s generated in the window")
     ax1.legend(fontsize=8)
     ax2.legend(fontsize=8)
     fig.suptitle(f"Live max-offline search ({label(report)})", fontsize=10)
@@ -118,11 +119,24 @@ def plot(report: dict[str, Any], path: str) -> str:
     return path
 
 
+def _batch_cap(report: dict[str, Any]) -> int | None:
+    """The report's batch lines in flight (a report from before it was recorded at the top: its
+    policies' resources; None if it has neither)."""
+    if "batch_max_inflight" in report:
+        return int(report["batch_max_inflight"])
+    for e in report.get("policies", {}).values():
+        if "batch_max_inflight" in e.get("resources", {}):
+            return int(e["resources"]["batch_max_inflight"])
+    return None
+
+
 def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """`new`'s policies added to an earlier report of the same method (a search split over two
     runs); refused when the engine, config, window or search differ."""
     keys = ("engine", "sim_step_model", "config", "set", "window", "violation", "repeats", "search")
     diff = [k for k in keys if old.get(k) != new.get(k)]
+    if None not in (cap := (_batch_cap(old), _batch_cap(new))) and cap[0] != cap[1]:
+        diff.append("batch_max_inflight")
     if diff:
         raise ValueError(f"--append: the earlier report differs in {diff}")
     out = {**new, "policies": {**old["policies"], **new["policies"]}}
@@ -167,6 +181,7 @@ def run_search(args: argparse.Namespace) -> int:
         "warmup_s": args.warmup_s,
         "measure_s": args.measure_s,
         "search": {"start_qps": args.start_qps, "max_qps": args.max_qps, "iters": args.iters},
+        "batch_max_inflight": args.batch_max_inflight,  # live and simulated alike
         "policies": {},
     }
     earlier = None
@@ -236,7 +251,8 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
         "--batch-max-inflight",
         type=int,
         default=32,
-        help="Batch API lines running at once in every policy's stack (tidal up's flag)",
+        help="Batch API lines running at once in every policy's stack (tidal up's flag) and "
+        "in the simulator beside it",
     )
     g.add_argument(
         "--engine-cores",

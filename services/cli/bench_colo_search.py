@@ -9,9 +9,10 @@ below 100 - `--violation` %. Each window replays the config's online trace strea
 from `--set online.start_s`) with the official openai client, streamed; its first `--warmup-s`
 seconds are warm-up and are not counted (online requests arriving then, offline tokens completed
 then). Offline lengths come from the config's offline stream, the same requests the simulator
-offers at that QPS. Offline tokens/s is `tidal_batch_output_tokens_total` over the measured
-window. Beside each live figure: the simulator's own `max_offline` on the same config, window
-and resources, run in-process.
+offers at that QPS. Offline tokens/s is the growth of `tidal_batch_generated_tokens_total`
+(tokens as they are generated) over the measured window. Beside each live figure: the
+simulator's search on the same config, window and resources (the batch service's lines in
+flight included), run in-process and counted the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import os
 import tempfile
 import time
@@ -29,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from services.cli import natsd
@@ -75,8 +78,8 @@ def resources(args: argparse.Namespace, cfg: SimConfig, policy: str, cpu_attn: i
         "cpu_attn_workers": cpu_attn,
         # NOTE: the sim engine has no CPU-attention path: its workers run but take no work
         "cpu_attn_workers_usable": usable,
-        # NOTE: the simulator admits every offline request; the live batch service runs this many
-        # lines at once, which caps the live offline rate at high loads (docs/colocation.md)
+        # the batch service runs this many lines at once, live and in the simulator
+        # (`SimConfig.batch_max_inflight`); it caps the offline rate at high loads
         "batch_max_inflight": args.batch_max_inflight,
         "host_cores": os.cpu_count(),
         # NOTE: None = unpinned (every process on every core)
@@ -293,28 +296,43 @@ def live_search(
     )
 
 
+def window_bin_s(warmup_s: float, end_s: float) -> float:
+    """The widest time-series bin both the warm-up's end and the window's end fall on (whole
+    milliseconds), so the simulator's per-bin token counts cover exactly the measured part."""
+    ms = math.gcd(round(warmup_s * 1000), round(end_s * 1000))
+    return max(ms, 1) / 1000
+
+
 def sim_window(cfg: SimConfig, policy: str, qps: float, warmup_s: float) -> Measurement:
     """One simulated window, counted as the live one is: online requests arriving after the
-    warm-up; offline lines finishing inside the measured part, with all their tokens."""
+    warm-up; offline tokens generated inside the measured part (a line still running or still
+    waiting for a batch place at either end counts only what it generated inside); offline
+    lines finishing inside it."""
     from tidal.policy.base import Phase
     from tidal.sim.build import simulate
     from tidal.sim.metrics import online_arrays
 
     c = with_offline_rate(cfg, qps) if qps > 0 else dataclasses.replace(cfg, offline=None)
-    reqs = simulate(c, policy).requests
+    end_s, measured_s = cfg.duration_s, cfg.duration_s - warmup_s
+    bin_s = window_bin_s(warmup_s, end_s)
+    rec = simulate(dataclasses.replace(c, bin_s=bin_s), policy)
+    reqs = rec.requests
     on = online_arrays(reqs)
     counted = on["arrival"] >= warmup_s
-    end_s, measured_s = cfg.duration_s, cfg.duration_s - warmup_s
     done = [
         r
         for r in reqs
         if not r.is_online and r.phase is Phase.FINISHED and warmup_s <= (r.finish_s or 0.0) < end_s
     ]
+    tokens = sum(rec.offline_tokens[round(warmup_s / bin_s) : round(end_s / bin_s)])
+    ttft, tpot = on["ttft"][counted], on["tpot"][counted]
     return Measurement(
         attainment_pct=100.0 * float(on["ok"][counted].sum()) / max(1, int(counted.sum())),
-        offline_tokens_per_s=sum(r.num_output_tokens for r in done) / measured_s,
+        offline_tokens_per_s=tokens / measured_s,
         offline_lines_per_s=len(done) / measured_s,
         num_online=int(counted.sum()),
+        ttft_p99_s=pct(ttft[~np.isnan(ttft)].tolist(), 99),
+        tpot_p99_s=pct(tpot[~np.isnan(tpot)].tolist(), 99),
     )
 
 
@@ -324,7 +342,11 @@ def simulated(cfg: SimConfig, policy: str, args: argparse.Namespace, workers: in
     simulator's own `max_offline` over the whole window (`tidal sim max-offline`)."""
     from tidal.sim.search import max_offline
 
-    c = dataclasses.replace(cfg, cpu_workers=dataclasses.replace(cfg.cpu_workers, count=workers))
+    c = dataclasses.replace(
+        cfg,
+        cpu_workers=dataclasses.replace(cfg.cpu_workers, count=workers),
+        batch_max_inflight=args.batch_max_inflight,
+    )
     out = search_max_offline(
         lambda q: [sim_window(c, policy, q, args.warmup_s)],
         100.0 - args.violation,

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tidal.engine import attention, packed
+from tidal.engine import attention, native, packed
 from tidal.engine.attention import AttnMeta
+from tidal.engine.fast_decode import NativeDecode
 from tidal.engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -173,6 +174,10 @@ class LlamaModel:
         # called as hook(layer, num_rows) after each layer; tests use it to inject a preemption
         self.layer_hook: Callable[[int, int], None] | None = None
         self._kv_of: torch.Tensor | None = None  # the KV pool `_kv_list` views
+        # decode steps on native kernels (`fast_decode`), where they build and apply
+        self.native_decode: NativeDecode | None = None
+        if device.type == "cpu" and dtype == torch.bfloat16 and (lib := native.load()):
+            self.native_decode = NativeDecode(self, lib)
         self._kv_list: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def fused_state(self) -> dict[str, torch.Tensor]:
@@ -221,6 +226,15 @@ class LlamaModel:
         `piggy`: offloaded requests riding this step (OmniServe §3.2.2): at each layer their
         rows join the QKV matmul and, once their attention output is back from the worker, the
         o_proj and MLP matmuls (layer-wise batching); `batch` is None when they are alone."""
+        if (
+            self.native_decode is not None
+            and batch is not None
+            and piggy is None
+            and module_s is None
+            and self.layer_hook is None
+            and NativeDecode.fits(self, batch)
+        ):
+            return self.native_decode.run(batch, self._kv_views(kv), should_stop)
         cfg = self.config
         H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_size, kv_size = cfg.q_size, cfg.kv_size

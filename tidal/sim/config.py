@@ -102,6 +102,9 @@ class SimConfig:
     handoff_delay_ms: float = 0.0
     pcie_gb_per_s: float = 25.0  # GPU <-> host copies (swap, offload), GB/s
     cpu_workers: CpuWorkers = CpuWorkers()
+    # Offline requests are Batch API lines: at most this many in the cluster at once, the rest
+    # wait FIFO (the live batch service's `tidal up --batch-max-inflight`); None = no cap.
+    batch_max_inflight: int | None = None
     duration_s: float = 600.0  # arrivals in [0, duration_s)
     drain_s: float = 300.0  # simulated time after the last arrival for requests to finish
     bin_s: float = 10.0  # width of the time series bins
@@ -124,6 +127,8 @@ class SimConfig:
             raise ValueError("handoff_delay_ms must be in [0, link_latency_ms] (a part of it)")
         if self.duration_s <= 0 or self.drain_s < 0 or self.bin_s <= 0:
             raise ValueError("duration_s and bin_s must be > 0, drain_s >= 0")
+        if self.batch_max_inflight is not None and self.batch_max_inflight < 1:
+            raise ValueError(f"batch_max_inflight must be >= 1, got {self.batch_max_inflight}")
         if self.online is None and self.offline is None:
             raise ValueError("give an online stream, an offline stream or both")
 

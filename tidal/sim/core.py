@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tidal.cluster.view import build_cluster_view, report_of
 from tidal.perf.api import StepModel
@@ -31,6 +31,7 @@ from tidal.policy.base import (
 )
 from tidal.schemas.enums import RequestClass
 from tidal.sim.apply import Span, finish_span, start_span
+from tidal.sim.batch_gate import BatchGate
 from tidal.sim.link import Flow, SharedLink
 from tidal.sim.recorder import Recorder
 from tidal.workload.mix import SimRequest
@@ -80,12 +81,15 @@ class Simulator:
         via_reports: bool = False,
         dispatch_s: float = 0.0,
         dispatch_s_per_token: float = 0.0,
+        batch_max_inflight: int | None = None,
         handoff_delay_s: float = 0.0,
     ) -> None:
         if dispatch_s < 0 or dispatch_s_per_token < 0:
             raise ValueError("dispatch_s and dispatch_s_per_token must be >= 0")
         if not 0 <= handoff_delay_s <= link_latency_s:
             raise ValueError("handoff_delay_s must be in [0, link_latency_s] (a part of it)")
+        # Offline requests are Batch API lines: at most this many in the cluster (None: all).
+        self.batch = None if batch_max_inflight is None else BatchGate(batch_max_inflight)
         self.policy = policy
         # A request reaches the cluster's `route` this long after it arrives: the serving path
         # in front of the scheduler (HTTP, gateway, bus hops, tokenising the prompt), which a
@@ -195,8 +199,11 @@ class Simulator:
                 raise AssertionError(f"time went back: {t} < {self._now}")
             self._now = t
             if t_arr <= t_ev:
-                self._arrive(requests[i], t)
+                sr = requests[i]
                 i += 1
+                gate = self.batch
+                if gate is None or sr.req_class is RequestClass.ONLINE or gate.admit(sr):
+                    self._arrive(sr, t)
             else:
                 _, _, kind, payload = heapq.heappop(heap)
                 if kind == _STEP:
@@ -205,6 +212,8 @@ class Simulator:
                     self._xfer(payload, t)  # type: ignore[arg-type]
                 elif kind == _HANDOFF:
                     self._handoff(payload, t)  # type: ignore[arg-type]
+            if self.batch is not None:
+                self._admit_lines(t)
             self._apply(self.policy.tick(self._view(t), t), t)
             self._retry_transfers(t)
             self._kick(t)
@@ -215,9 +224,18 @@ class Simulator:
                 last_progress = t
         self.rec.end_s = self._now
         self.rec.requests = list(self.reqs.values())
+        self.rec.num_batch_queued = len(self.batch.queue) if self.batch is not None else 0
         return self.rec
 
     # ---------------------------------------------------------------- arrivals and routing
+    def _admit_lines(self, now: float) -> None:
+        """Batch lines that ended free their places: the next queued lines reach the cluster
+        now (their `arrival_s`: when they reached it, as the live scheduler records it)."""
+        assert self.batch is not None
+        while lines := self.batch.release():
+            for sr in lines:
+                self._arrive(replace(sr, arrival_s=now), now)
+
     def _arrive(self, sr: SimRequest, now: float) -> None:
         if sr.req_id in self.reqs:
             raise ValueError(f"duplicate request id {sr.req_id}")
@@ -227,6 +245,8 @@ class Simulator:
         r.queued_s = now
         self.reqs[sr.req_id] = r
         self._num_open += 1
+        if self.batch is not None and not r.is_online:
+            self.batch.entered(r)
         route = self.policy.route(r, self._view(now), now)
         if route.action is RouteAction.QUEUE:
             self._enqueue(r, route.instance_id, now)

@@ -122,7 +122,8 @@ def summarize(rec: Recorder, duration_s: float, policy: str, config: str) -> dic
             / duration_s,
         },
         "offline": {
-            "num_requests": len(off),
+            "num_requests": len(off) + rec.num_batch_queued,
+            "num_batch_queued": rec.num_batch_queued,  # never reached the cluster
             "num_finished": len(off_fin),
             "tokens_per_s": float(off_tok.sum()) / duration_s,
             "requests_per_s": len(off_fin) / duration_s,

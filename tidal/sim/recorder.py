@@ -25,6 +25,7 @@ class Recorder:
         self.num_migrations_refused = 0
         self.num_kv_transfers = 0
         self.rejections: Counter[str] = Counter()
+        self.num_batch_queued = 0  # offline lines still waiting for a batch place at the end
         self.tbt_s: list[float] = []  # step times of steps that carried online decodes
         self.tbt_weight: list[int] = []  # online decodes in that step (samples it stands for)
         self.online_tokens: list[int] = []  # per bin: online tokens generated

@@ -4,6 +4,7 @@ bad input refused, reports merged, and one tiny search on a real stack (sim engi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -67,6 +68,23 @@ def test_a_simulated_window_counts_only_after_the_warm_up(tmp_path: Path) -> Non
     # 16-token lines finish in well under a second of emulated time: about 2 lines/s complete
     assert 1.0 <= busy.offline_lines_per_s <= 3.0
     assert busy.offline_tokens_per_s <= 16 * busy.offline_lines_per_s
+
+
+def test_a_simulated_window_keeps_the_batch_lines_in_flight_and_counts_tokens_as_made(
+    tmp_path: Path,
+) -> None:
+    cfg, _ = cs.write_config(_args(set=["offline.max_output_tokens=256"]), str(tmp_path))
+    assert cs.window_bin_s(2.0, 6.0) == 2.0 and cs.window_bin_s(4.0, 14.5) == 0.5
+    free = cs.sim_window(cfg, "ooco", 16.0, 2.0)
+    capped = cs.sim_window(dataclasses.replace(cfg, batch_max_inflight=2), "ooco", 16.0, 2.0)
+    assert capped.num_online == free.num_online > 0
+    assert 0 < capped.tpot_p99_s < 0.05 and 0 < capped.ttft_p99_s < 2.0  # beside the live p99s
+    # two lines at a time cannot keep up with 16 lines/s of up to 256 tokens each
+    assert 0 < capped.offline_tokens_per_s < free.offline_tokens_per_s
+    assert capped.offline_lines_per_s < free.offline_lines_per_s
+    # tokens count as they are made, so lines still running at the end count too (the live
+    # `tidal_batch_generated_tokens_total`); a line's tokens are never more than its 256
+    assert capped.offline_tokens_per_s <= 256 * (capped.offline_lines_per_s + 2 / 4.0)
 
 
 def test_bad_input_is_refused_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -144,6 +162,10 @@ def test_a_split_search_merges_only_into_a_report_of_the_same_settings() -> None
     assert list(m["policies"]) == ["ooco", "tidal"] and m["wall_s"] == 15.0
     with pytest.raises(ValueError, match="window"):
         merged(a, {**b, "window": "other"})
+    # an earlier report records its lines in flight in its policies' resources only (32 here)
+    assert list(merged(a, {**b, "batch_max_inflight": 32})["policies"]) == ["ooco", "tidal"]
+    with pytest.raises(ValueError, match="batch_max_inflight"):
+        merged(a, {**b, "batch_max_inflight": 128})
     text = table({**m, "sim_step_model": None})
     assert "ooco" in text and "tidal" in text and "KV 1024 tokens/instance" in text
     assert "1 CPU-attn worker(s) (1 usable" in text

@@ -1,0 +1,184 @@
+// Small fused CPU kernels for the torch engine's decode steps (tidal/engine/fast_decode.py).
+//
+// At batch 1 a SmolLM2 layer is 4 GEMVs (torch's, at ~86 % of memory bandwidth) and ~15 small
+// torch ops (RMSNorm, RoPE, KV write, attention, SiLU*mul, residual adds), each costing 5-30 us of
+// dispatch for microseconds of work; at batch 32 the same ops still cost their dispatch. These
+// kernels do the small work in 4 calls a layer (3 where torch runs the attention).
+// Single-threaded on purpose: the work is tiny, and a second OpenMP runtime would fight torch's
+// (see services/common/torch_threads.py). bf16 values travel as uint16_t; every kernel computes in
+// fp32 and rounds where the torch ops it replaces round, so results match them to bf16 rounding.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float bf2f(uint16_t u) { return __builtin_bit_cast(float, static_cast<uint32_t>(u) << 16); }
+
+inline uint16_t f2bf(float f) {  // round to nearest even, as torch's bf16 conversion
+    const uint32_t b = __builtin_bit_cast(uint32_t, f);
+    const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    const uint32_t nan = (b >> 16) | 0x40u;  // quiet NaN, never rounded into infinity
+    return static_cast<uint16_t>((b & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+inline float rb(float f) { return bf2f(f2bf(f)); }  // the value after a bf16 round trip
+
+// e^x, vectorisable where std::exp is not: 2^(x log2 e) split into an integer power and a
+// degree-5 minimax polynomial on [0, 1), relative error ~2e-7 (below the bf16 rounding of
+// SiLU's output and fp32 softmax's own rounding); x is clamped to [-87, 88].
+inline float exp_approx(float x) {
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    const float t = x * 1.44269504089f;
+    const float fi = std::floor(t);
+    const float f = t - fi;
+    float p = 1.8775767e-3f;
+    p = p * f + 8.9893397e-3f;
+    p = p * f + 5.5826318e-2f;
+    p = p * f + 2.4015361e-1f;
+    p = p * f + 6.9315308e-1f;
+    p = p * f + 9.9999994e-1f;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
+    return p * __builtin_bit_cast(float, bits);
+}
+
+// One query row's attention (see tidal_decode_attention). DC > 0 fixes the head size at compile
+// time, so the per-token loops over it unroll fully (2x faster at 64, measured); DC = 0 reads D.
+template <int DC>
+void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                      const int64_t* slots, int64_t start, int64_t T, int64_t H, int64_t Hk,
+                      int64_t D_, float scale, float* scores, uint16_t* out) {
+    const int64_t D = DC > 0 ? DC : D_;
+    const int64_t G = H / Hk;
+    float qf[8][256];
+    float kf[256];
+    float acc[8][256];
+    for (int64_t kh = 0; kh < Hk; ++kh) {
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d) qf[g][d] = bf2f(q[(kh * G + g) * D + d]) * scale;
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t s = slots != nullptr ? slots[t] : start + t;
+            const uint16_t* k = k_cache + (s * Hk + kh) * D;
+            for (int64_t d = 0; d < D; ++d) kf[d] = bf2f(k[d]);
+            for (int64_t g = 0; g < G; ++g) {
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; ++d) dot += qf[g][d] * kf[d];
+                scores[g * T + t] = dot;
+            }
+        }
+        float inv[8];
+        for (int64_t g = 0; g < G; ++g) {
+            float* sc = scores + g * T;
+            float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+            for (int64_t t = 0; t < T; ++t) mx = sc[t] > mx ? sc[t] : mx;
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < T; ++t) {
+                sc[t] = exp_approx(sc[t] - mx);
+                sum += sc[t];
+            }
+            inv[g] = 1.f / sum;
+            for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
+        }
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t s = slots != nullptr ? slots[t] : start + t;
+            const uint16_t* v = v_cache + (s * Hk + kh) * D;
+            for (int64_t d = 0; d < D; ++d) kf[d] = bf2f(v[d]);
+            for (int64_t g = 0; g < G; ++g) {
+                const float p = scores[g * T + t];
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) acc[g][d] += p * kf[d];
+            }
+        }
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d) out[(kh * G + g) * D + d] = f2bf(acc[g][d] * inv[g]);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// For each of `rows` rows of n: x += delta (bf16 rounding, as torch's add_), then
+// h = rms_norm(x) * w computed in fp32 and rounded once (as F.rms_norm). delta may be null (no
+// residual to add first). All three are (rows, n) row-major.
+void tidal_add_rms_norm(uint16_t* x, const uint16_t* delta, const uint16_t* w, uint16_t* h,
+                        int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; ++r, x += n, h += n) {
+        if (delta != nullptr) {
+            for (int64_t i = 0; i < n; ++i) x[i] = f2bf(bf2f(x[i]) + bf2f(delta[i]));
+            delta += n;
+        }
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; ++i) {
+            const float v = bf2f(x[i]);
+            ss += v * v;
+        }
+        const float rs = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+        for (int64_t i = 0; i < n; ++i) h[i] = f2bf(bf2f(x[i]) * rs * bf2f(w[i]));
+    }
+}
+
+// For each of `rows` rows of the fused qkv (row r at qkv + r * stride: H + Hk heads of D, then
+// Hk heads of v): RoPE on its q and k heads in place at position positions[r],
+// qk = bf16(bf16(qk * cos) + roll(qk, D/2) * sin_rot) as llama.py's torch ops round (cos and
+// sin_rot are (positions, D) tables); then its k and v go to the caches ((slots, Hk, D)) at
+// slots[r].
+void tidal_rope_kv_write(uint16_t* qkv, int64_t stride, const uint16_t* cos_tab,
+                         const uint16_t* sin_tab, const int64_t* positions, uint16_t* k_cache,
+                         uint16_t* v_cache, const int64_t* slots, int64_t rows, int64_t H,
+                         int64_t Hk, int64_t D) {
+    const int64_t half = D / 2;
+    float tmp[512];
+    for (int64_t r = 0; r < rows; ++r) {
+        uint16_t* row = qkv + r * stride;
+        const uint16_t* cos = cos_tab + positions[r] * D;
+        const uint16_t* sin_rot = sin_tab + positions[r] * D;
+        for (int64_t h = 0; h < H + Hk; ++h) {
+            uint16_t* p = row + h * D;
+            for (int64_t d = 0; d < half; ++d)  // roll(p, D/2): the halves swap
+                tmp[d] = rb(bf2f(p[d]) * bf2f(cos[d])) + bf2f(p[d + half]) * bf2f(sin_rot[d]);
+            for (int64_t d = half; d < D; ++d)
+                tmp[d] = rb(bf2f(p[d]) * bf2f(cos[d])) + bf2f(p[d - half]) * bf2f(sin_rot[d]);
+            for (int64_t d = 0; d < D; ++d) p[d] = f2bf(tmp[d]);
+        }
+        std::memcpy(k_cache + slots[r] * Hk * D, row + H * D, Hk * D * sizeof(uint16_t));
+        std::memcpy(v_cache + slots[r] * Hk * D, row + (H + Hk) * D, Hk * D * sizeof(uint16_t));
+    }
+}
+
+// One query row's attention over T cached tokens: slots[t] when slots is not null, else
+// start + t. q (H, D) inside qkv; out (H, D). GQA: the G = H / Hk query heads of a KV head are
+// scored together, so each K/V row is read once. fp32 scores and softmax, output rounded once
+// (as SDPA's CPU kernel). scores: G * T floats of scratch.
+void tidal_decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                            const int64_t* slots, int64_t start, int64_t T, int64_t H,
+                            int64_t Hk, int64_t D, float scale, float* scores, uint16_t* out) {
+    if (D == 64)
+        decode_attention<64>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
+    else if (D == 128)
+        decode_attention<128>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
+    else
+        decode_attention<0>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
+}
+
+// out = bf16(bf16(silu(g)) * u) for each of `rows` rows gu = [g | u] (2 * n), as
+// F.silu(g) * u rounds; out is (rows, n).
+void tidal_silu_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* __restrict g_row = gu + r * 2 * n;
+        const uint16_t* __restrict u_row = g_row + n;
+        uint16_t* __restrict o_row = out + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+            const float g = bf2f(g_row[i]);
+            const float s = rb(g / (1.f + exp_approx(-g)));
+            o_row[i] = f2bf(s * bf2f(u_row[i]));
+        }
+    }
+}
+
+}  // extern "C"
