@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from services.cli import bench_colo_search as cs
+from services.cli.up_args import parse_pinning
 
 console = Console(stderr=True)
 
@@ -58,9 +59,17 @@ def table(report: dict[str, Any]) -> str:
             f"    {name}: {inst}; KV {r['kv_cache_tokens_per_instance']} tokens/instance; "
             f"{r['cpu_attn_workers']} CPU-attn worker(s) ({r['cpu_attn_workers_usable']} usable "
             f"by the engine); batch lines in flight <= {r['batch_max_inflight']}; "
-            f"{r['host_cores']} host cores shared by every process"
+            f"{r['host_cores']} host cores, {pinning(r)}"
         )
     return "\n".join(lines)
+
+
+def pinning(r: dict[str, Any]) -> str:
+    """Where the stack's processes ran (`--*-cores`), or that every process shared every core."""
+    pins = [(k, r.get(f"{k}_cores")) for k in ("engine", "cpu_attn", "service")]
+    if all(v is None for _, v in pins):
+        return "shared by every process"
+    return "pinned: " + ", ".join(f"{k} {v if v is not None else 'any'}" for k, v in pins)
 
 
 def plot(report: dict[str, Any], path: str) -> str:
@@ -143,6 +152,7 @@ def run_search(args: argparse.Namespace) -> int:
         print("error: --batch-max-inflight must be >= 1", file=sys.stderr)
         return 2
     try:
+        parse_pinning(args)  # a bad or overlapping core list, before any stack starts
         cfg, cfg_path = cs.write_config(args, cs.temp_dir())
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -243,6 +253,21 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
         default=32,
         help="Batch API lines running at once in every policy's stack (tidal up's flag) and "
         "in the simulator beside it",
+    )
+    g.add_argument(
+        "--engine-cores",
+        default=None,
+        help="pin every policy's instances to these cores (tidal up's flag; default unpinned)",
+    )
+    g.add_argument(
+        "--cpu-attn-cores",
+        default=None,
+        help="pin every policy's CPU-attention workers here, disjoint from --engine-cores",
+    )
+    g.add_argument(
+        "--service-cores",
+        default=None,
+        help="pin the control plane and this load generator here (may overlap the workers')",
     )
     g.add_argument("--measure-s", type=float, default=10.0, help="measured part of a window")
     g.add_argument("--repeats", type=int, default=3, help="windows per offline load")

@@ -27,6 +27,7 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from services.cli import natsd
 from services.cli.bench_replay import prompt_maker
 from services.cli.bench_search import Measurement, Outcome, Point, search_max_offline
 from services.cli.benchkit import metric_samples, pct, stack
+from services.common import affinity
 from tidal.configs import config_path
 from tidal.sim.build import kv_geometry, with_offline_rate, workload
 from tidal.sim.config import SimConfig, parse_config, set_path
@@ -80,6 +82,10 @@ def resources(args: argparse.Namespace, cfg: SimConfig, policy: str, cpu_attn: i
         # (`SimConfig.batch_max_inflight`); it caps the offline rate at high loads
         "batch_max_inflight": args.batch_max_inflight,
         "host_cores": os.cpu_count(),
+        # NOTE: None = unpinned (every process on every core)
+        "engine_cores": args.engine_cores,
+        "cpu_attn_cores": args.cpu_attn_cores,
+        "service_cores": args.service_cores,
     }
 
 
@@ -88,6 +94,9 @@ def up_args(args: argparse.Namespace, cfg_path: str, policy: str, res: dict) -> 
     up += ["--cpu-attn", str(res["cpu_attn_workers"])]
     up += ["--kv-cache-tokens", str(res["kv_cache_tokens_per_instance"])]
     up += ["--batch-max-inflight", str(res["batch_max_inflight"])]
+    for flag in ("engine_cores", "cpu_attn_cores", "service_cores"):
+        if res[flag] is not None:
+            up += ["--" + flag.replace("_", "-"), res[flag]]
     if args.engine == "sim":
         up += ["--sim-step-model", args.sim_step_model, "--max-model-len", str(args.max_model_len)]
     return up
@@ -397,7 +406,8 @@ def run_policy(
                 f"{m.offline_tokens_per_s:.0f} offline tok/s",
             )
 
-        out = live_search(args, cfg, base, model, on_window)
+        with on_cores(args.service_cores):  # the load generator beside the control plane
+            out = live_search(args, cfg, base, model, on_window)
     prog.update(task, description=f"{policy} (cpu-attn {cpu_attn}): simulating")
     sim = simulated(cfg, policy, args, res["cpu_attn_workers_usable"])
     prog.update(task, description=f"{policy} (cpu-attn {cpu_attn}): done")
@@ -421,6 +431,21 @@ def run_policy(
         # the live sim engine cannot offload attention; what the simulator's worker adds
         entry["simulator_with_cpu_attn"] = simulated(cfg, policy, args, cfg.cpu_workers.count)
     return entry
+
+
+@contextlib.contextmanager
+def on_cores(spec: str | None) -> Iterator[None]:
+    """This process (its threads from now on) on `spec`'s cores, then back where it was; the
+    stack is started before, so its processes do not inherit the mask."""
+    if spec is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, affinity.parse_cores(spec, "--service-cores"))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:

@@ -95,7 +95,42 @@ def test_bad_input_is_refused_with_a_message(tmp_path: Path, capsys: pytest.Capt
     assert "no_such_key" in capsys.readouterr().err
     assert main([*TINY, "--batch-max-inflight", "0", "--json", out]) == 2
     assert "--batch-max-inflight" in capsys.readouterr().err
+    assert main([*TINY, "--engine-cores", "0", "--cpu-attn-cores", "0", "--json", out]) == 2
+    assert "--cpu-attn-cores" in capsys.readouterr().err  # the engine's and workers' overlap
     assert not Path(out).exists()
+
+
+def test_every_policy_stack_gets_the_same_core_pinning(tmp_path: Path) -> None:
+    args = _args(
+        engine="torch",
+        policies=["ooco", "tidal"],
+        without_cpu_attn=["tidal"],
+        cpu_attn=1,
+        batch_max_inflight=32,
+        engine_cores="0",
+        cpu_attn_cores="1",
+        service_cores="1",
+    )
+    cfg, path = cs.write_config(args, str(tmp_path))
+    stacks = []
+    for name, policy, workers in cs.variants(args):
+        res = cs.resources(args, cfg, policy, workers)
+        up = cs.up_args(args, path, policy, res)
+        stacks.append((name, res["cpu_attn_workers"], up[up.index("--engine-cores") :]))
+    assert [(n, w) for n, w, _ in stacks] == [("ooco", 1), ("tidal", 1), ("tidal/no-cpu-attn", 0)]
+    pins = ["--engine-cores", "0", "--cpu-attn-cores", "1", "--service-cores", "1"]
+    assert all(u == pins for _, _, u in stacks)  # the worker-less stack keeps the engine's core
+    text = table(
+        {
+            "engine": "torch",
+            "config": "c",
+            "window": "w",
+            "violation": 3.0,
+            "repeats": 3,
+            "policies": {"ooco": {**_entry(1.0), "resources": res}},
+        }
+    )
+    assert "pinned: engine 0, cpu_attn 1, service 1" in text
 
 
 def _entry(tok: float) -> dict:
