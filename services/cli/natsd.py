@@ -25,15 +25,25 @@ def find_nats_server() -> str:
     return found
 
 
+_TAKEN: set[int] = set()  # ports this process handed out, or was told are someone's
+
+
+def reserve(port: int) -> None:
+    """Never hand out `port`: it is free now but promised (`tidal up`'s gateway port, bound only
+    after the bus and the services are up)."""
+    _TAKEN.add(port)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, chosen below the kernel's ephemeral range where it can: a port the OS
     handed out for a bind to port 0 could be handed out again to the next such bind (a worker's
     or an instance's data plane) before its own user binds it (seen: a gateway that never came up
-    because a CPU-attention worker had taken its port)."""
+    because a CPU-attention worker had taken its port). Never one this process handed out
+    before or was told is promised (`reserve`): seen, a NATS node taking the gateway's port."""
     low = _ephemeral_low()
     for _ in range(64):
         port = random.randrange(10_000, low) if low > 10_100 else 0
-        if port and not port_is_free(host, port):
+        if port in _TAKEN or (port and not port_is_free(host, port)):
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -41,6 +51,9 @@ def free_port(host: str = "127.0.0.1") -> int:
             except OSError:
                 continue
             chosen: int = s.getsockname()[1]
+            if chosen in _TAKEN:
+                continue
+            _TAKEN.add(chosen)
             return chosen
     raise OSError(f"no free port found on {host}")
 

@@ -196,6 +196,7 @@ class Supervisor:
         if not natsd.port_is_free(self.args.host, self.args.port):
             say(f"port {self.args.port} on {self.args.host} is in use; pick another with --port")
             return 1
+        natsd.reserve(self.args.port)  # the gateway binds it last: no NATS node may take it
         try:
             if not self.nats_url and not await self._start_nats():
                 return 1
