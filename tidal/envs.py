@@ -40,6 +40,11 @@ DATA_DIR = EnvVar(
 DTYPE = EnvVar(
     "TIDAL_DTYPE", "", "torch engine dtype (float32 | bfloat16); default: measured fastest"
 )
+NATIVE = EnvVar(
+    "TIDAL_NATIVE",
+    "1",
+    "torch engine on CPU: 0 turns off the native decode kernels (built with g++ on first use)",
+)
 
 NATS_REPLICAS = EnvVar(
     "TIDAL_NATS_REPLICAS",
@@ -78,6 +83,7 @@ ALL = (
     CACHE_DIR,
     DATA_DIR,
     DTYPE,
+    NATIVE,
     NATS_REPLICAS,
     SIM_KV_PAYLOAD_BYTES_PER_TOKEN,
     SIM_STEP_TRACE_DIR,

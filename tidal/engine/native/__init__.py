@@ -80,7 +80,7 @@ def build(compiler: str, out_dir: Path) -> Path:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernels, built if needed; None (logged once) where they cannot be had."""
-    if os.environ.get("TIDAL_NATIVE", "1") == "0":
+    if envs.NATIVE.get() == "0":
         return None
     compiler = shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++")
     if compiler is None:
