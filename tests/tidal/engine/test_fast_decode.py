@@ -85,6 +85,26 @@ def test_rope_kv_write_and_attention_match_torch() -> None:
 
 
 @needs_native
+def test_attention_at_the_longest_native_context_matches_sdpa() -> None:
+    # SmolLM2's heads (9 query, 3 KV, 64 wide) over 8,192 tokens in place, as a long chat's
+    assert lib is not None
+    g = torch.Generator().manual_seed(3)
+    H, Hk, D, T = 9, 3, 64, fast_decode.NATIVE_MAX_T
+    qkv = torch.randn(1, (H + 2 * Hk) * D, generator=g).to(BF)
+    kc = torch.randn(T + 5, Hk, D, generator=g).to(BF)
+    vc = torch.randn(T + 5, Hk, D, generator=g).to(BF)
+    out = torch.empty(1, H * D, dtype=BF)
+    scores = torch.empty(8 * T)
+    lib.tidal_decode_attention(
+        _p(qkv), _p(kc), _p(vc), None, 5, T, H, Hk, D, D**-0.5, _p(scores), _p(out)
+    )
+    q = qkv[:, : H * D].view(1, Hk, H // Hk, D).float()
+    k, v = (c[5:].transpose(0, 1).unsqueeze(0).float() for c in (kc, vc))
+    ref = F.scaled_dot_product_attention(q, k, v, scale=D**-0.5)
+    torch.testing.assert_close(out.float().view(1, Hk, H // Hk, D), ref, atol=2e-2, rtol=0)
+
+
+@needs_native
 def test_silu_mul_matches_torch() -> None:
     assert lib is not None
     gu = torch.randn(3, 2 * 1536, generator=torch.Generator().manual_seed(2)).to(BF) * 4
