@@ -20,10 +20,12 @@ import asyncio
 import contextlib
 import io
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
+import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext, api
@@ -48,6 +50,8 @@ DEDUP_WINDOW_S = 24 * 3600.0  # a re-publish within a day of the first is droppe
 ACK_WAIT_S = 15.0  # a job not acknowledged (nor marked in progress) within this is redelivered
 MAX_DELIVER = 5  # deliveries before a line is given up and goes to the error file
 UPDATE_ATTEMPTS = 20
+FILE_CHUNK_TIMEOUT_S = 5.0  # a chunk not delivered within this: read again on a new consumer
+FILE_READ_STALL_S = 30.0  # a file read that gains no byte for this long fails
 KV_BUCKETS = (FILE_META_BUCKET, BATCHES_BUCKET, RESULTS_BUCKET)
 
 
@@ -140,17 +144,41 @@ class BatchStore:
         return result.data or b""
 
     async def file_chunks(self, file_id: str) -> AsyncIterator[bytes]:
-        """The file's content as the store's chunks, without holding it whole."""
+        """The file's content as the store's chunks, without holding it whole.
+
+        A read cut short (the stream's leader lost or just back, a consumer that stops
+        delivering) starts again on a fresh consumer past the bytes already given, so a caller
+        gets every byte once; it fails only after `FILE_READ_STALL_S` without a new byte.
+        """
         info = await self.files.get_info(file_id)
-        sub = await self.js.subscribe(f"$O.{FILES_BUCKET}.C.{info.nuid}", ordered_consumer=True)
+        size, sent = info.size or 0, 0
+        stalled_since = time.monotonic()
+        while sent < size:
+            try:
+                async for chunk in self._chunks_from(info.nuid, sent, size):
+                    sent += len(chunk)
+                    stalled_since = time.monotonic()
+                    yield chunk
+            except (TimeoutError, nats.errors.Error) as e:
+                if time.monotonic() - stalled_since > FILE_READ_STALL_S:
+                    raise
+                log.warning("file %s: read cut at %d of %d bytes (%r); resuming", file_id,
+                            sent, size, e)  # fmt: skip
+                await asyncio.sleep(0.5)
+
+    async def _chunks_from(self, nuid: str, start: int, size: int) -> AsyncIterator[bytes]:
+        """The object's bytes from `start` to `size`, read on one ordered consumer."""
+        sub = await self.js.subscribe(f"$O.{FILES_BUCKET}.C.{nuid}", ordered_consumer=True)
         try:
-            remaining = info.size or 0
-            while remaining > 0:
-                msg = await sub.next_msg(timeout=10.0)
-                remaining -= len(msg.data)
-                yield msg.data
+            pos = 0
+            while pos < size:
+                data = (await sub.next_msg(timeout=FILE_CHUNK_TIMEOUT_S)).data
+                if pos + len(data) > start:
+                    yield data[max(0, start - pos) :]
+                pos += len(data)
         finally:
-            await sub.unsubscribe()
+            with contextlib.suppress(TimeoutError, nats.errors.Error):
+                await sub.unsubscribe()
 
     async def list_files(self) -> list[FileObject]:
         return await _all_json(self.file_meta, ">", FileObject)

@@ -84,11 +84,22 @@ async def batch_output(client: openai.AsyncOpenAI, batch_id: str, timeout_s: flo
         await asyncio.sleep(0.5)
     assert b.status == "completed", b
     assert b.output_file_id is not None, b
-    text = (await client.files.content(b.output_file_id)).text
+    text = await file_text(client, b.output_file_id, deadline)
     if b.error_file_id:  # failed lines: say why, so a lost line shows its cause
-        errors = (await client.files.content(b.error_file_id)).text
+        errors = await file_text(client, b.error_file_id, deadline)
         print(f"batch {batch_id} failed lines:\n{errors[:4000]}")
     return [json.loads(x) for x in text.splitlines()]
+
+
+async def file_text(client: openai.AsyncOpenAI, file_id: str, deadline: float) -> str:
+    """A file's content, retried as a client would on a 503 (the store not yet readable again
+    after a node came back)."""
+    while True:
+        try:
+            return (await client.files.content(file_id)).text
+        except (openai.APIConnectionError, openai.InternalServerError) as e:
+            assert time.monotonic() < deadline, f"file {file_id} not readable: {e!r}"
+            await asyncio.sleep(0.5)
 
 
 def once_each(lines: list[dict], n: int) -> tuple[int, int]:

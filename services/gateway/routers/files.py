@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
+import nats.errors
 from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.responses import StreamingResponse
 
@@ -110,8 +111,17 @@ async def file_content(
     if meta is None:
         raise _not_found(file_id)
 
+    chunks = store.file_chunks(file_id)
+    try:  # the first bytes before the headers: a store that cannot be read is a clear 503
+        first = await anext(chunks) if meta.bytes else b""
+    except (TimeoutError, nats.errors.Error) as e:  # the generator has ended with it
+        raise ApiError(503, f"the file store could not be read ({e!r}); retry shortly",
+                       type_="server_error", code="service_unavailable",
+                       retry_after_s=2.0) from e  # fmt: skip
+
     async def body() -> AsyncIterator[bytes]:
-        async for chunk in store.file_chunks(file_id):
+        yield first
+        async for chunk in chunks:
             yield chunk
 
     return StreamingResponse(

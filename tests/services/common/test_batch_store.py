@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import uuid
 from typing import Any
 
 import nats
@@ -11,6 +13,7 @@ import nats.errors
 import pytest
 
 from services.common.batch_store import LISTING_CONSUMER_TTL_S, BatchStore, _all_json
+from tidal.batch.objects import FileObject
 
 
 class _Entry:
@@ -81,3 +84,47 @@ def test_listings_leave_no_consumers_behind(nats_url: str) -> None:
         assert loop.run_until_complete(main()) == 0
     finally:
         loop.close()
+
+
+@pytest.mark.nats
+def test_a_file_read_cut_midway_resumes_and_gives_every_byte_once(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a CI run's output download ended with 0 of 36,786 bytes: the store's consumer stopped
+    # delivering after a NATS node came back, and the response died after its headers
+    async def main() -> tuple[bytes, bytes, bytes, int]:
+        nc = await nats.connect(nats_url)
+        try:
+            store = await BatchStore.open(nc)
+            meta = FileObject(id=f"file-{uuid.uuid4().hex}", bytes=0, created_at=0,
+                              filename="out.jsonl", purpose="batch", owner="k")  # fmt: skip
+            meta = await store.put_file(meta, data)
+            real_subscribe, subscriptions = store.js.subscribe, []
+
+            async def subscribe_cut_once(*args: Any, **kwargs: Any) -> Any:
+                sub = await real_subscribe(*args, **kwargs)
+                subscriptions.append(sub)
+                if len(subscriptions) == 1:  # the first consumer stalls after two chunks
+                    real_next, given = sub.next_msg, [0]
+
+                    async def next_msg(timeout: float) -> Any:
+                        given[0] += 1
+                        if given[0] > 2:
+                            raise nats.errors.TimeoutError
+                        return await real_next(timeout=timeout)
+
+                    sub.next_msg = next_msg
+                return sub
+
+            monkeypatch.setattr(store.js, "subscribe", subscribe_cut_once)
+            whole = b"".join([c async for c in store.file_chunks(meta.id)])
+            info = await store.files.get_info(meta.id)
+            tail = b"".join([c async for c in store._chunks_from(info.nuid, 200_001, len(data))])
+            return whole, tail, data, len(subscriptions)
+        finally:
+            await nc.close()
+
+    data = os.urandom(600_000)  # five of the store's 128 KiB chunks
+    whole, tail, data, subscriptions = asyncio.run(main())
+    assert whole == data and subscriptions == 3  # the cut read, its resumption, the tail
+    assert tail == data[200_001:]
