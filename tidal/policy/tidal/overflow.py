@@ -3,10 +3,16 @@ OOCO's strict pool, with HyGen's budgeted offline prefill (§4.1) filling what t
 
 OmniServe §3.3.5 offloads "BE decoding requests that cannot be scheduled on GPUs"; here those
 are the offline decodes OOCO Alg. 2 left out of the step. Tidal adds one rule of its own: when
-none is left out, a planned offline decode may move to the CPU too, so that the GPU time it
-would take goes to offline prefill (OmniServe's order puts BE prefill before BE decode on the
-GPU, §3.3.2). Either way at most one request moves per step, because its KV copy to the host
-lengthens the step, and the copy is charged to the step's budget."""
+none is left out, a planned offline decode may move to the CPU too, so that the KV blocks it
+holds go to offline prefill (OmniServe's order puts BE prefill before BE decode on the GPU,
+§3.3.2), but only while KV binds: the strict instance's free blocks cannot take the next chunk
+of its waiting offline prompt (`kv_binds`). A request on the CPU makes a token in `num_layers`
+steps, not one: its attention result for layer l joins the proj of layer l at the next step
+(§3.2.2-§3.2.3, post-attention piggybacking), so one layer a step. Moving a decode the GPU would
+run anyway trades a token a step for one every `num_layers` steps; it pays only when its blocks
+let work start that otherwise waits for KV. Either way at most one request moves per step,
+because its KV copy to the host lengthens the step, and the copy is charged to the step's
+budget."""
 
 from __future__ import annotations
 
@@ -67,6 +73,17 @@ def offline_prefill_candidates(inst: InstanceState) -> list[ReqState]:
     return cands + [r for r in inst.waiting if not r.is_online]
 
 
+def kv_binds(inst: InstanceState, cands: Sequence[ReqState]) -> bool:
+    """True when offline prefill on `inst` waits for KV: the free blocks (and the room left in
+    its own last block) cannot take the next chunk of the first candidate."""
+    if not cands:
+        return False
+    r = cands[0]
+    want = min(r.num_prefill_left, inst.chunk_size)
+    have = inst.num_free_blocks * inst.block_size + r.num_blocks * inst.block_size
+    return have - r.num_computed_tokens < want
+
+
 def cpu_overflow_step(
     pol: TidalPolicy, inst: InstanceState, plan: StepPlan, now: float
 ) -> StepPlan:
@@ -74,7 +91,7 @@ def cpu_overflow_step(
     CPU, the piggybacked CPU-attention decodes whose attention is due (§3.3.6), the KV copy of
     the moved request, then offline prefill in what is left of the latency budget (HyGen
     §4.1). Everything but the Alg. 2 decodes stays within `strict_prefill_budget` x TPOT."""
-    budget = pol.tcfg.strict_prefill_budget * pol.cfg.tpot_slo_s
+    budget = pol.strict_budget(inst, now)
     by_id = {r.req_id: r for r in inst.running}
     dec = [by_id[x] for x in plan.decode if x in by_id]
     chosen = set(plan.decode)
@@ -88,7 +105,8 @@ def cpu_overflow_step(
     raw_room = room = host_room(inst)
     if room is not None and due:
         room -= len(inst.offloaded)  # each CPU decode this step adds one host KV token
-    planned_off = [r for r in dec if not r.is_online]
+    cands = offline_prefill_candidates(inst) if pol.tcfg.strict_offline_prefill else []
+    planned_off = [r for r in dec if not r.is_online] if kv_binds(inst, cands) else []
     off = pick_offloads(inst, left_out, planned_off, budget, room)
 
     def build(moved: list[str]) -> tuple[PlanBuilder, tuple[str, ...], float]:
@@ -115,10 +133,9 @@ def cpu_overflow_step(
     if off and b.step_s() + copy_s > budget:  # the copy does not fit this step: keep it on GPU
         off = []
         b, cpu_dec, copy_s = build(off)
-    if pol.tcfg.strict_offline_prefill:
-        for r in offline_prefill_candidates(inst):
-            if b.add_prefill(r, bound_s=budget - copy_s) == 0:
-                break
+    for r in cands:
+        if b.add_prefill(r, bound_s=budget - copy_s) == 0:
+            break
     if not (b.decode or b.prefill or cpu_dec or off):
         return StepPlan()
     quiet = not (b.prefill or cpu_dec or off or inst.offloaded)
