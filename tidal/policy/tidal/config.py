@@ -34,8 +34,9 @@ class TidalConfig:
     a token every `num_layers` steps (one layer a step, §3.2.3), so moving it otherwise costs
     tokens and gains nothing. One per step, longest context first, while one CPU step over the
     offloaded set stays within the budget and its KV copy fits the step; token-wise layers are
-    piggybacked (§3.3.6). Needs `cpu_offload` and CPU workers; without it the host CPUs only
-    take KV-evicted decodes, which never happens while GPU KV is plentiful."""
+    piggybacked (§3.3.6). Once nothing binds, offloaded decodes come back one a step (§3.3.5).
+    Needs `cpu_offload` and CPU workers; without it the host CPUs only take KV-evicted decodes,
+    which never happens while GPU KV is plentiful."""
     strict_offline_prefill: bool = True
     """HyGen §4.1 inside latency-strict instances: after OOCO Alg. 2 has picked the decodes,
     offline prefill chunks fill what is left of the step's latency budget (OOCO's strict

@@ -10,9 +10,9 @@ of its waiting offline prompt (`kv_binds`). A request on the CPU makes a token i
 steps, not one: its attention result for layer l joins the proj of layer l at the next step
 (§3.2.2-§3.2.3, post-attention piggybacking), so one layer a step. Moving a decode the GPU would
 run anyway trades a token a step for one every `num_layers` steps; it pays only when its blocks
-let work start that otherwise waits for KV. Either way at most one request moves per step,
-because its KV copy to the host lengthens the step, and the copy is charged to the step's
-budget."""
+let work start that otherwise waits for KV. Once nothing binds, offloaded requests come back one
+a step (`pick_recall`, §3.3.5's swap back). Either way at most one request moves per step,
+because its KV copy lengthens the step, and the copy is charged to the step's budget."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tidal.policy.base import InstanceState, Phase, ReqState, StepPlan
+from tidal.policy.batch_shape import decode_shape
 from tidal.policy.omniserve.control import oldest_first, piggyback_admission
 from tidal.policy.plan_builder import PlanBuilder
 
@@ -84,6 +85,33 @@ def kv_binds(inst: InstanceState, cands: Sequence[ReqState]) -> bool:
     return have - r.num_computed_tokens < want
 
 
+def pick_recall(
+    pol: TidalPolicy,
+    inst: InstanceState,
+    dec: Sequence[ReqState],
+    left_out: Sequence[ReqState],
+    cands: Sequence[ReqState],
+) -> list[ReqState]:
+    """OmniServe §3.3.5: "if there are not enough BE decoding requests on the GPUs and the SLO
+    is still maintained, ... swap BE decoding requests back to GPUs, provided there is available
+    GPU memory". Here: while nothing binds (no offline prompt waits on this instance, Alg. 2
+    left no decode out) the offloaded request whose token is oldest comes back, if its KV and
+    next token leave `strict_kv_reserve` of the blocks free and the decodes with it stay within
+    OOCO's `migration_margin` x TPOT (the pull test, §3.4.3), so the next step keeps it on the
+    GPU rather than moving it out again. One per step; its copy is charged to the step."""
+    if cands or left_out or not inst.offloaded:
+        return []
+    rid = oldest_first(inst.offloaded, 1)[0]
+    r = next(x for x in inst.offloaded if x.req_id == rid)
+    reserve = int(pol.tcfg.strict_kv_reserve * inst.num_blocks)
+    if inst.num_free_blocks - inst.blocks_for(r.num_computed_tokens + 1) < reserve:
+        return []
+    shape = decode_shape([x.num_computed_tokens for x in dec] + [r.num_computed_tokens])
+    if inst.step_model.step_s(shape) > pol.cfg.migration_margin * pol.cfg.tpot_slo_s:
+        return []
+    return [r]
+
+
 def cpu_overflow_step(
     pol: TidalPolicy, inst: InstanceState, plan: StepPlan, now: float
 ) -> StepPlan:
@@ -109,6 +137,8 @@ def cpu_overflow_step(
     planned_off = [r for r in dec if not r.is_online] if kv_binds(inst, cands) else []
     off = pick_offloads(inst, left_out, planned_off, budget, room)
 
+    back = pick_recall(pol, inst, dec, left_out, cands) if due and not off else []
+
     def build(moved: list[str]) -> tuple[PlanBuilder, tuple[str, ...], float]:
         b = PlanBuilder(inst)
         for r in dec:
@@ -116,33 +146,38 @@ def cpu_overflow_step(
                 b.add_decode(r)
         for rid in moved:  # its blocks go back before the step (the plan's offload moves it)
             b.budget.free += by_id[rid].num_blocks
+        for r in back:  # its KV comes back before the step (the plan's recall)
+            b.budget.take(r, 0)
         moved_tokens = sum(by_id[rid].num_computed_tokens for rid in moved)
+        copied = moved_tokens + sum(r.num_computed_tokens for r in back)
         cpu_dec: tuple[str, ...] = ()
         if due:
-            k = piggyback_admission(inst.step_model, b.shape, [len(inst.offloaded)], budget)[0]
+            stay = [r for r in inst.offloaded if r not in back]
+            k = piggyback_admission(inst.step_model, b.shape, [len(stay)], budget)[0]
             if raw_room is not None:  # new host tokens must fit beside the moved KV
                 k = min(k, max(0, raw_room - moved_tokens))
             if k > 0:
-                cpu_dec = oldest_first(inst.offloaded, k)
-                b.add_tokens(k)
+                cpu_dec = oldest_first(stay, k)
+                b.add_tokens(len(cpu_dec))
         per_token = inst.kv_bytes_per_token / inst.pcie_bytes_per_s
-        copy_s = moved_tokens * per_token
+        copy_s = copied * per_token
         return b, cpu_dec, copy_s
 
     b, cpu_dec, copy_s = build(off)
-    if off and b.step_s() + copy_s > budget:  # the copy does not fit this step: keep it on GPU
-        off = []
+    if (off or back) and b.step_s() + copy_s > budget:  # the copy does not fit this step
+        off, back = [], []
         b, cpu_dec, copy_s = build(off)
     for r in cands:
         if b.add_prefill(r, bound_s=budget - copy_s) == 0:
             break
-    if not (b.decode or b.prefill or cpu_dec or off):
+    if not (b.decode or b.prefill or cpu_dec or off or back):
         return StepPlan()
-    quiet = not (b.prefill or cpu_dec or off or inst.offloaded)
+    quiet = not (b.prefill or cpu_dec or off or back or inst.offloaded)
     return StepPlan(
         prefill=b.prefill,
         decode=tuple(b.decode),
         cpu_decode=cpu_dec,
         offload=tuple(off),
+        recall=tuple(r.req_id for r in back),
         max_repeat=plan.max_repeat if quiet else 1,
     )
