@@ -154,6 +154,8 @@ def run_search(args: argparse.Namespace) -> int:
     try:
         parse_pinning(args)  # a bad or overlapping core list, before any stack starts
         cfg, cfg_path = cs.write_config(args, cs.temp_dir())
+        # the live instances emulate the model the simulator builds from the same config
+        args.sim_step_model = args.sim_step_model or cfg.step_model_spec()
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -235,8 +237,9 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--sim-step-model",
-        default="qwen2.5-7b@a100-80gb",
-        help="sim engine step times: MODEL@HARDWARE (emulated)",
+        default="",
+        help="sim engine step times, emulated: MODEL@HARDWARE[,tp=N][,kind=K][,profile=PATH] "
+        "(default: the config's, as the simulator builds it)",
     )
     g.add_argument("--max-model-len", type=int, default=8192, help="sim engine context length")
     g.add_argument(

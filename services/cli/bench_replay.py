@@ -180,7 +180,7 @@ def _one(
     configured."""
     from services.cli import bench_replay_probe as probe
 
-    spec = f"{cfg.model}@{cfg.hardware}"
+    spec = cfg.step_model_spec()
     res = _resources(cfg, policy, args.kv_payload_bytes_per_token)
     max_len = max(r.input_tokens + r.output_tokens for r in reqs) + 16
     up = ["--engine", "sim", "--config", args.config_path, "--policy", policy, "--cpu-attn", "0"]
@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
             runs = [_one(args, cfg, policy, reqs, exe) for _ in range(args.repeats)]
             report["runs"][policy] = median_run(runs)
         reports[path] = report
-        spec = f"{cfg.model}@{cfg.hardware}"
+        spec = cfg.step_model_spec()
         print(
             f"Fidelity, live stack (sim engine, emulated {spec} step times; load from {client}) "
             f"vs simulator, {path}, first {args.duration_s:.0f} s ({len(reqs)} requests), "

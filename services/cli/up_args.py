@@ -122,7 +122,8 @@ def add_up_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument(
         "--sim-step-model",
         default="linear",
-        help="sim engine latency: zero | linear[:B,P,D,C] | MODEL@HARDWARE",
+        help="sim engine latency: zero | linear[:B,P,D,C] | "
+        "MODEL@HARDWARE[,tp=N][,kind=K][,profile=PATH]",
     )
     p.add_argument("--log-level", default="INFO", help="log level of every service")
     p.add_argument(

@@ -19,8 +19,8 @@ ENGINES = ("sim", "torch", "sglang")
 def parse_step_model(spec: str) -> StepModel:
     """`zero`, `linear` (`DEFAULT_SIM_STEP_MODEL`), `linear:BASE_S,PER_TOKEN_S,DECODE_REQ_S,
     CTX_TOKEN_S` (a `LinearStepModel`: seconds per step, per token, per decoding request, per
-    decode context token), or `MODEL@HARDWARE` for a `tidal.perf` model (e.g.
-    `llama-2-7b@a100-80gb`)."""
+    decode context token), or `MODEL@HARDWARE[,tp=N][,kind=K][,profile=PATH]` for a `tidal.perf`
+    model (`tidal.perf.spec`; e.g. `llama-2-7b@a100-80gb`, `yi-34b@a100-80gb,tp=2`)."""
     if spec == "zero":
         return ZERO_STEP_MODEL
     if spec == "linear":
@@ -41,38 +41,32 @@ def parse_step_model(spec: str) -> StepModel:
             per_attn_pair_s=0.0,
         )
     if "@" in spec:
-        from tidal import perf
+        from tidal.perf.spec import parse_spec
 
-        model, hardware = spec.split("@", 1)
-        make = getattr(perf, "make_step_model", None)
-        if make is None:
-            raise ValueError("this build has no tidal.perf.make_step_model yet")
-        step_model: StepModel = make(model, hardware)
-        return step_model
-    raise ValueError(f"--sim-step-model {spec!r}: expected zero, linear[:...] or MODEL@HARDWARE")
+        return parse_spec(spec).build()
+    raise ValueError(
+        f"--sim-step-model {spec!r}: expected zero, linear[:...] or "
+        "MODEL@HARDWARE[,tp=N][,kind=K][,profile=PATH]"
+    )
 
 
 KV_MEMORY_FRACTION = 0.9  # of device memory left after the weights, as vLLM's default
 
 
 def emulated_geometry(spec: str) -> dict[str, int]:
-    """KV geometry of the model a `MODEL@HARDWARE` step model emulates: its bytes per token, its
-    layers and the KV blocks its device holds beside the weights, so migrations move, and memory
-    runs out, as on that model. Empty for other specs."""
+    """KV geometry of the model a `MODEL@HARDWARE[,tp=N...]` step model emulates: its bytes per
+    token (on one of its tp GPUs, as the simulator ships them), its layers and the KV blocks its
+    devices hold beside the weights, so migrations move, and memory runs out, as on that model.
+    Empty for other specs."""
     if "@" not in spec:
         return {}
-    from tidal.perf.catalog import hardware_spec, model_spec
+    from tidal.perf.spec import parse_spec
 
-    name, hardware = spec.split("@", 1)
-    model, hw = model_spec(name), hardware_spec(hardware)
-    kv_per_token = model.kv_bytes_per_token()
-    free = KV_MEMORY_FRACTION * hw.mem_bytes - model.weight_bytes()
-    if free <= 0:
-        raise ValueError(f"{name} does not fit the memory of {hardware}")
+    kv_per_token, layers, tokens = parse_spec(spec).kv_geometry(KV_MEMORY_FRACTION)
     return {
-        "kv_bytes_per_token": int(kv_per_token),
-        "num_layers": model.num_layers,
-        "num_kv_blocks": int(free / kv_per_token) // SimEngineConfig.block_size,
+        "kv_bytes_per_token": kv_per_token,
+        "num_layers": layers,
+        "num_kv_blocks": tokens // SimEngineConfig.block_size,
     }
 
 

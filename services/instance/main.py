@@ -153,7 +153,7 @@ def build_adapter(
     hf_dir = args.engine == "torch" and args.model and (Path(args.model) / "config.json").is_file()
     model = args.model if hf_dir else live.cfg.model
     spec = args.policy_step_model or (
-        args.sim_step_model if engine.is_emulated else f"{model}@{live.cfg.hardware}"
+        args.sim_step_model if engine.is_emulated else live.cfg.step_model_spec(model)
     )
     return PolicyAdapter.build(
         policy=make_policy(live.policy, live.context()),
@@ -357,7 +357,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sim-step-model",
         default="linear",
-        help="sim engine latency: zero | linear[:B,P,D,C] | MODEL@HARDWARE",
+        help="sim engine latency: zero | linear[:B,P,D,C] | "
+        "MODEL@HARDWARE[,tp=N][,kind=K][,profile=PATH]",
     )
     p.add_argument(
         "--policy-step-model",

@@ -219,6 +219,7 @@ class Migrator:
             ttft_slo_s=meta.slo.ttft_s if meta.slo else 0.0,
             tpot_slo_s=meta.slo.tpot_s if meta.slo else 0.0,
             arrival_unix_s=meta.arrival_unix_s,
+            first_token_unix_s=meta.first_token_unix_s or 0.0,
         )
         try:
             msg = await inst.nc.request(
@@ -389,6 +390,8 @@ class Migrator:
         meta = ReqMeta(slo, offer.arrival_unix_s or time.time())
         meta.num_migrations = 1
         meta.start_unix_s = meta.first_token_unix_s = meta.last_token_unix_s = time.time()
+        if offer.first_token_unix_s > 0:  # the TPOT counts from its first token, hand-off in
+            meta.first_token_unix_s = offer.first_token_unix_s
         inst.adapter.meta[offer.req_id] = meta
         inst.streams[offer.req_id] = Stream(offer.reply_subject, offer.next_seq)
         res.committed = True  # kept, committed, so that a late abort finds it

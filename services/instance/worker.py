@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from services.common.bus import respond
 from services.common.torch_threads import ComputeThread
 from services.instance.chunks import Coalescing, Stream, build_chunk
+from services.instance.intake import to_engine_request
 from services.instance.policy_adapter import PolicyAdapter, ReqMeta
 from tidal.cluster.view import SUBMITTED
 from tidal.engine.api import (
@@ -35,10 +36,8 @@ from tidal.engine.api import (
     EngineRequest,
     FinishReason,
     RequestClass,
-    SamplingParams,
     StepResult,
     TokenEvent,
-    check_fits,
 )
 from tidal.engine.executor import execute
 from tidal.plan import PlanRefused, RefusalReason
@@ -124,7 +123,7 @@ class Instance:
             return
         try:
             # off the loop: templating and tokenising a 100k-token prompt takes a while
-            engine_req = await asyncio.to_thread(self._to_engine_request, req)
+            engine_req = await asyncio.to_thread(to_engine_request, self.engine, req)
         except ValueError as exc:
             code = "context_length_exceeded" if "context" in str(exc) else "invalid_request"
             await respond(msg, GenerateAck(ok=False, error_code=code, message=str(exc)))
@@ -157,49 +156,6 @@ class Instance:
             is_emulated=self.engine.is_emulated,
         )
         await respond(msg, ack)
-
-    def _to_engine_request(self, req: GenerateRequest) -> EngineRequest:
-        tok = self.engine.tokenizer
-        if req.messages is not None:
-            prompt = tok.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in req.messages]
-            )
-        else:
-            prompt = req.prompt or ""
-        ids = tok.encode(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        s = req.sampling
-        max_tokens = s.max_tokens
-        if s.max_tokens_is_default:
-            max_tokens = max(1, min(max_tokens, self.engine.max_model_len - len(ids)))
-        check_fits(len(ids), max_tokens, self.engine.max_model_len)
-        # A recompute after a lost instance: what the client already has is input now.
-        resumed = list(req.resume_token_ids)
-        if len(resumed) >= max_tokens:
-            raise ValueError("resume_token_ids already hold max_tokens tokens")
-        sampling = SamplingParams(
-            max_tokens=max_tokens - len(resumed),
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=s.seed,
-            stop=tuple(s.stop),
-            stop_token_ids=tuple(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
-            logprobs=s.logprobs,
-            frequency_penalty=s.frequency_penalty,
-            presence_penalty=s.presence_penalty,
-            logit_bias=tuple((int(t), float(b)) for t, b in s.logit_bias),
-        )
-        sampling.check_vocab(self.engine.tokenizer.vocab_size)
-        return EngineRequest(
-            req_id=req.req_id,
-            prompt_token_ids=ids + resumed,
-            sampling=sampling,
-            req_class=RequestClass(req.req_class),
-            arrival_s=req.arrival_unix_s or time.time(),
-        )
 
     async def on_cancel(self, req: CancelRequest, msg: Msg) -> None:
         if req.req_id in self.streams:

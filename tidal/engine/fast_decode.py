@@ -58,12 +58,11 @@ class NativeDecode:
         self.scores = torch.empty(_MAX_G * NATIVE_MAX_T, dtype=torch.float32)
         self.norms = [(lay.in_norm.data_ptr(), lay.post_norm.data_ptr()) for lay in model.layers]
 
-    @staticmethod
-    def fits(model: LlamaModel, batch: ForwardBatch) -> bool:
-        """Whether every row of this step is a decode this path computes (else torch's path)."""
-        cfg = model.config
-        if model.device.type != "cpu" or model.dtype != torch.bfloat16 or model.transposed:
-            return False
+    def fits(self, batch: ForwardBatch) -> bool:
+        """Whether every row of this step is a decode this path computes (else torch's path).
+        The model is a CPU bf16 one (`LlamaModel` builds this path only for those), whose
+        weights are (out, in) as HF has them (`llama.weight_layout`)."""
+        cfg = self.model.config
         if len(batch.groups) != 1 or batch.groups[0][0] != 0:
             return False  # rows resumed after a preemption start at a later layer
         n, meta = batch.hidden.shape[0], batch.groups[0][2]

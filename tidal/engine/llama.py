@@ -232,7 +232,7 @@ class LlamaModel:
             and piggy is None
             and module_s is None
             and self.layer_hook is None
-            and NativeDecode.fits(self, batch)
+            and self.native_decode.fits(batch)
         ):
             return self.native_decode.run(batch, self._kv_views(kv), should_stop)
         cfg = self.config

@@ -12,12 +12,16 @@ cache directory live here, not in `weights.py`, for the same reason: `weights.py
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +65,44 @@ def cache_dir() -> Path:
 
 
 def file_key(path: Path) -> str:
-    """A short key that changes when the file does (path, size, mtime, first MiB)."""
-    st = path.stat()
-    h = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    """A short key from the file's content, never its path or mtime: every checkout and
+    virtualenv holding the same model file shares one cached conversion (keyed by path, each
+    fresh clone added another 1.4 GB to the cache). The content is sampled, not read whole (a
+    multi-GB file would cost seconds on every start): the size, the first and last MiB, and 16
+    spans of 64 KiB spread between them."""
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{size}".encode())
     with path.open("rb") as f:
-        h.update(f.read(1 << 20))
+        spans = [(0, 1 << 20), (max(0, size - (1 << 20)), 1 << 20)]
+        spans += [(size * i // 17, 1 << 16) for i in range(1, 17)]
+        for offset, n in spans:
+            f.seek(offset)
+            h.update(f.read(n))
     return h.hexdigest()[:16]
+
+
+CACHE_KEEP_S = 7 * 24 * 3600.0  # a conversion no load has used for this long is removed
+_KEYED = re.compile(r"-[0-9a-f]{16}(-tokenizer)?$")
+
+
+def cache_hit(out: Path) -> Path:
+    """Mark a cached conversion as used now (what `prune_cache` goes by); returns it."""
+    with contextlib.suppress(OSError):
+        os.utime(out)
+    return out
+
+
+def prune_cache(stem: str) -> list[Path]:
+    """Remove the cached conversions of files named `stem` (older versions of the file, or keys
+    from before they were content keys) that no load has used for `CACHE_KEEP_S`; what went."""
+    now, gone = time.time(), []
+    for d in cache_dir().glob(f"{glob.escape(stem)}-*"):
+        rest = d.name[len(stem) :]
+        with contextlib.suppress(OSError):
+            if _KEYED.fullmatch(rest) and now - d.stat().st_mtime > CACHE_KEEP_S:
+                shutil.rmtree(d)
+                gone.append(d)
+    return gone
 
 
 class TidalTokenizer:
@@ -197,7 +233,7 @@ def load_tokenizer(model: str | Path) -> TidalTokenizer:
             return TidalTokenizer.from_dir(path)
         out = cache_dir() / f"{path.stem}-{file_key(path)}-tokenizer"
         if (out / "tokenizer.json").exists():
-            return TidalTokenizer.from_dir(out)
+            return TidalTokenizer.from_dir(cache_hit(out))
         from gguf import GGUFReader  # numpy only; imported lazily: only a first load needs it
 
         reader = GGUFReader(str(path))
@@ -219,6 +255,7 @@ def load_tokenizer(model: str | Path) -> TidalTokenizer:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError:
         pass
+    prune_cache(path.stem)
     return tok
 
 

@@ -9,6 +9,7 @@ read safetensors.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -29,8 +30,10 @@ from tidal.engine.tokenizer import (  # re-exported: they lived here before the 
     ModelLoadError,
     TidalTokenizer,
     cache_dir,
+    cache_hit,
     embedded_model_path,
     file_key,
+    prune_cache,
 )
 
 __all__ = [
@@ -45,6 +48,8 @@ __all__ = [
     "load_checkpoint",
     "load_hf_dir",
 ]
+
+log = logging.getLogger("tidal.engine")
 
 # GGUF tensor name -> HF name ("{i}" is the layer index).
 _GGUF_TO_HF = {
@@ -105,7 +110,7 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     """Convert once to `<cache>/<stem>-<key>/` (config.json, model.safetensors, tokenizer.json)."""
     out = cache_dir() / f"{gguf_path.stem}-{file_key(gguf_path)}"
     if (out / "model.safetensors").exists():
-        return out
+        return cache_hit(out)
     from gguf import GGUFReader  # imported lazily: only the first load needs it
 
     try:
@@ -128,6 +133,8 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (out / "model.safetensors").exists():
             raise
+    for gone in prune_cache(gguf_path.stem):
+        log.info("removed a cached conversion no load used for a week: %s", gone)
     return out
 
 

@@ -281,6 +281,9 @@ class MigrateOffer(msgspec.Struct, frozen=True):
     ttft_slo_s: float = 0.0
     tpot_slo_s: float = 0.0
     arrival_unix_s: float = 0.0
+    # when its first token was made (0: not known): the target's policy counts the request's
+    # TPOT from there, the hand-off included, as its client does
+    first_token_unix_s: float = 0.0
 
 
 class MigrateOfferReply(msgspec.Struct, frozen=True):

@@ -153,6 +153,15 @@ class SimConfig:
             build(InstanceGroup, g, f"policies.{name}.instances[{i}]") for i, g in enumerate(raw)
         )
 
+    def step_model_spec(self, model: str | None = None) -> str:
+        """This config's step model as a live sim-engine instance is told it
+        (`--sim-step-model`, `tidal.perf.spec`): model (or `model`), hardware, tp, latency
+        model and profile, the same the simulator builds."""
+        from tidal.perf.spec import StepModelSpec  # lazy: perf is a sibling package
+
+        m = model or self.model
+        return str(StepModelSpec(m, self.hardware, self.tp, self.latency_model, self.profile))
+
     def with_slo(self, variant: str) -> SimConfig:
         if variant not in self.slo_variants:
             raise ValueError(f"unknown SLO {variant!r}; config has {sorted(self.slo_variants)}")

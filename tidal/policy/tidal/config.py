@@ -29,11 +29,14 @@ class TidalConfig:
     """OmniServe §3.3.5 on latency-strict instances: "BE decoding requests that cannot be
     scheduled on GPUs will be offloaded to CPUs for Attention computation" -- the offline decodes
     OOCO Alg. 2 left out go first; then, Tidal's own rule, a planned offline decode may move so
-    its GPU time goes to offline prefill (OmniServe's order puts BE prefill before BE decode,
-    §3.3.2). One per step, longest context first, while one CPU step over the offloaded set
-    stays within the budget and its KV copy fits the step; token-wise layers are piggybacked
-    (§3.3.6). Needs `cpu_offload` and CPU workers; without it the host CPUs only take KV-evicted
-    decodes, which never happens while GPU KV is plentiful."""
+    its KV blocks go to offline prefill (OmniServe's order puts BE prefill before BE decode,
+    §3.3.2), only while the strict instance's offline prefill waits for KV: on the CPU it makes
+    a token every `num_layers` steps (one layer a step, §3.2.3), so moving it otherwise costs
+    tokens and gains nothing. One per step, longest context first, while one CPU step over the
+    offloaded set stays within the budget and its KV copy fits the step; token-wise layers are
+    piggybacked (§3.3.6). Once nothing binds, offloaded decodes come back one a step (§3.3.5).
+    Needs `cpu_offload` and CPU workers; without it the host CPUs only take KV-evicted decodes,
+    which never happens while GPU KV is plentiful."""
     strict_offline_prefill: bool = True
     """HyGen §4.1 inside latency-strict instances: after OOCO Alg. 2 has picked the decodes,
     offline prefill chunks fill what is left of the step's latency budget (OOCO's strict
@@ -42,6 +45,12 @@ class TidalConfig:
     strict_prefill_budget: float = 0.8
     """Latency budget of a strict step that carries offline prefill, as a fraction of the TPOT
     SLO (HyGen's L of Alg. 2, with headroom for the online TPOT being a mean over tokens)."""
+    strict_tpot_target: float = 0.9
+    """The step budget is also held to what each online request decoding there has left of its
+    TPOT (`tidal.policy.tidal.budget`): its mean TPOT is kept within this fraction of its SLO,
+    counting the time it spent before the strict instance's steps (the KV hand-off after its
+    first token) as HyGen's profiler (§4.2) counts the gap between batch latency and TBT.
+    Tolerance for what the step model does not see (token delivery, a late step)."""
     strict_kv_reserve: float = 0.2
     """Fraction of a strict instance's KV blocks kept free of new offline prefills, for online
     requests pushed after their prefill (OOCO §3.4.3 push)."""
@@ -51,5 +60,7 @@ class TidalConfig:
             raise ValueError("utility_ratio must be in [0, 1]")
         if not 0.0 < self.strict_prefill_budget <= 1.0:
             raise ValueError("strict_prefill_budget must be in (0, 1] (fraction of TPOT SLO)")
+        if not 0.0 < self.strict_tpot_target <= 1.0:
+            raise ValueError("strict_tpot_target must be in (0, 1] (fraction of TPOT SLO)")
         if not 0.0 <= self.strict_kv_reserve < 1.0:
             raise ValueError("strict_kv_reserve must be in [0, 1)")

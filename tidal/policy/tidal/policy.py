@@ -30,6 +30,7 @@ from tidal.policy.plan_builder import PlanBuilder, parse_section
 from tidal.policy.registry import register_policy
 from tidal.policy.taichi.policy import queued_prefill
 from tidal.policy.taichi.routing import PrefillTarget, route_prefill
+from tidal.policy.tidal.budget import strict_step_budget
 from tidal.policy.tidal.config import TidalConfig
 from tidal.policy.tidal.overflow import cpu_overflow_step, offline_prefill_candidates
 
@@ -161,12 +162,19 @@ class TidalPolicy(OocoPolicy):
         ):
             return cpu_overflow_step(self, inst, plan, now)
         if self.tcfg.strict_offline_prefill:
-            plan = self._strict_prefill(inst, plan)
+            plan = self._strict_prefill(inst, plan, now)
         if not self._cpu(inst):
             return plan
         return self._cpu_batch(inst, plan, now, self.cfg.tpot_slo_s)
 
-    def _strict_prefill(self, inst: InstanceState, plan: StepPlan) -> StepPlan:
+    def strict_budget(self, inst: InstanceState, now: float) -> float:
+        """Latency budget of a strict step carrying offline work (`tidal.policy.tidal.budget`)."""
+        t = self.tcfg
+        return strict_step_budget(
+            inst, now, self.cfg.tpot_slo_s, t.strict_prefill_budget, t.strict_tpot_target
+        )
+
+    def _strict_prefill(self, inst: InstanceState, plan: StepPlan, now: float) -> StepPlan:
         """HyGen Alg. 1 offline phase on a strict instance: the decodes OOCO Alg. 2 chose stay;
         offline prefill chunks are added while the step stays within the latency budget."""
         if plan.swap_out or plan.swap_in or plan.recompute or inst.pending_in:
@@ -178,7 +186,7 @@ class TidalPolicy(OocoPolicy):
         by_id = {r.req_id: r for r in inst.running}
         for rid in plan.decode:
             b.add_decode(by_id[rid])
-        bound = self.tcfg.strict_prefill_budget * self.cfg.tpot_slo_s
+        bound = self.strict_budget(inst, now)
         for r in cands:
             if b.add_prefill(r, bound_s=bound) == 0:
                 break
