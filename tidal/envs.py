@@ -60,7 +60,8 @@ SIM_KV_PAYLOAD_BYTES_PER_TOKEN = EnvVar(
 SIM_STEP_TRACE_DIR = EnvVar(
     "TIDAL_SIM_STEP_TRACE_DIR",
     "",
-    "sim engine: a directory where each instance writes its steps' wall timings (ID.jsonl)",
+    "sim engine: a directory where each instance writes its steps' wall timings (ID.jsonl) "
+    "and the scheduler its dispatches and migrations (scheduler.ndjson)",
 )
 OFFLINE_CHUNK_TOKENS = EnvVar(
     "TIDAL_OFFLINE_CHUNK_TOKENS",

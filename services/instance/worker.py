@@ -101,9 +101,10 @@ class Instance:
         self.report_seq = 0
         self.finished_ids: list[str] = []  # ended since the last report
         self.last_report_s = 0.0
-        # An online request gave its first token since the last report: the scheduler's
-        # `place_decode` (push migration) waits on a report that shows it decoding, so the
-        # next report goes out at once, not up to REPORT_MIN_INTERVAL_S later.
+        # A request gave its first token since the last report: the scheduler's `place_decode`
+        # (push migration) and, for an offline one, the policy's next hand-out to this now
+        # idle prefill instance (`online-priority`) wait on a report that shows it decoding,
+        # so the next report goes out at once, not up to REPORT_MIN_INTERVAL_S later.
         self.placement_due = False
 
     # ---- inbound ----
@@ -321,7 +322,7 @@ class Instance:
             meta = self.adapter.meta.get(ev.req_id)
             is_online = meta is not None and meta.slo is not None
             if stream.seq == 0 and ev.token_ids and ev.finish_reason is None:
-                self.placement_due |= is_online
+                self.placement_due = True  # online or offline: see `placement_due`
             if ev.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
                 # NOTE: a failed end goes alone, after what is held: a client is sent the
                 # error instead of a failing chunk's text (`gateway.routers.openai`)

@@ -15,6 +15,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from services.scheduler.live import LiveCluster
+from services.scheduler.trace import EventTrace
 from tidal.policy.base import ClusterActions
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import CtlRoles, MigrateCommand, MigrateResult, MigrationEvent
@@ -26,9 +27,10 @@ LINK_EWMA = 0.3  # weight of the newest transfer in the link bandwidth estimate
 
 
 class Commands:
-    def __init__(self, nc: NATS, cluster: LiveCluster) -> None:
+    def __init__(self, nc: NATS, cluster: LiveCluster, trace: EventTrace | None = None) -> None:
         self.nc = nc
         self.cluster = cluster
+        self.trace = trace or EventTrace("")
         self.tasks: set[asyncio.Task[None]] = set()
         self.outcomes: dict[str, int] = {}  # "kind:outcome" -> count
 
@@ -93,6 +95,15 @@ class Commands:
             transfer_s=res.transfer_s,
             total_s=res.total_s,
             mode=res.mode,
+        )
+        self.trace.write(
+            "migrated",
+            req_id=cmd.req_id,
+            kind=cmd.kind,
+            outcome=res.outcome,
+            num_bytes=res.num_bytes,
+            transfer_s=res.transfer_s,
+            total_s=res.total_s,
         )
         await self.nc.publish(subjects.MIGRATION_EVENTS, codec.encode(event))
 

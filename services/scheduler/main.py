@@ -23,6 +23,7 @@ from services.common.live_config import load_live_config
 from services.scheduler.commands import Commands
 from services.scheduler.control import Control, EmptyCtl
 from services.scheduler.live import NO_INSTANCE, SLOT_DOWN, Held, LiveCluster, expire_held
+from services.scheduler.trace import EventTrace
 from tidal import envs
 from tidal.cluster.healing import RoleHealer
 from tidal.cluster.membership import Member, Membership
@@ -74,7 +75,8 @@ class Scheduler:
             slots=self.live.slots,
             healer=RoleHealer(heal_after_s=args.heal_after_s),
         )
-        self.commands = Commands(nc, self.cluster)
+        self.trace = EventTrace()
+        self.commands = Commands(nc, self.cluster, self.trace)
         self.offline_paused = False
         self.started_unix_s = time.time()
         self.num_routed = 0
@@ -158,6 +160,9 @@ class Scheduler:
 
     async def on_report(self, rep: InstanceReport, msg: Msg) -> None:
         if self.cluster.on_report(rep):
+            if self.trace.is_on:
+                phases = [r.phase for r in rep.requests]
+                self.trace.write("report", index=rep.index, sent_s=rep.sent_unix_s, phases=phases)
             self.kick.set()
 
     # ---- routing ----
@@ -276,6 +281,7 @@ class Scheduler:
             if h is None:
                 continue
             c.routed[rid] = (idx, h.req, now)
+            self.trace.write("dispatch", req_id=rid, index=idx, tick_unix_s=now)
             await self.reply_queue(h.msg, idx)
         for m in actions.migrate:
             r = c.cache.get(m.req_id)  # the view's ReqState: where it runs, and its class
@@ -345,6 +351,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             sched.cluster.policy.name,
             sched.live.path,
         )
+        stack.callback(sched.trace.close)
         await asyncio.gather(
             sched.expire_loop(stop),
             sched.tick_loop(stop),

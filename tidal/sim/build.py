@@ -124,6 +124,7 @@ def simulate(
         dispatch_s_per_token=cfg.dispatch_us_per_token / 1e6,
         batch_max_inflight=cfg.batch_max_inflight,
         handoff_delay_s=cfg.handoff_delay_ms / 1000,
+        handout_s=cfg.handout_ms / 1000,
         cpu=cpu,
         horizon_s=cfg.duration_s + cfg.drain_s,
         bin_s=cfg.bin_s,

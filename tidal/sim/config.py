@@ -100,6 +100,10 @@ class SimConfig:
     # Of link_latency_ms, the part before a prefill's push reaches its source (the live
     # scheduler's report -> tick -> command); the source then exports it between its steps.
     handoff_delay_ms: float = 0.0
+    # A held (offline) request the cluster's tick dispatches to an idle instance starts there
+    # this much later: the live hand-out (report, scheduler tick and reply, the Batch API
+    # service's submit, the instance's next loop; docs/colocation.md). 0: at once.
+    handout_ms: float = 0.0
     pcie_gb_per_s: float = 25.0  # GPU <-> host copies (swap, offload), GB/s
     cpu_workers: CpuWorkers = CpuWorkers()
     # Offline requests are Batch API lines: at most this many in the cluster at once, the rest
@@ -123,6 +127,8 @@ class SimConfig:
             raise ValueError("link_gb_per_s and pcie_gb_per_s must be > 0, latency >= 0")
         if self.dispatch_ms < 0 or self.dispatch_us_per_token < 0:
             raise ValueError("dispatch_ms and dispatch_us_per_token must be >= 0")
+        if self.handout_ms < 0:
+            raise ValueError(f"handout_ms must be >= 0, got {self.handout_ms}")
         if not 0 <= self.handoff_delay_ms <= self.link_latency_ms:
             raise ValueError("handoff_delay_ms must be in [0, link_latency_ms] (a part of it)")
         if self.duration_s <= 0 or self.drain_s < 0 or self.bin_s <= 0:

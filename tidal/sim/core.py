@@ -83,9 +83,12 @@ class Simulator:
         dispatch_s_per_token: float = 0.0,
         batch_max_inflight: int | None = None,
         handoff_delay_s: float = 0.0,
+        handout_s: float = 0.0,
     ) -> None:
         if dispatch_s < 0 or dispatch_s_per_token < 0:
             raise ValueError("dispatch_s and dispatch_s_per_token must be >= 0")
+        if handout_s < 0:
+            raise ValueError("handout_s must be >= 0")
         if not 0 <= handoff_delay_s <= link_latency_s:
             raise ValueError("handoff_delay_s must be in [0, link_latency_s] (a part of it)")
         # Offline requests are Batch API lines: at most this many in the cluster (None: all).
@@ -102,6 +105,12 @@ class Simulator:
         # a request between steps, so a step it began meanwhile (the next prefill) runs out
         # first. 0: the push leaves at the prefill's own step boundary, at once.
         self.handoff_delay_s = handoff_delay_s
+        # A held request the tick dispatches to an idle instance starts there this long later:
+        # the live hand-out (the instance's report that it is free, the scheduler's tick and
+        # reply, the Batch API service's submit, the instance's next loop). The request counts
+        # as waiting there meanwhile, as the live scheduler's view counts a routed one.
+        self.handout_s = handout_s
+        self._handout_until = [0.0] * len(setups)  # an idle instance starts nothing before
         self.instances = [
             InstanceState(
                 instance_id=i,
@@ -268,13 +277,15 @@ class Simulator:
         r.queued_s = now
         inst.waiting.append(r)
         inst.num_waiting_tokens += r.num_prefill_left
+        if r.is_online:  # routed at once: it does not wait for a hand-out to land
+            self._handout_until[inst_id] = 0.0
         self._interrupt(inst_id, now, r.is_online)
 
     # ---------------------------------------------------------------- steps
     def _kick(self, now: float) -> None:
         for inst in self.instances:
             iid = inst.instance_id
-            if self._spans[iid] is not None:
+            if self._spans[iid] is not None or self._handout_until[iid] > now:
                 continue
             if inst.waiting or inst.running or inst.swapped or inst.offloaded:
                 self._start(inst, now)
@@ -505,6 +516,9 @@ class Simulator:
                     raise PolicyError(f"cannot dispatch {rid}: not held")
                 moved.add(rid)
                 self._enqueue(r, inst_id, now)
+                if self.handout_s and self._spans[inst_id] is None:  # a busy one takes it later
+                    self._handout_until[inst_id] = now + self.handout_s
+                    self._push(now + self.handout_s, _TICK, None)
             num = len(moved)
             if all(r.req_id in moved for r in held[:num]):
                 del held[:num]  # the usual case: dispatched from the head, FIFO

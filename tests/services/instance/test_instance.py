@@ -194,3 +194,31 @@ async def test_an_online_first_token_is_reported_at_once(
     assert len(chunks) == 40
     # a report showed it decoding, long before its last token
     assert any(1 <= n < 40 and streamed < 40 for n, streamed in seen), seen
+
+
+async def test_an_offline_first_token_is_reported_at_once(
+    instance: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An offline request's first token is reported at once too: `online-priority` hands the
+    next held offline request to an idle prefill instance only when a report shows this one
+    decoding (the 50 ms rate limit held it back: the prefill instance idled meanwhile)."""
+    monkeypatch.setattr(worker, "REPORT_MIN_INTERVAL_S", 30.0)  # no report but the forced ones
+    seen: list[int] = []  # output tokens of r1 in each report that lists it
+    done = asyncio.Event()
+
+    async def on_state(msg: Msg) -> None:
+        seen.extend(
+            r.num_output_tokens
+            for r in codec.decode(msg.data, InstanceReport).requests
+            if r.req_id == "r1"
+        )
+
+    async def on_chunk(msg: Msg) -> None:
+        if codec.decode(msg.data, TokenChunk).finish_reason:
+            done.set()
+
+    await instance.subscribe(subjects.instance_state("inst-t"), cb=on_state)
+    await instance.subscribe(GW, cb=on_chunk)
+    assert (await submit(instance, make_req("r1", max_tokens=40, req_class="offline"))).ok
+    await asyncio.wait_for(done.wait(), 30)
+    assert any(1 <= n < 40 for n in seen), seen  # a report showed it decoding, before its end
