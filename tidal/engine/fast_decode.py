@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tidal.engine import attention
+from tidal.engine import attention, packed
 from tidal.engine.attention import AttnMeta
 
 if TYPE_CHECKING:
@@ -139,16 +139,7 @@ class NativeDecode:
         """x @ w.T (+ b): into `out` at one row (ATen's GEMV), else the model's packed GEMM."""
         if x.shape[0] > 1:
             return self.model._linear(x, w, b)
-        # NOTE: oneDNN off for this call only: its per-call cost loses at one row (see
-        # llama.weight_layout), and the attention's batched matmuls need it on
-        was = torch._C._get_mkldnn_enabled()
-        torch._C._set_mkldnn_enabled(False)
-        try:
-            if b is None:
-                return torch.mm(x, w.t(), out=out)
-            return torch.addmm(b, x, w.t(), out=out)
-        finally:
-            torch._C._set_mkldnn_enabled(was)
+        return packed.gemv_native(x, w, b, out=out)
 
 
 def _context(meta: AttnMeta) -> tuple[int, int, torch.Tensor | None] | None:

@@ -384,20 +384,10 @@ def linear(
     if transposed:
         return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
     if gemv_native and x.shape[0] == 1:
-        return _linear_native(x, w, b)
+        return packed.gemv_native(x, w, b)
     if packed_w is not None:
         return packed.linear_packed(x, packed_w, b)
     return F.linear(x, w, b)
-
-
-def _linear_native(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """F.linear with oneDNN off for this call: ATen's own kernel (see `weight_layout`)."""
-    was = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        return F.linear(x, w, b)
-    finally:
-        torch._C._set_mkldnn_enabled(was)
 
 
 def _acc(d: dict[str, float] | None, key: str, dt: float) -> None:

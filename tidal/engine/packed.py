@@ -36,6 +36,22 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
 
 
+def gemv_native(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (1, in) @ w.T (+ b) on the plain (out, in) weight with oneDNN off for this call only:
+    ATen's own GEMV, whose per-call cost beats oneDNN's at one row (`llama.weight_layout`),
+    while the attention's batched matmuls keep oneDNN. Written into `out` when given."""
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        if out is None:
+            return torch.nn.functional.linear(x, w, b)
+        return torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
+    finally:
+        torch._C._set_mkldnn_enabled(was)
+
+
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """x (n, in) @ W^T + b with W packed by `pack`."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, b, "none", [], "")

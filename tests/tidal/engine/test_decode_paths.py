@@ -69,9 +69,12 @@ def test_bf16_gemv_matches_onednn() -> None:
     b = torch.randn(1536, generator=g).bfloat16()
     assert torch._C._get_mkldnn_enabled()
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
-    got = llama._linear_native(x, w, b)
+    got = packed.gemv_native(x, w, b)
     assert torch._C._get_mkldnn_enabled()  # restored
     torch.testing.assert_close(got.float(), ref, atol=0.25, rtol=1e-2)
+    into = torch.empty(1, 1536, dtype=torch.bfloat16)  # the native decode path's form
+    assert packed.gemv_native(x, w, b, out=into) is into and torch.equal(into, got)
+    assert torch._C._get_mkldnn_enabled()
     onednn = torch.nn.functional.linear(x, w, b).float()
     # both accumulate in fp32: the gap to oneDNN is within bf16 rounding of the output
     assert (got.float() - onednn).abs().max() <= 2 * onednn.abs().max() * 2**-8
