@@ -30,6 +30,8 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from tidal import envs
+
 # GGUF token types (gguf.TokenType): 3 = control, 4 = user defined -> special tokens.
 _SPECIAL_TOKEN_TYPES = (3, 4)
 # llama.cpp's pre-tokenizer regexes by `tokenizer.ggml.pre` name.
@@ -61,7 +63,9 @@ def embedded_model_path() -> Path:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TIDAL_CACHE_DIR") or Path.home() / ".cache" / "tidal")
+    """`TIDAL_CACHE_DIR` (`tidal.envs`; set but empty counts as unset): converted weights, the
+    unpacked tokenizers, the native kernels' builds."""
+    return Path(envs.CACHE_DIR.get() or envs.CACHE_DIR.default)
 
 
 def file_key(path: Path) -> str:

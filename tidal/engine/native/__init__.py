@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from tidal import envs
+from tidal.engine.tokenizer import cache_dir as engine_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,8 @@ _SIGNATURES = {
 
 
 def cache_dir() -> Path:
-    """Where built kernels are kept: `native/` under `TIDAL_CACHE_DIR` (~/.cache/tidal)."""
-    return Path(envs.CACHE_DIR.get()) / "native"
+    """Where built kernels are kept: `native/` under the engine's cache (`TIDAL_CACHE_DIR`)."""
+    return engine_cache_dir() / "native"
 
 
 def _cpu_key() -> bytes:
