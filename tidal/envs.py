@@ -45,6 +45,12 @@ NATIVE = EnvVar(
     "1",
     "torch engine on CPU: 0 turns off the native decode kernels (built with g++ on first use)",
 )
+CPU_ISA = EnvVar(
+    "TIDAL_CPU_ISA",
+    "",
+    "torch engine on CPU: avx2 behaves as an AVX2-only CPU (no AVX-512 or AMX, no oneDNN "
+    "bf16 packing, native kernels without AVX-512) whatever this CPU has; unset: probed",
+)
 
 NATS_REPLICAS = EnvVar(
     "TIDAL_NATS_REPLICAS",
@@ -85,6 +91,7 @@ ALL = (
     DATA_DIR,
     DTYPE,
     NATIVE,
+    CPU_ISA,
     NATS_REPLICAS,
     SIM_KV_PAYLOAD_BYTES_PER_TOKEN,
     SIM_STEP_TRACE_DIR,

@@ -14,6 +14,8 @@ to the engine being free during a long prefill (OOCO §3.4.1). Figures come from
 On CPU both fp32 and bf16 run, side by side (or only --dtype), and the report says which one the
 engine picks by default here and why (`tidal.engine.dtype_choice`: measured, not by CPU flag).
 --profile adds where a batch-1 decode step's time goes, per phase (`bench_profile`).
+On CPU the report also says what this CPU runs (`tidal.engine.cpu_caps`): a CPU without AVX-512
+(or `TIDAL_CPU_ISA=avx2`) runs bf16 on plain matmuls, not oneDNN-packed ones.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ def run_bench(args: argparse.Namespace) -> int:
     else:  # both, side by side: the figures behind the engine's own choice
         dtypes = ["bfloat16"] if device.type == "cuda" else ["float32", "bfloat16"]
     res: dict[str, Any] = {"device": str(device), "threads": torch.get_num_threads(), "runs": {}}
+    if device.type == "cpu":
+        from tidal.engine import cpu_caps
+
+        refusal = cpu_caps.pack_refusal(torch.bfloat16)
+        res["cpu"] = {"caps": cpu_caps.probe().summary(), "bf16_packing": refusal or "on"}
     hf_dir = None
     if args.shape == "qwen2.5-7b":
         cfg = QWEN25_7B
@@ -218,6 +225,11 @@ def _report(console: Any, res: dict[str, Any], batches: list[int], prefills: lis
         if "profile_batch1" in r:
             console.print(f"{dt}: where a batch-1 decode step's time goes (torch.profiler)")
             console.print(format_table({dt: r["profile_batch1"]}), markup=False)
+    if "cpu" in res:
+        console.print(
+            f"CPU: {res['cpu']['caps']}; oneDNN bf16 packing: {res['cpu']['bf16_packing']}",
+            markup=False,
+        )
     ch = res["chosen"]
     console.print(f"engine default dtype here: [bold]{ch['dtype']}[/] — {ch['reason']}")
     if {"float32", "bfloat16"} <= set(runs) and "1" in first["decode_tokens_per_s"]:

@@ -17,21 +17,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from tidal import envs
-from tidal.engine import packed
+from tidal.engine import cpu_caps, packed
 from tidal.engine.engine_config import default_dtype
 from tidal.engine.llama import linear, weight_layout
 from tidal.engine.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 CANDIDATES = (torch.float32, torch.bfloat16)
 BATCHES = (1, 8, 32)
@@ -45,6 +48,9 @@ class DtypeChoice:
     reason: str
     # dtype -> batch -> ms of the calibrated layers' matmuls (empty when nothing was measured)
     matmul_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    # dtype -> why it was not measured here (its matmuls raised on this CPU)
+    skipped: dict[str, str] = field(default_factory=dict)
+    cpu: str = ""  # `CpuCaps.summary()` of the CPU it was measured on ("" when not measured)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -113,7 +119,10 @@ def _cache_key(cfg: ModelConfig) -> str:
     except OSError:
         pass
     shape = _layer_shapes(cfg)
-    raw = f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|{shape}|packed"
+    dev = torch.device("cpu")
+    pk = ",".join(f"{_name(dt)}:{packed.can_pack(dev, dt)}" for dt in CANDIDATES)
+    caps = cpu_caps.probe().summary()
+    raw = f"{cpu}|{caps}|{torch.__version__}|{torch.get_num_threads()}|{shape}|packed {pk}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -123,8 +132,12 @@ def _cache_path() -> Path:
     return cache_dir() / "dtype-choice.json"
 
 
-def decide(matmul_ms: dict[str, dict[str, float]]) -> DtypeChoice:
-    """bf16 or fp32 from measured times: the lower geometric mean of bf16/fp32 time ratios."""
+def decide(matmul_ms: dict[str, dict[str, float]], note: str = "") -> DtypeChoice:
+    """bf16 or fp32 from measured times: the lower geometric mean of bf16/fp32 time ratios
+    (the one measured, if only one was); `note` ends the reason."""
+    if len(matmul_ms) == 1:
+        (pick,) = matmul_ms
+        return DtypeChoice(pick, f"measured: only {pick} runs here{note}", matmul_ms)
     fp, bf = matmul_ms["float32"], matmul_ms["bfloat16"]
     ratios = {b: bf[b] / fp[b] for b in fp}
     gm = math.exp(statistics.fmean(math.log(r) for r in ratios.values()))
@@ -132,8 +145,31 @@ def decide(matmul_ms: dict[str, dict[str, float]]) -> DtypeChoice:
     per = ", ".join(f"{r:.2f} at batch {b}" for b, r in ratios.items())
     reason = (
         f"measured: bf16 takes {per} of fp32's matmul time (geometric mean {gm:.2f}), so {pick}"
+        f"{note}"
     )
     return DtypeChoice(pick, reason, matmul_ms)
+
+
+def measure_candidates(cfg: ModelConfig) -> DtypeChoice:
+    """Time every candidate this CPU runs and `decide`; the reason says which path bf16 took."""
+    measured: dict[str, dict[str, float]] = {}
+    skipped: dict[str, str] = {}
+    for dt in CANDIDATES:
+        try:
+            measured[_name(dt)] = measure_matmuls(cfg, dt)
+        except RuntimeError as e:  # e.g. a torch build or CPU without this dtype's kernels
+            if dt == torch.float32:
+                raise
+            why = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+            skipped[_name(dt)] = why
+            log.info("dtype calibration: %s skipped, it cannot run here: %s", _name(dt), why)
+    note = "".join(f"; {k} skipped: {v}" for k, v in skipped.items())
+    bf = torch.bfloat16
+    if _name(bf) in measured and not packed.can_pack(torch.device("cpu"), bf):
+        why = cpu_caps.pack_refusal(bf) or "oneDNN is off in this process"
+        note += f"; bf16 timed on plain matmuls (oneDNN bf16 packing off: {why})"
+    choice = decide(measured, note)
+    return replace(choice, skipped=skipped, cpu=cpu_caps.probe().summary())
 
 
 def choose_dtype(cfg: ModelConfig, device: torch.device, use_cache: bool = True) -> DtypeChoice:
@@ -155,8 +191,14 @@ def choose_dtype(cfg: ModelConfig, device: torch.device, use_cache: bool = True)
             cached = {}
         if key in cached:
             c = cached[key]
-            return DtypeChoice(c["dtype"], c["reason"] + " (cached)", c.get("matmul_ms", {}))
-    choice = decide({_name(dt): measure_matmuls(cfg, dt) for dt in CANDIDATES})
+            return DtypeChoice(
+                c["dtype"],
+                c["reason"] + " (cached)",
+                c.get("matmul_ms", {}),
+                c.get("skipped", {}),
+                c.get("cpu", ""),
+            )
+    choice = measure_candidates(cfg)
     if use_cache:
         cached[key] = asdict(choice)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

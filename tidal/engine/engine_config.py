@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from tidal.engine import cpu_caps
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,7 @@ class EngineConfig:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 / AMX), else fp32."""
+    """bf16 on CUDA and on CPUs with native bf16 (AVX512-BF16 / AMX, `cpu_caps`), else fp32."""
     if device.type == "cuda":
         return torch.bfloat16
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return torch.float32
-    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+    return torch.bfloat16 if cpu_caps.probe().has_native_bf16 else torch.float32

@@ -156,7 +156,8 @@ class LlamaModel:
                     down=lw(p + "mlp.down_proj.weight", key=f"tidal.{i}.down"),
                 )
             )
-        # oneDNN-packed copies for multi-row matmuls, by id of the plain weight (`packed`)
+        # oneDNN-packed copies for multi-row matmuls, by id of the plain weight (`packed`); none
+        # where this CPU's oneDNN refuses the dtype (no AVX-512: `cpu_caps`), F.linear then
         self.packed_w: dict[int, torch.Tensor] = {}
         if packed.can_pack(device, dtype) and self.weight_bytes() <= packed.PACK_MAX_BYTES:
             mats = [w for lay in self.layers for w in (lay.qkv, lay.o, lay.gate_up, lay.down)]

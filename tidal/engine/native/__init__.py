@@ -5,6 +5,12 @@ the source, the flags and the CPU, then loaded with ctypes: no torch headers, so
 about a second, and a ctypes call costs ~1 us where a torch op costs 5-30 us. `load()` returns
 None, once logged, where that cannot be done (no compiler, a failed build, `TIDAL_NATIVE=0`):
 the engine then runs its plain torch path, which computes the same values.
+
+The source is plain C++ (no intrinsics); only the target flags depend on the CPU
+(`arch_flag_choices`): `-march=native` where `cpu_caps` allows what this CPU has, with
+`-mno-avx512f` on an x86 CPU without AVX-512 or forced to behave as one (`TIDAL_CPU_ISA=avx2`);
+if the compiler refuses, `-mcpu=native` (what some aarch64/POWER compilers want), then no
+target flag at all, each fallback logged once.
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ import tempfile
 from pathlib import Path
 
 from tidal import envs
+from tidal.engine import cpu_caps
 from tidal.engine.tokenizer import cache_dir as engine_cache_dir
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_ops.cpp")
 # -fno-trapping-math lets floor() inline, so the exp loops vectorise; rounding is unchanged
-FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp-simd", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp-simd", "-shared", "-fPIC")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "tidal_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
@@ -53,10 +60,21 @@ def _cpu_key() -> bytes:
     return platform.machine().encode() + flags
 
 
-def build(compiler: str, out_dir: Path) -> Path:
-    """Compile `SOURCE` into `out_dir` (atomically: concurrent builders race harmlessly)."""
+def arch_flag_choices(caps: cpu_caps.CpuCaps) -> list[tuple[str, ...]]:
+    """Target flags to try, best first: the CPU's own ISA as far as `caps` allows it, then
+    forms other compilers take, then none (portable, slower)."""
+    first: tuple[str, ...] = ("-march=native",)
+    if caps.is_x86 and not caps.has_avx512:
+        first += ("-mno-avx512f",)  # NOTE: harmless where the CPU has none; binding if forced
+    return [first, ("-mcpu=native",), ()]
+
+
+def build(compiler: str, out_dir: Path, arch: tuple[str, ...] = ("-march=native",)) -> Path:
+    """Compile `SOURCE` with `arch` target flags into `out_dir` (atomically: concurrent
+    builders race harmlessly)."""
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_key()).hexdigest()[:16]
+    flags = (*FLAGS, *arch)
+    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_key()).hexdigest()[:16]
     so = out_dir / f"decode_ops-{key}.so"
     if so.exists():
         return so
@@ -65,7 +83,7 @@ def build(compiler: str, out_dir: Path) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp],
+            [compiler, *flags, str(SOURCE), "-o", tmp],
             check=True,
             capture_output=True,
             text=True,
@@ -78,6 +96,12 @@ def build(compiler: str, out_dir: Path) -> Path:
     return so
 
 
+def _first_error(e: Exception) -> str:
+    """The line of a failed build worth logging: the compiler's first error, else its first."""
+    lines = (getattr(e, "stderr", "") or str(e)).strip().splitlines() or [repr(e)]
+    return next((ln for ln in lines if "error" in ln), lines[0]).strip()[:300]
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernels, built if needed; None (logged once) where they cannot be had."""
@@ -87,12 +111,32 @@ def load() -> ctypes.CDLL | None:
     if compiler is None:
         log.info("native decode kernels off: no C++ compiler (g++) on PATH; torch ops instead")
         return None
-    try:
-        lib = ctypes.CDLL(str(build(compiler, cache_dir())))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("native decode kernels off: build failed (%s); torch ops instead", detail)
+    caps = cpu_caps.probe()
+    choices = arch_flag_choices(caps)
+    refused: list[str] = []  # why each earlier choice failed
+    lib = None
+    for arch in choices:
+        try:
+            lib = ctypes.CDLL(str(build(compiler, cache_dir(), arch)))
+            break
+        except (OSError, subprocess.SubprocessError) as e:
+            refused.append(f"{' '.join(arch) or 'no target flag'}: {_first_error(e)}")
+    if lib is None:
+        log.warning(
+            "native decode kernels off: build failed (%s); torch ops instead", "; ".join(refused)
+        )
         return None
+    if refused:
+        log.warning(
+            "native decode kernels built with %s, not %s (%s)",
+            " ".join(arch) or "no target flag",
+            " ".join(choices[0]),
+            "; ".join(refused),
+        )
+    elif caps.forced:
+        log.info(
+            "native decode kernels built with %s: TIDAL_CPU_ISA=%s", " ".join(arch), caps.forced
+        )
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
