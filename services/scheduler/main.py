@@ -16,7 +16,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.common.bus import connect, redact, respond, subscribe
+from services.common.bus import connect, jetstream_quorum, redact, respond, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
 from services.common.live_config import load_live_config
@@ -65,6 +65,8 @@ class Scheduler:
         self.probing: set[tuple[str, str]] = set()  # suspects being probed
         self.probe_tasks: set[asyncio.Task[None]] = set()
         self.num_suspects_alive = 0  # suspects that answered (kept, not declared dead)
+        self.num_cut_offs = 0  # times this scheduler found itself the one cut off
+        self.cut_off_logged_s = -1e9  # monotonic time the last cut-off was logged
         self.live = load_live_config(args.config, args.policy, args.roles)
         self.cluster = LiveCluster(
             policy=make_policy(self.live.policy, self.live.context()),
@@ -108,6 +110,9 @@ class Scheduler:
                 # reconnect every member gets a full timeout to be heard from again.
                 reconnects = self.nc.stats.get("reconnects", 0)
                 self.membership.extend(time.monotonic())
+            if self.membership.is_cut_off(time.monotonic(), "scheduler", self.service_id):
+                # everyone else silent at once: it is this scheduler's link, not theirs
+                self._cut_off("every other service went silent at once")
             for member in self.membership.silent(time.monotonic()):
                 key = (member.heartbeat.kind, member.heartbeat.service_id)
                 if key not in self.probing:
@@ -142,6 +147,11 @@ class Scheduler:
                     hb.service_id,
                 )
                 return
+            if await jetstream_quorum(self.nc, self.probe_timeout_s) is False:
+                # NOTE: our NATS node cannot reach JetStream's quorum: we are in the minority
+                # side of a partition, and what we cannot hear may be fine
+                self._cut_off(f"no JetStream quorum through {redact(self.nc.connected_url)}")
+                return
             if self.membership.forget(hb.kind, hb.service_id) is None:
                 return  # it left (or came back as a new process) meanwhile
             log.warning(
@@ -153,6 +163,15 @@ class Scheduler:
                 await self._announce_down(hb.service_id, "instance stopped heartbeating")
         finally:
             self.probing.discard((hb.kind, hb.service_id))
+
+    def _cut_off(self, why: str) -> None:
+        """This scheduler is the one cut off: forget no one, and give every member a full
+        timeout from now to be heard from again."""
+        self.membership.extend(time.monotonic())
+        self.num_cut_offs += 1
+        if time.monotonic() - self.cut_off_logged_s > 10 * self.heartbeat_s:
+            log.warning("cut off from the cluster (%s); forgetting no one", why)
+        self.cut_off_logged_s = time.monotonic()
 
     async def _announce_down(self, instance_id: str, reason: str) -> None:
         event = InstanceDown(instance_id=instance_id, reason=reason)

@@ -1,13 +1,23 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 
 import pytest
 from nats.aio.msg import Msg
 
 from services.cli import natsd
-from services.common.bus import BusUnavailable, connect, redact, seed_urls, subscribe
+from services.common.bus import (
+    BusUnavailable,
+    connect,
+    is_local_host,
+    jetstream_quorum,
+    order_seeds,
+    redact,
+    seed_urls,
+    subscribe,
+)
 from tidal.schemas import codec
 from tidal.schemas.messages import CancelRequest
 
@@ -61,3 +71,37 @@ async def test_joins_a_cluster_through_any_seed(nats_url: str) -> None:
     nc = await connect(f"{dead},{nats_url}", "test", timeout_s=10)
     assert nc.is_connected
     await nc.close()
+
+
+def test_seeds_on_this_host_come_first_then_the_rest_in_order() -> None:
+    seeds = ["nats://203.0.113.7:4222", "nats://127.0.0.1:4223", "nats://203.0.113.8:4222"]
+    assert order_seeds(seeds) == [seeds[1], seeds[0], seeds[2]]
+    assert is_local_host("localhost") and not is_local_host("203.0.113.7")
+    assert not is_local_host("no-such-host.invalid")
+
+
+async def test_jetstream_quorum_answers_on_a_node_with_jetstream(nats_url: str) -> None:
+    nc = await connect(nats_url, "t")
+    try:
+        assert await jetstream_quorum(nc, 2.0) is True
+    finally:
+        await nc.close()
+
+
+async def test_jetstream_quorum_is_unknown_without_jetstream() -> None:
+    port = natsd.free_port()
+    proc = subprocess.Popen(
+        [natsd.find_nats_server(), "-a", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert natsd.wait_for_port("127.0.0.1", port, 10)
+        nc = await connect(f"nats://127.0.0.1:{port}", "t")
+        try:
+            assert await jetstream_quorum(nc, 2.0) is None
+        finally:
+            await nc.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=5)

@@ -59,6 +59,14 @@ class Membership:
         if member is not None:
             member.last_seen_s = max(member.last_seen_s, now)
 
+    def is_cut_off(self, now: float, kind: str, service_id: str) -> bool:
+        """Whether the observer (`kind`, `service_id`) is the one cut off: at least two other
+        services and every one of them silent at once. Hosts fail one at a time; all of them
+        falling silent together is the observer's own link (or its NATS node) gone, and
+        forgetting them all would re-place every request for nothing."""
+        others = [m for key, m in self.members.items() if key != (kind, service_id)]
+        return len(others) >= 2 and all(now - m.last_seen_s > self.timeout_s for m in others)
+
     def extend(self, now: float) -> None:
         """Count every member as seen at `now`: the observer itself was cut off (its bus
         connection dropped), so missing heartbeats say nothing about the members."""

@@ -70,3 +70,17 @@ def test_extend_gives_every_member_a_full_timeout_again() -> None:
     m.extend(5.0)  # the observer was cut off from 0 s to 5 s
     assert m.expire(6.0) == []
     assert [x.heartbeat.service_id for x in m.expire(7.5)] == ["a"]
+
+
+def test_everyone_else_silent_at_once_means_the_observer_is_cut_off() -> None:
+    m = Membership(timeout_s=2.0)
+    m.observe(make_hb("s0", "scheduler"), now=10.0)  # the observer hears itself (local node)
+    m.observe(make_hb("i0"), now=0.0)
+    m.observe(make_hb("i1"), now=0.0)
+    m.observe(make_hb("g0", "gateway"), now=3.0)
+    assert not m.is_cut_off(4.0, "scheduler", "s0")  # i0 and i1 silent, the gateway is not
+    assert m.is_cut_off(5.5, "scheduler", "s0")  # all three silent at once: it is us
+    lone = Membership(timeout_s=2.0)
+    lone.observe(make_hb("s0", "scheduler"), now=10.0)
+    lone.observe(make_hb("i0"), now=0.0)
+    assert not lone.is_cut_off(5.0, "scheduler", "s0")  # one other: a lost host is likelier
