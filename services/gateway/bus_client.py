@@ -23,12 +23,14 @@ from services.common.bus import subscribe
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ApiError
 from services.gateway.resync import StreamResync
+from services.gateway.silence import Silences
 from services.gateway.stream import RequestHandle, _Down
 from tidal import envs
 from tidal.cluster.membership import Membership
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     BatchStats,
+    CancelRequest,
     GenerateAck,
     GenerateRequest,
     Heartbeat,
@@ -80,6 +82,7 @@ class GatewayBus:
         # Instances and schedulers heard from lately, for `/ready` (as the scheduler counts a
         # service gone after 4 missed beats).
         self.presence = Membership(timeout_s=4 * envs.heartbeat_s())
+        self.silences = Silences(envs.heartbeat_s(), self.resync.check_soon)
 
     async def start(self) -> None:
         await subscribe(self.nc, self.reply_subject, TokenChunk, self._on_chunk)
@@ -105,7 +108,12 @@ class GatewayBus:
         self.metrics.on_migration(ev)
 
     async def _on_rep(self, rep: InstanceReport, _: Msg) -> None:
+        self.silences.heard(rep.instance_id)
         self.resync.on_report(rep)
+        for rid in self.silences.still_running(rep):
+            log.warning("%s still runs abandoned %s; cancelling it again", rep.instance_id, rid)
+            cancel = CancelRequest(rid, "abandoned for a re-run after a cut")
+            await self.nc.publish(subjects.CANCEL, codec.encode(cancel))
         if self.metrics is not None:
             self.metrics.on_report(rep)
 
@@ -118,9 +126,16 @@ class GatewayBus:
         self.metrics.loop_lag.on_heartbeat(hb)
 
     async def _on_instance_beat(self, hb: Heartbeat, _: Msg) -> None:
+        self.silences.heard(hb.service_id)
         self._observe(hb)
         if self.metrics is not None:
             self.metrics.on_instance_beat(hb)
+
+    def was_silent_since(self, instance_id: str, since_s: float) -> bool:
+        return self.silences.was_silent_since(instance_id, since_s)
+
+    def abandon(self, req_id: str) -> None:
+        self.silences.abandon(req_id)
 
     def _observe(self, hb: Heartbeat) -> None:
         if hb.status == "stopped":

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 
+import nats.errors
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -134,6 +135,16 @@ def create_app(
             status_code=exc.status,
             headers=headers,
         )
+
+    @app.exception_handler(nats.errors.Error)
+    async def _bus_error(request: Request, exc: nats.errors.Error) -> JSONResponse:
+        # NOTE: JetStream has no quorum for seconds after a partition heals (a new leader is
+        # elected); a store read then failed with a 500 and a traceback. It is the server's
+        # passing state, and a client should retry: 503 with Retry-After.
+        message = f"the bus or its store is not available now ({exc}); retry shortly"
+        _log_error(request, 503, message)
+        body = _error_body(message, "server_error", "service_unavailable", None)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

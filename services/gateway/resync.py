@@ -63,14 +63,22 @@ class StreamResync:
             n = self.nc.stats.get("reconnects", 0)
             if n != seen:
                 seen = n
-                task = asyncio.create_task(self.check(time.time()))
-                self._checks.add(task)
-                task.add_done_callback(self._checks.discard)
+                self.check_soon(time.time())
 
-    async def check(self, since_unix_s: float) -> int:
-        """Hand every open stream whose instance's post-outage report lacks it to `lost`; how
-        many were."""
-        pending = {rid for rid, s in self.streams.items() if not s.is_finished}
+    def check_soon(self, since_unix_s: float, instance_id: str = "") -> None:
+        """`check` in a task of its own."""
+        task = asyncio.create_task(self.check(since_unix_s, instance_id))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def check(self, since_unix_s: float, instance_id: str = "") -> int:
+        """Hand every open stream (of `instance_id`, else of any instance) whose instance's
+        post-outage report lacks it to `lost`; how many were."""
+        pending = {
+            rid
+            for rid, s in self.streams.items()
+            if not s.is_finished and s.instance_id == (instance_id or s.instance_id)
+        }
         n = 0
         deadline = time.monotonic() + CHECK_WINDOW_S
         while pending and time.monotonic() < deadline:

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("tidal.gateway")
 
 MAX_RECOMPUTES = 3  # a request survives this many lost instances
+REPLACE_RETRY_S = 30.0  # a re-run copy waits this long for the bus to route it again
+REPLACE_WAIT_S = 1.0
+PASSING_CODES = ("scheduler_unavailable", "no_capacity")  # 503s that pass by themselves
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,10 @@ class RequestHandle:
         return out
 
     def _reconnected(self) -> bool:
-        """Has the bus reconnected since an instance last accepted the request?"""
+        """Has the bus reconnected, or the instance running the request been silent (its link
+        or ours cut), since an instance last accepted the request?"""
+        if self.bus.was_silent_since(self.instance_id, self.placed_at_s):
+            return True
         return bool(self.bus.nc.stats.get("reconnects", 0) != self.reconnects_at_place)
 
     async def _lost(self, down: _Down) -> list[TokenChunk]:
@@ -132,6 +138,9 @@ class RequestHandle:
         # did not know it had moved to) is cancelled, and the next copy runs under a new id: an
         # instance still holding the old one would refuse a copy under the same id.
         await self._abandon(down.reason)
+        # NOTE: while it is placed again (which may wait on a held route), the stall sweep
+        # leaves it alone: it fired every 10 s on a request being re-placed, without end
+        self.progress_unix_s = 0.0
         if self.num_recomputes < MAX_RECOMPUTES:
             self.num_recomputes += 1
             if self.bus.metrics is not None:
@@ -150,7 +159,7 @@ class RequestHandle:
                 # the process that lost it started before it took the request; one started
                 # since under the same id (`tidal up` restarts it) may take it again
                 exclude = [down.instance_id] if down.exclude else []
-                await self.bus.place(self, exclude, self.placed_at_unix_s)
+                await self._place_again(exclude)
                 return []
             except ApiError as exc:
                 reason = f"{down.reason}; no instance took it again: {exc.message}"
@@ -174,11 +183,29 @@ class RequestHandle:
             )
         ]
 
+    async def _place_again(self, exclude: list[str]) -> None:
+        """Place the re-run copy, waiting out a bus that is still knitting itself together
+        (routes between NATS nodes come back seconds after a cut link: the scheduler has no
+        responders meanwhile) for up to `REPLACE_RETRY_S`; the client has part of its answer
+        and would rather wait than get an error."""
+        deadline = time.monotonic() + REPLACE_RETRY_S
+        while True:
+            try:
+                await self.bus.place(self, exclude, self.placed_at_unix_s)
+                return
+            except ApiError as exc:
+                passing = exc.status == 503 and exc.code in PASSING_CODES
+                if not passing or time.monotonic() + REPLACE_WAIT_S > deadline:
+                    raise
+                log.warning("re-run of %s waits: %s", self.request.req_id, exc.message)
+                await asyncio.sleep(REPLACE_WAIT_S)
+
     async def _abandon(self, reason: str) -> None:
         """Cancel the copy that still runs and take a new id for the next one."""
         old = self.request.req_id
         with contextlib.suppress(Exception):  # best effort: the bus may be down right now
             await self.bus.nc.publish(subjects.CANCEL, codec.encode(CancelRequest(old, reason)))
+        self.bus.abandon(old)
         new = f"{self.client_req_id}.r{self.num_recomputes + 1}"
         self.request = msgspec.structs.replace(self.request, req_id=new)
         self.bus.handles.pop(old, None)

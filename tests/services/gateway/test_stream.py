@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from services.gateway import stream
+from services.gateway.protocol import ApiError
 from services.gateway.stream import RequestHandle
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import CancelRequest, GenerateRequest, SamplingSpec, TokenChunk
@@ -29,11 +31,23 @@ class FakeBus:
         self.metrics = None
         self.handles: dict[str, RequestHandle] = {}
         self.placed: list[tuple[GenerateRequest, list[str]]] = []
+        self.back_s: dict[str, float] = {}  # instance -> end of its last silence
+        self.abandoned: list[str] = []
+        self.num_unroutable = 0  # places that fail with 503 before one succeeds
+
+    def was_silent_since(self, instance_id: str, since_s: float) -> bool:
+        return self.back_s.get(instance_id, -1.0) > since_s
+
+    def abandon(self, req_id: str) -> None:
+        self.abandoned.append(req_id)
 
     def release(self, handle: RequestHandle) -> None:
         self.handles.pop(handle.request.req_id, None)
 
     async def place(self, handle: RequestHandle, exclude: list[str], at: float = 0.0) -> None:
+        if self.num_unroutable > 0:  # the bus has no route to a scheduler yet
+            self.num_unroutable -= 1
+            raise ApiError(503, "the scheduler is not reachable", code="scheduler_unavailable")
         self.placed.append((handle.request, exclude))
         handle.instance_id = "i1"
         handle.reconnects_at_place = self.nc.stats["reconnects"]
@@ -75,6 +89,42 @@ def test_a_gap_after_a_bus_reconnect_reruns_the_request_and_drops_the_old_copy()
         late = await _take(h, chunk("r1", 5, "i0"), chunk("r1.r1", 2, "i1"),
                            chunk("r1.r1", 3, "i1", finish="length"))  # fmt: skip
         assert late == [" w2", " w3"] and h.is_finished and h.num_recomputes == 1
+
+    asyncio.run(go())
+
+
+def test_a_gap_after_its_instance_fell_silent_reruns_it_without_a_reconnect() -> None:
+    """A cut link (the instance's or the gateway's own NATS node's) drops chunks while this
+    connection stays up: the instance's silence makes the gap final, as a reconnect does."""
+
+    async def go() -> None:
+        bus, h = handle()
+        h.placed_at_s = 10.0
+        assert await _take(h, chunk("r1", 0, "i0")) == [" w0"]
+        bus.back_s["i1"] = 20.0  # another instance's silence says nothing of this stream
+        assert await _take(h, chunk("r1", 2, "i0")) == [] and bus.placed == []
+        bus.back_s["i0"] = 20.0  # i0 unheard for seconds, then heard again
+        assert await _take(h, chunk("r1", 3, "i0")) == []
+        ((again, _),) = bus.placed
+        assert again.req_id == "r1.r1" and again.resume_token_ids == [100]
+        assert bus.abandoned == ["r1"]  # cancelled again if i0 still reports it
+
+    asyncio.run(go())
+
+
+def test_a_rerun_waits_for_the_bus_to_route_again_instead_of_failing(monkeypatch: Any) -> None:
+    """Right after a cut link returns, NATS routes are still reconnecting and the scheduler
+    has no responders: the re-run copy waits for it rather than ending the stream."""
+    monkeypatch.setattr(stream, "REPLACE_WAIT_S", 0.01)
+
+    async def go() -> None:
+        bus, h = handle()
+        bus.num_unroutable = 2
+        assert await _take(h, chunk("r1", 0, "i0")) == [" w0"]
+        bus.nc.stats["reconnects"] = 1
+        assert await _take(h, chunk("r1", 2, "i0")) == []
+        ((again, _),) = bus.placed
+        assert again.req_id == "r1.r1" and not h.is_finished and h.num_recomputes == 1
 
     asyncio.run(go())
 
