@@ -156,6 +156,8 @@ class Migrator:
             return MigrateResult(rid, "busy", "already migrating")
         stream = inst.streams.get(rid)
         if stream is None or dst == inst.id:
+            if stream is None:
+                await self._drop_orphan(rid)
             return MigrateResult(rid, "unknown_request", f"{rid} is not streaming here")
         self.busy.add(rid)
         try:
@@ -191,9 +193,25 @@ class Migrator:
         finally:
             self.busy.discard(rid)
 
+    async def _drop_orphan(self, rid: str) -> None:
+        """A request the engine runs with no stream here (its client's copy was cancelled and
+        re-run elsewhere while a link was cut) is dropped: nobody reads its tokens."""
+        async with self.inst.engine_lock:
+            if rid not in self.inst.streams and self.inst.engine.abort(rid):
+                self.inst.adapter.meta.pop(rid, None)
+                log.warning("%s ran here with no stream (an orphan); dropped", rid)
+        self.inst.wake.set()
+
     async def _end_export(self, rid: str, moved: bool) -> None:
         async with self.inst.engine_lock:
             await self.inst.compute.run(self.mover.end_export, rid, moved)
+            if not moved and rid not in self.inst.streams:
+                # NOTE: cancelled while it was out for export (the gateway re-ran it elsewhere
+                # after a cut link): the abort found nothing to abort then, and taking the
+                # export back would run it here too, streaming to no one
+                self.inst.engine.abort(rid)
+                self.inst.adapter.meta.pop(rid, None)
+                log.warning("%s was cancelled during its export; dropped", rid)
         self.inst.wake.set()
 
     async def _hand_over(
@@ -285,10 +303,19 @@ class Migrator:
         self.expire()
         if inst.draining:
             return MigrateOfferReply(ok=False, reason="draining")
-        if offer.req_id in inst.streams or any(
-            r.offer.req_id == offer.req_id for r in self.reservations.values()
-        ):
+        if offer.req_id in inst.streams:
             return MigrateOfferReply(ok=False, reason="duplicate")
+        for ticket, r in list(self.reservations.items()):
+            if r.offer.req_id != offer.req_id:
+                continue
+            if r.committed or r.offer.src_instance_id != offer.src_instance_id:
+                return MigrateOfferReply(ok=False, reason="duplicate")
+            # NOTE: the same source offers the request again, so its earlier handshake ended
+            # uncommitted (a source runs one handshake per request at a time): our answer or
+            # its abort was lost, say in a cut link. Refusing as a duplicate until the stale
+            # reservation expired kept the request off this instance for minutes.
+            log.warning("stale reservation for %s replaced by a new offer", offer.req_id)
+            self._drop_stale(ticket, r)
         bs = adapter.inst.block_size
         need = -(-(offer.num_kv_tokens + 1) // bs)  # its KV and the next token's slot
         free = inst.engine.num_free_blocks() - adapter.num_reserved_blocks
@@ -416,6 +443,14 @@ class Migrator:
         self._release(abort.ticket)
         self.reservations.pop(abort.ticket, None)
         await self._drop_import(res)
+
+    def _drop_stale(self, ticket: str, res: Reservation) -> None:
+        """Free a reservation its source gave up on (as its abort would)."""
+        res.aborted = True
+        self._release(ticket)
+        self.reservations.pop(ticket, None)
+        if res.sink is not None:
+            self._spawn(self._drop_import(res), f"stale import of {res.offer.req_id}")
 
     def _release(self, ticket: str) -> None:
         res = self.reservations.get(ticket)

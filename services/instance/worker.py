@@ -158,9 +158,11 @@ class Instance:
         await respond(msg, ack)
 
     async def on_cancel(self, req: CancelRequest, msg: Msg) -> None:
-        if req.req_id in self.streams:
-            self.pending_abort.append(req.req_id)
-            self.wake.set()
+        # NOTE: also when it has no stream here (aborting an unknown id is a no-op): a copy the
+        # engine still held without one (a cut link's race) ran on, streaming to no one,
+        # beside its re-run on another instance
+        self.pending_abort.append(req.req_id)
+        self.wake.set()
 
     def cut_offline_step(self, why: str) -> bool:
         """Cut the step in flight at its next layer boundary if its plan allows it
