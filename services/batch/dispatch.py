@@ -148,7 +148,7 @@ class Dispatcher:
     async def _job(self, job: JobPayload, msg: Msg) -> None:
         keepalive = asyncio.create_task(_keep_alive(msg))
         try:
-            await self._run_job(job, msg)
+            await self._run_held(job, msg)
         except asyncio.CancelledError:
             # cancelled batch (its finalizer accounts for the line) or stopping service (the
             # job is redelivered to whoever runs next)
@@ -170,6 +170,24 @@ class Dispatcher:
             if not self.tasks[job.batch_id]:
                 self.tasks.pop(job.batch_id, None)
             self._freed.set()
+
+    async def _run_held(self, job: JobPayload, msg: Msg) -> None:
+        """`_run_job`, waiting out a store or bus that cannot answer now with the job held.
+        NOTE: JetStream has no quorum for seconds after a partition heals (leaders are
+        elected again); a nak per failed store read redelivered the job every second, used up
+        its `MAX_DELIVER` deliveries, and a line that never failed went to the error file."""
+        delay = RETRY_DELAY_S
+        while True:
+            try:
+                await self._run_job(job, msg)
+                return
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.warning(
+                    "batch line %s/%s waits for the store (%r); held, trying again in %.0f s",
+                    *(job.batch_id, job.custom_id, exc, delay),
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_RETRY_DELAY_S)
 
     async def _run_job(self, job: JobPayload, msg: Msg) -> None:
         batch = await self.store.batch(job.batch_id)
