@@ -89,21 +89,15 @@ class Cluster:
     def service(self, name: str, host: int, module: str, *extra: str) -> None:
         self.start(name, host, sys.executable, "-m", module, "--id", name, *extra)
 
-    def instance(self, index: int, host: int) -> None:
+    def instance(self, index: int, host: int, *cfg: str, step_model: str = STEP_MODEL) -> None:
+        """The sim-engine instance at slot `index` on `host`; `cfg`: the cluster's config flags
+        (default: the tidal policy with ROLES)."""
+        cfg = cfg or ("--policy", "tidal", "--roles", ROLES)
         self.service(
             f"instance-{index}",
             host,
             "services.instance",
-            "--index",
-            str(index),
-            "--engine",
-            "sim",
-            "--policy",
-            "tidal",
-            "--roles",
-            ROLES,
-            "--sim-step-model",
-            STEP_MODEL,
+            *("--index", str(index), "--engine", "sim", *cfg, "--sim-step-model", step_model),
         )
 
     def log(self, name: str) -> str:
@@ -225,6 +219,46 @@ def nats_spread_cluster() -> Iterator[Cluster]:
             if not c.nats_current(h, 20):
                 raise AssertionError(f"nats-{h + 1} not current\n{c.logs_tail()}")
         _start_services(c)
+        yield c
+    finally:
+        _teardown(c)
+
+
+# The real-size layout (tests/cluster/test_cut_links.py): a NATS node on every host, the gateway
+# and the scheduler on hosts of their own, so that each can be cut alone.
+GATEWAY_HOST, SCHEDULER_HOST, RELAXED_HOST, STRICT_HOST = 0, 1, 2, 3
+REAL_CONFIG = ("--config", "configs/ooco.yaml", "--policy", "tidal")
+REAL_STEP_MODEL = "qwen2.5-7b@a100-80gb"
+REAL_MAX_HOLD_S = 60
+
+
+@pytest.fixture
+def real_size_cluster() -> Iterator[Cluster]:
+    """Four hosts, a NATS node on each (4-node JetStream cluster, R=3 streams), every service
+    given the same four seeds: h0 gateway + batch, h1 scheduler, h2 the relaxed instance, h3
+    the strict one; `configs/ooco.yaml` with the tidal policy, the sim engine emulating
+    Qwen2.5-7B on an A100 (real step times and KV sizes)."""
+    hosts = Hosts(4)
+    tmp = Path(tempfile.mkdtemp(prefix="tidal-cluster-"))
+    env = {"TIDAL_NATS_REPLICAS": "3", "TIDAL_MAX_HOLD_S": str(REAL_MAX_HOLD_S)}
+    c = Cluster(hosts, tmp, nats_hosts=[0, 1, 2, 3], env=env)
+    try:
+        hosts.create()
+        for h in range(4):
+            name = f"nats-{h + 1}"
+            c.nats_argv[name] = nats_node_argv(hosts, h, tmp / name)
+            c.start(name, h, *c.nats_argv[name])
+        for h in range(4):
+            if not c.nats_current(h, 30):
+                raise AssertionError(f"nats-{h + 1} not current\n{c.logs_tail()}")
+        c.service("scheduler-0", SCHEDULER_HOST, "services.scheduler", *REAL_CONFIG)
+        c.service("batch-0", GATEWAY_HOST, "services.batch")
+        gw = ("--host", "0.0.0.0", "--port", str(API_PORT))
+        c.service("gateway-0", GATEWAY_HOST, "services.gateway", *gw)
+        inst = (*REAL_CONFIG, "--max-model-len", "40000")
+        c.instance(0, RELAXED_HOST, *inst, step_model=REAL_STEP_MODEL)
+        c.instance(1, STRICT_HOST, *inst, step_model=REAL_STEP_MODEL)
+        c.wait_ready(2)
         yield c
     finally:
         _teardown(c)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -109,6 +110,23 @@ def once_each(lines: list[dict], n: int) -> tuple[int, int]:
     return len(want - set(ids)), len(ids) - len(set(ids))
 
 
+def client_id(req_id: str) -> str:
+    """The request a copy re-run by the gateway stands for (`<id>.r<n>` -> `<id>`): two copies
+    of one request on two instances are the same request run twice."""
+    return re.sub(r"\.r\d+$", "", req_id)
+
+
+def describe(rid: str, *reports: InstanceReport) -> str:
+    """Where `rid` (any copy of it) was in each report, for an assertion message."""
+    out = []
+    for rep in reports:
+        for r in rep.requests:
+            if client_id(r.req_id) == rid:
+                out.append(f"{rep.instance_id}@{rep.sent_unix_s:.2f}: {r.req_id} {r.phase} "
+                           f"{r.num_computed_tokens}/{r.num_output_tokens}")  # fmt: skip
+    return "; ".join(out)
+
+
 @dataclass
 class BusLog:
     """Migration events and each instance's latest report, heard on the bus from the root ns."""
@@ -120,6 +138,7 @@ class BusLog:
     # reports the cut host published during the cut arrive late and show its state then.
     since_unix_s: float = 0.0
     moved_at: dict[str, list[float]] = field(default_factory=dict)  # req -> ok migrations
+    seen_on_two: dict[str, str] = field(default_factory=dict)  # req -> the first two reports
     nc: nats.NATS | None = None
 
     def on_two(self, handoff_s: float = 1.5) -> list[str]:
@@ -143,7 +162,7 @@ class BusLog:
             event = codec.decode(msg.data, MigrationEvent)
             self.migrations.append(event)
             if event.outcome == "ok":
-                self.moved_at.setdefault(event.req_id, []).append(time.monotonic())
+                self.moved_at.setdefault(client_id(event.req_id), []).append(time.monotonic())
 
         async def on_rep(msg) -> None:  # type: ignore[no-untyped-def]
             rep = codec.decode(msg.data, InstanceReport)
@@ -153,15 +172,16 @@ class BusLog:
             self.latest[rep.instance_id] = rep
             if rep.sent_unix_s < self.since_unix_s:
                 return
-            mine = {r.req_id for r in rep.requests if r.phase in ON_GPU}
+            mine = {client_id(r.req_id) for r in rep.requests if r.phase in ON_GPU}
             for other in self.latest.values():
                 fresh = abs(rep.sent_unix_s - other.sent_unix_s) < 1.0
                 stale = other.sent_unix_s < self.since_unix_s
                 if other.instance_id == rep.instance_id or not fresh or stale:
                     continue
-                theirs = {r.req_id for r in other.requests if r.phase in ON_GPU}
+                theirs = {client_id(r.req_id) for r in other.requests if r.phase in ON_GPU}
                 for rid in mine & theirs:
                     self.overlaps.append((time.monotonic(), rid))
+                    self.seen_on_two.setdefault(rid, describe(rid, rep, other))
 
         await self.nc.subscribe(subjects.MIGRATION_EVENTS, cb=on_mig)
         await self.nc.subscribe(subjects.INSTANCE_STATE_ALL, cb=on_rep)
