@@ -88,6 +88,11 @@ class LiveCluster:
     backoff: TargetBackoff = field(default_factory=TargetBackoff)  # by target instance id
     num_stand_in_routes: int = 0  # requests routed to a stand-in (their role's slots were down)
     num_stand_in_decodes: int = 0  # decodes kept on, or pushed to, a stand-in
+    # (instance id, process start) of processes forgotten, and of those heard again after it:
+    # a process declared dead while it lived (its link, or ours, was cut) failed nothing, so a
+    # re-run that excludes it may go back to it (it may be the only one of its role)
+    forgotten: set[tuple[str, float]] = field(default_factory=set)
+    revived: set[tuple[str, float]] = field(default_factory=set)
 
     # ---- reports -> view ----
 
@@ -107,6 +112,9 @@ class LiveCluster:
         ):
             self.backoff.succeeded(rep.instance_id)  # a new process: its failures were the old's
         self.reports[rep.index] = rep
+        if (key := (rep.instance_id, rep.started_unix_s)) in self.forgotten:
+            self.forgotten.discard(key)
+            self.revived.add(key)
         for rid in rep.finished_req_ids:
             self.routed.pop(rid, None)
         if rep.step_model not in self.step_models:
@@ -132,6 +140,7 @@ class LiveCluster:
         """The instance is gone: its slot stays in the view, empty and taking no work."""
         for idx, rep in list(self.reports.items()):
             if rep.instance_id == instance_id:
+                self.forgotten.add((rep.instance_id, rep.started_unix_s))
                 self.reports[idx] = self._placeholder(rep, idx)
 
     def instance_id(self, index: int) -> str:
@@ -273,7 +282,10 @@ class LiveCluster:
             if ask is None or self.instance_id(i) not in ask.exclude:
                 return True
             # The process that failed the request, or a new one started since under its id?
-            return self.reports[i].started_unix_s > ask.excluded_at_unix_s
+            rep = self.reports[i]
+            if (rep.instance_id, rep.started_unix_s) in self.revived:
+                return True  # declared dead while it lived: it failed nothing
+            return rep.started_unix_s > ask.excluded_at_unix_s
 
         return ok
 

@@ -42,6 +42,7 @@ from tidal.schemas.messages import (
 )
 
 PROBE_ATTEMPTS = 2
+CUT_OFF_GRACE_S = 10.0  # after this scheduler was last found cut off, no one is forgotten
 log = logging.getLogger("tidal.scheduler")
 
 OFFLINE_PAUSED_RETRY_S = 30.0
@@ -67,6 +68,7 @@ class Scheduler:
         self.num_suspects_alive = 0  # suspects that answered (kept, not declared dead)
         self.num_cut_offs = 0  # times this scheduler found itself the one cut off
         self.cut_off_logged_s = -1e9  # monotonic time the last cut-off was logged
+        self.cut_off_until_s = -1e9  # monotonic time until which no one is forgotten
         self.live = load_live_config(args.config, args.policy, args.roles)
         self.cluster = LiveCluster(
             policy=make_policy(self.live.policy, self.live.context()),
@@ -113,6 +115,15 @@ class Scheduler:
             if self.membership.is_cut_off(time.monotonic(), "scheduler", self.service_id):
                 # everyone else silent at once: it is this scheduler's link, not theirs
                 self._cut_off("every other service went silent at once")
+            if time.monotonic() < self.cut_off_until_s:
+                # NOTE: after a cut the bus knits itself back over seconds (NATS rebuilds its
+                # routes one pair at a time): the first services heard again end the "all
+                # silent" state, while those behind a route not yet rebuilt would be probed,
+                # unanswered, and forgotten. Nobody is judged until the grace has passed.
+                self.membership.extend(time.monotonic())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self.heartbeat_s / 2)
+                continue
             for member in self.membership.silent(time.monotonic()):
                 key = (member.heartbeat.kind, member.heartbeat.service_id)
                 if key not in self.probing:
@@ -147,6 +158,11 @@ class Scheduler:
                     hb.service_id,
                 )
                 return
+            if time.monotonic() < self.cut_off_until_s:
+                return  # found cut off while this probe ran: its silence says nothing
+            if self.membership.is_cut_off(time.monotonic(), "scheduler", self.service_id):
+                self._cut_off("every other service went silent while probing")
+                return
             if await jetstream_quorum(self.nc, self.probe_timeout_s) is False:
                 # NOTE: our NATS node cannot reach JetStream's quorum: we are in the minority
                 # side of a partition, and what we cannot hear may be fine
@@ -168,6 +184,7 @@ class Scheduler:
         """This scheduler is the one cut off: forget no one, and give every member a full
         timeout from now to be heard from again."""
         self.membership.extend(time.monotonic())
+        self.cut_off_until_s = time.monotonic() + CUT_OFF_GRACE_S
         self.num_cut_offs += 1
         if time.monotonic() - self.cut_off_logged_s > 10 * self.heartbeat_s:
             log.warning("cut off from the cluster (%s); forgetting no one", why)

@@ -195,3 +195,25 @@ def test_admission_control_never_loses_a_re_placed_request() -> None:
                                     excluded_at_unix_s=now + 1)  # fmt: skip
     action, idx, _ = c.route(c.new_request(again, now), now, again)
     assert (action, idx) == (RouteAction.QUEUE, 0)  # a live instance, not the one that failed it
+
+
+def test_a_process_declared_dead_while_it_lived_may_take_a_rerun_that_excludes_it() -> None:
+    """A cut link got inst-0 forgotten and its streams re-run, excluding it; the same process
+    is heard again. It failed nothing, and it may be the only instance of its role: a re-run
+    excluding it must not be held until the hold bound."""
+    c = _cluster()
+    now = time.time()
+    c.on_report(make_report("inst-0", 0, "aggregated"))
+    c.forget("inst-0")
+    started = c.reports[0].started_unix_s
+    ask = RouteRequest(req_id="r.r1", model="m", req_class="online", max_tokens=4,
+                       num_prompt_chars=40, exclude=["inst-0"],
+                       excluded_at_unix_s=started)  # fmt: skip
+    assert c.route(c.new_request(ask, now), now, ask)[0] is not RouteAction.QUEUE  # none up
+    c.on_report(make_report("inst-0", 0, "aggregated", seq=2))  # the same process, back
+    action, idx, _ = c.route(c.new_request(ask, now), now, ask)
+    assert (action, idx) == (RouteAction.QUEUE, 0)
+    c.on_report(make_report("inst-1", 1, "aggregated"))  # never forgotten: still excluded
+    other = msgspec.structs.replace(ask, req_id="o.r1", exclude=["inst-1", "inst-0"])
+    c.forget("inst-0")
+    assert c.route(c.new_request(other, now), now, other)[0] is not RouteAction.QUEUE
