@@ -202,6 +202,17 @@ def nats_node_argv(hosts: Hosts, host: int, store: Path) -> list[str]:
     return natsd.nats_server_argv(NATS_PORT, str(store), host="0.0.0.0", extra=cluster)
 
 
+def start_nats_nodes(c: Cluster, current_within_s: float) -> None:
+    """nats-N on host N-1 for each of `c.nats_hosts`; returns once every node is current."""
+    for h in c.nats_hosts:
+        name = f"nats-{h + 1}"
+        c.nats_argv[name] = nats_node_argv(c.hosts, h, c.tmp / name)
+        c.start(name, h, *c.nats_argv[name])
+    for h in c.nats_hosts:
+        if not c.nats_current(h, current_within_s):
+            raise AssertionError(f"nats-{h + 1} not current\n{c.logs_tail()}")
+
+
 @pytest.fixture
 def nats_spread_cluster() -> Iterator[Cluster]:
     """As `cluster`, but NATS is a 3-node JetStream cluster, one node per host (h0, h1, h2,
@@ -211,13 +222,7 @@ def nats_spread_cluster() -> Iterator[Cluster]:
     c = Cluster(hosts, tmp, nats_hosts=[0, 1, 2], env={"TIDAL_NATS_REPLICAS": "3"})
     try:
         hosts.create()
-        for h in range(3):
-            name = f"nats-{h + 1}"
-            c.nats_argv[name] = nats_node_argv(hosts, h, tmp / name)
-            c.start(name, h, *c.nats_argv[name])
-        for h in range(3):
-            if not c.nats_current(h, 20):
-                raise AssertionError(f"nats-{h + 1} not current\n{c.logs_tail()}")
+        start_nats_nodes(c, current_within_s=20)
         _start_services(c)
         yield c
     finally:
@@ -244,13 +249,7 @@ def real_size_cluster() -> Iterator[Cluster]:
     c = Cluster(hosts, tmp, nats_hosts=[0, 1, 2, 3], env=env)
     try:
         hosts.create()
-        for h in range(4):
-            name = f"nats-{h + 1}"
-            c.nats_argv[name] = nats_node_argv(hosts, h, tmp / name)
-            c.start(name, h, *c.nats_argv[name])
-        for h in range(4):
-            if not c.nats_current(h, 30):
-                raise AssertionError(f"nats-{h + 1} not current\n{c.logs_tail()}")
+        start_nats_nodes(c, current_within_s=30)
         c.service("scheduler-0", SCHEDULER_HOST, "services.scheduler", *REAL_CONFIG)
         c.service("batch-0", GATEWAY_HOST, "services.batch")
         gw = ("--host", "0.0.0.0", "--port", str(API_PORT))
