@@ -131,12 +131,6 @@ class GatewayBus:
         if self.metrics is not None:
             self.metrics.on_instance_beat(hb)
 
-    def was_silent_since(self, instance_id: str, since_s: float) -> bool:
-        return self.silences.was_silent_since(instance_id, since_s)
-
-    def abandon(self, req_id: str) -> None:
-        self.silences.abandon(req_id)
-
     def _observe(self, hb: Heartbeat) -> None:
         if hb.status == "stopped":
             self.presence.forget(hb.kind, hb.service_id)

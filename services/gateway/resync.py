@@ -77,7 +77,7 @@ class StreamResync:
         pending = {
             rid
             for rid, s in self.streams.items()
-            if not s.is_finished and s.instance_id == (instance_id or s.instance_id)
+            if not s.is_finished and (not instance_id or s.instance_id == instance_id)
         }
         n = 0
         deadline = time.monotonic() + CHECK_WINDOW_S

@@ -126,7 +126,7 @@ class RequestHandle:
     def _reconnected(self) -> bool:
         """Has the bus reconnected, or the instance running the request been silent (its link
         or ours cut), since an instance last accepted the request?"""
-        if self.bus.was_silent_since(self.instance_id, self.placed_at_s):
+        if self.bus.silences.was_silent_since(self.instance_id, self.placed_at_s):
             return True
         return bool(self.bus.nc.stats.get("reconnects", 0) != self.reconnects_at_place)
 
@@ -205,7 +205,7 @@ class RequestHandle:
         old = self.request.req_id
         with contextlib.suppress(Exception):  # best effort: the bus may be down right now
             await self.bus.nc.publish(subjects.CANCEL, codec.encode(CancelRequest(old, reason)))
-        self.bus.abandon(old)
+        self.bus.silences.abandon(old)
         new = f"{self.client_req_id}.r{self.num_recomputes + 1}"
         self.request = msgspec.structs.replace(self.request, req_id=new)
         self.bus.handles.pop(old, None)

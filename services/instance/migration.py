@@ -193,25 +193,26 @@ class Migrator:
         finally:
             self.busy.discard(rid)
 
+    def _drop_streamless(self, rid: str, why: str) -> None:
+        """Abort a request the engine holds with no stream here (its client's copy was
+        cancelled and re-run elsewhere while a link was cut): nobody reads its tokens. The
+        caller holds the engine lock."""
+        if rid not in self.inst.streams and self.inst.engine.abort(rid):
+            self.inst.adapter.meta.pop(rid, None)
+            log.warning("%s %s; dropped", rid, why)
+
     async def _drop_orphan(self, rid: str) -> None:
-        """A request the engine runs with no stream here (its client's copy was cancelled and
-        re-run elsewhere while a link was cut) is dropped: nobody reads its tokens."""
         async with self.inst.engine_lock:
-            if rid not in self.inst.streams and self.inst.engine.abort(rid):
-                self.inst.adapter.meta.pop(rid, None)
-                log.warning("%s ran here with no stream (an orphan); dropped", rid)
+            self._drop_streamless(rid, "ran here with no stream (an orphan)")
         self.inst.wake.set()
 
     async def _end_export(self, rid: str, moved: bool) -> None:
         async with self.inst.engine_lock:
             await self.inst.compute.run(self.mover.end_export, rid, moved)
-            if not moved and rid not in self.inst.streams:
-                # NOTE: cancelled while it was out for export (the gateway re-ran it elsewhere
-                # after a cut link): the abort found nothing to abort then, and taking the
-                # export back would run it here too, streaming to no one
-                self.inst.engine.abort(rid)
-                self.inst.adapter.meta.pop(rid, None)
-                log.warning("%s was cancelled during its export; dropped", rid)
+            if not moved:
+                # NOTE: cancelled while it was out for export: the abort found nothing to
+                # abort then, and taking the export back would run it here, streaming to no one
+                self._drop_streamless(rid, "was cancelled during its export")
         self.inst.wake.set()
 
     async def _hand_over(

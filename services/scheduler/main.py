@@ -66,8 +66,6 @@ class Scheduler:
         self.probing: set[tuple[str, str]] = set()  # suspects being probed
         self.probe_tasks: set[asyncio.Task[None]] = set()
         self.num_suspects_alive = 0  # suspects that answered (kept, not declared dead)
-        self.num_cut_offs = 0  # times this scheduler found itself the one cut off
-        self.cut_off_logged_s = -1e9  # monotonic time the last cut-off was logged
         self.cut_off_until_s = -1e9  # monotonic time until which no one is forgotten
         self.live = load_live_config(args.config, args.policy, args.roles)
         self.cluster = LiveCluster(
@@ -121,9 +119,6 @@ class Scheduler:
                 # silent" state, while those behind a route not yet rebuilt would be probed,
                 # unanswered, and forgotten. Nobody is judged until the grace has passed.
                 self.membership.extend(time.monotonic())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=self.heartbeat_s / 2)
-                continue
             for member in self.membership.silent(time.monotonic()):
                 key = (member.heartbeat.kind, member.heartbeat.service_id)
                 if key not in self.probing:
@@ -183,12 +178,11 @@ class Scheduler:
     def _cut_off(self, why: str) -> None:
         """This scheduler is the one cut off: forget no one, and give every member a full
         timeout from now to be heard from again."""
-        self.membership.extend(time.monotonic())
-        self.cut_off_until_s = time.monotonic() + CUT_OFF_GRACE_S
-        self.num_cut_offs += 1
-        if time.monotonic() - self.cut_off_logged_s > 10 * self.heartbeat_s:
+        now = time.monotonic()
+        self.membership.extend(now)
+        if now >= self.cut_off_until_s:  # a new cut, not the one under way: say so once
             log.warning("cut off from the cluster (%s); forgetting no one", why)
-        self.cut_off_logged_s = time.monotonic()
+        self.cut_off_until_s = now + CUT_OFF_GRACE_S
 
     async def _announce_down(self, instance_id: str, reason: str) -> None:
         event = InstanceDown(instance_id=instance_id, reason=reason)

@@ -9,6 +9,7 @@ from typing import Any
 
 from services.gateway import stream
 from services.gateway.protocol import ApiError
+from services.gateway.silence import Silences
 from services.gateway.stream import RequestHandle
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import CancelRequest, GenerateRequest, SamplingSpec, TokenChunk
@@ -31,15 +32,8 @@ class FakeBus:
         self.metrics = None
         self.handles: dict[str, RequestHandle] = {}
         self.placed: list[tuple[GenerateRequest, list[str]]] = []
-        self.back_s: dict[str, float] = {}  # instance -> end of its last silence
-        self.abandoned: list[str] = []
+        self.silences = Silences(heartbeat_s=0.5, on_back=lambda *_: None)
         self.num_unroutable = 0  # places that fail with 503 before one succeeds
-
-    def was_silent_since(self, instance_id: str, since_s: float) -> bool:
-        return self.back_s.get(instance_id, -1.0) > since_s
-
-    def abandon(self, req_id: str) -> None:
-        self.abandoned.append(req_id)
 
     def release(self, handle: RequestHandle) -> None:
         self.handles.pop(handle.request.req_id, None)
@@ -101,13 +95,13 @@ def test_a_gap_after_its_instance_fell_silent_reruns_it_without_a_reconnect() ->
         bus, h = handle()
         h.placed_at_s = 10.0
         assert await _take(h, chunk("r1", 0, "i0")) == [" w0"]
-        bus.back_s["i1"] = 20.0  # another instance's silence says nothing of this stream
+        bus.silences.back_s["i1"] = 20.0  # another instance's silence says nothing of this stream
         assert await _take(h, chunk("r1", 2, "i0")) == [] and bus.placed == []
-        bus.back_s["i0"] = 20.0  # i0 unheard for seconds, then heard again
+        bus.silences.back_s["i0"] = 20.0  # i0 unheard for seconds, then heard again
         assert await _take(h, chunk("r1", 3, "i0")) == []
         ((again, _),) = bus.placed
         assert again.req_id == "r1.r1" and again.resume_token_ids == [100]
-        assert bus.abandoned == ["r1"]  # cancelled again if i0 still reports it
+        assert list(bus.silences.abandoned) == ["r1"]  # cancelled again if i0 still reports it
 
     asyncio.run(go())
 
