@@ -51,6 +51,8 @@ ROUTE_TIMEOUT_S = 2.0  # models and other quick questions
 # a little more, so the scheduler's own answer (429 "held longer than ...") arrives first.
 HOLD_MARGIN_S = 5.0
 SUBMIT_TIMEOUT_S = 5.0
+UNTIL_HEARD_S = 10.0  # a submit waits this long for its silent instance to be heard again
+MAX_RELINKS = 3  # submits sent again to an instance whose link was just back
 ROUTE_RECHECK_S = 0.5  # a held route checks this often whether its scheduler was replaced
 
 _ROUTE_ERRORS = {  # scheduler error code -> HTTP status
@@ -239,7 +241,8 @@ class GatewayBus:
         # NOTE: the gateway does not tokenise, so a first placement routes on characters (the
         # scheduler divides them); a re-placement knows the prompt's tokens from the first ack.
         known = handle.ack.num_prompt_tokens + len(req.resume_token_ids) if handle.ack.ok else 0
-        for _ in range(MAX_ROUTE_ATTEMPTS):
+        failures = 0
+        while failures < MAX_ROUTE_ATTEMPTS:
             route = await self._route(req, tried, failed_at, known)
             handle.instance_id = route.instance_id
             handle.default_slo_ms = (route.default_ttft_slo_s * 1e3, route.default_tpot_slo_s * 1e3)
@@ -249,12 +252,9 @@ class GatewayBus:
             # did not fail it, and excluding it kept the request held until the gateway gave up.
             incarnation = route.instance_started_unix_s or time.time()
             try:
-                reply = await self.nc.request(
-                    subjects.instance_submit(route.instance_id),
-                    codec.encode(req),
-                    timeout=SUBMIT_TIMEOUT_S,
-                )
+                reply = await self._submit(req, route.instance_id)
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                failures += 1
                 log.warning(
                     "instance %s did not take %s; trying another", route.instance_id, req.req_id
                 )
@@ -282,6 +282,7 @@ class GatewayBus:
                 )
                 tried.append(route.instance_id)
                 failed_at = max(failed_at, incarnation)
+                failures += 1
                 continue
             raise ApiError(_ACK_ERRORS[ack.error_code], ack.message, code=ack.error_code)
         raise ApiError(
@@ -291,6 +292,32 @@ class GatewayBus:
             code="no_capacity",
             retry_after_s=1,
         )
+
+    async def _submit(self, req: GenerateRequest, instance_id: str) -> Msg:
+        """Send `req` to `instance_id`, again if it met a link just back (at most
+        `MAX_RELINKS` times); raises NATS's no-responders or timeout error when it failed."""
+        for relink in range(MAX_RELINKS + 1):
+            # an instance this gateway cannot hear (its link or ours cut) would not hear it
+            await self.silences.until_heard(instance_id, UNTIL_HEARD_S)
+            sent_s = time.monotonic()
+            try:
+                return await self.nc.request(
+                    subjects.instance_submit(instance_id),
+                    codec.encode(req),
+                    timeout=SUBMIT_TIMEOUT_S,
+                )
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                if relink == MAX_RELINKS or not self.silences.was_cut_around(instance_id, sent_s):
+                    raise
+                # NOTE: not the instance's failure: excluding it held a re-run copy whose only
+                # fit it was until the scheduler's max hold, then failed the stream (an
+                # instance that got the first copy acks this one as it did that)
+                log.warning(
+                    "%s did not reach %s across a link just back; sending it again",
+                    req.req_id,
+                    instance_id,
+                )
+        raise AssertionError("unreachable")
 
     async def _route(
         self,

@@ -5,6 +5,7 @@ stream runs again), and the streams it ran are checked against its next report."
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +20,10 @@ SILENCE_BEATS = 4
 SILENCE_MIN_S = 2.0
 ABANDONED_KEEP_S = 600.0  # how long a re-run request's old id is remembered
 RECANCEL_EVERY_S = 1.0
+# After a silence ends, messages to the instance may still find no route for a few seconds
+# (measured: up to ~6 s while NATS rebuilds its routes' interest).
+RELINK_S = 8.0
+UNTIL_HEARD_POLL_S = 0.1
 
 
 class Silences:
@@ -45,6 +50,30 @@ class Silences:
     def was_silent_since(self, instance_id: str, since_s: float) -> bool:
         """Whether `instance_id` fell silent (and came back) after monotonic time `since_s`."""
         return self.back_s.get(instance_id, -1.0) > since_s
+
+    def is_silent(self, instance_id: str, now_s: float | None = None) -> bool:
+        """Whether `instance_id`, once heard, has been unheard for longer than a silence."""
+        now = time.monotonic() if now_s is None else now_s
+        last = self.heard_s.get(instance_id)
+        return last is not None and now - last > self.silence_s
+
+    def was_cut_around(self, instance_id: str, sent_s: float, now_s: float | None = None) -> bool:
+        """Whether a message sent to `instance_id` at monotonic `sent_s` met a cut link: the
+        instance is silent now, or came back from a silence shortly before or since (NATS
+        rebuilds a returning node's routes and their interest over a few seconds)."""
+        return self.is_silent(instance_id, now_s) or self.was_silent_since(
+            instance_id, sent_s - RELINK_S
+        )
+
+    async def until_heard(self, instance_id: str, timeout_s: float) -> bool:
+        """Wait, up to `timeout_s`, for a silent `instance_id` to be heard again; whether it is
+        (one never silent is at once)."""
+        deadline = time.monotonic() + timeout_s
+        while self.is_silent(instance_id):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(UNTIL_HEARD_POLL_S)
+        return True
 
     def still_running(self, rep: InstanceReport, now_s: float | None = None) -> list[str]:
         """The abandoned copies `rep` shows, each at most once per `RECANCEL_EVERY_S` (a cut

@@ -128,8 +128,13 @@ class Instance:
             code = "context_length_exceeded" if "context" in str(exc) else "invalid_request"
             await respond(msg, GenerateAck(ok=False, error_code=code, message=str(exc)))
             return
-        if req.req_id in self.streams:  # checked after the await: no second copy slips in
-            # not the client's fault: a re-placement raced the request still running here
+        if (same := self.streams.get(req.req_id)) is not None:  # checked after the await
+            if same.reply_subject == req.reply_subject:
+                # the same gateway sending it again (its first ack was lost in a cut link):
+                # it runs here already, once; say so as the first time
+                await respond(msg, self._ack(engine_req, req))
+                return
+            # not the client's fault: another gateway raced the request still running here
             ack = GenerateAck(ok=False, error_code="duplicate", message="already running here")
             await respond(msg, ack)
             return
@@ -149,13 +154,15 @@ class Instance:
         self.engine.wake_step()  # an engine that waits inside its step (sglang) admits it now
         if engine_req.req_class is RequestClass.ONLINE:
             self.cut_offline_step(f"online {req.req_id} arrived")
-        ack = GenerateAck(
+        await respond(msg, self._ack(engine_req, req))
+
+    def _ack(self, engine_req: EngineRequest, req: GenerateRequest) -> GenerateAck:
+        return GenerateAck(
             ok=True,
             num_prompt_tokens=len(engine_req.prompt_token_ids) - len(req.resume_token_ids),
             engine=self.engine.name,
             is_emulated=self.engine.is_emulated,
         )
-        await respond(msg, ack)
 
     async def on_cancel(self, req: CancelRequest, msg: Msg) -> None:
         # NOTE: also when it has no stream here (aborting an unknown id is a no-op): a copy the

@@ -3,6 +3,8 @@ streams' gaps as final and asks for a check against its next report; a late beat
 
 from __future__ import annotations
 
+import asyncio
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,3 +38,32 @@ def test_an_abandoned_copy_still_reported_is_cancelled_again_at_most_once_a_seco
     assert s.still_running(rep, 5.0) == ["r1"]
     assert s.still_running(rep, 5.1) == []  # the burst of reports a cut instance flushes
     assert s.still_running(rep, 6.2) == ["r1"]
+
+
+def test_an_instance_unheard_for_a_silence_is_silent_and_a_send_around_it_met_a_cut() -> None:
+    s = Silences(heartbeat_s=0.5, on_back=lambda *_: None)
+    assert not s.is_silent("i0", 100.0)  # never heard: nothing known of it
+    s.heard("i0", 10.0)
+    assert not s.is_silent("i0", 11.0) and s.is_silent("i0", 12.5)
+    assert s.was_cut_around("i0", 12.0, 12.5)  # sent while it was silent
+    s.heard("i0", 30.0)  # back
+    assert not s.is_silent("i0", 30.5)
+    assert s.was_cut_around("i0", 31.0, 36.0)  # sent just after it came back
+    for t in range(31, 60):  # beats again
+        s.heard("i0", float(t))
+    assert not s.was_cut_around("i0", 60.0, 61.0)  # long after: a timeout is its own
+
+
+def test_until_heard_waits_for_a_silent_instance_and_gives_up_at_its_bound() -> None:
+    async def go() -> None:
+        s = Silences(heartbeat_s=0.5, on_back=lambda *_: None)
+        assert await s.until_heard("never-heard", 5.0)
+        s.heard("i0", time.monotonic() - 10.0)
+        asyncio.get_running_loop().call_later(0.3, s.heard, "i0")
+        t0 = time.monotonic()
+        assert await s.until_heard("i0", 5.0)
+        assert 0.25 < time.monotonic() - t0 < 2.0
+        s.heard("i1", time.monotonic() - 10.0)
+        assert not await s.until_heard("i1", 0.3)
+
+    asyncio.run(go())

@@ -4,6 +4,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -111,6 +112,31 @@ async def test_cancel_stops_the_request_and_frees_it(instance: NATS) -> None:
     assert 0 < n < 200 and len(chunks) == n  # nothing more after the cancel
     status = await _heartbeat_load(instance)
     assert status["num_running"] == 0 and status["num_kv_blocks_used"] == 0
+
+
+async def test_the_same_request_sent_again_runs_once_and_is_acked_again(instance: NATS) -> None:
+    """A gateway whose first ack was lost in a cut link sends the request again: it runs here
+    already, so the answer is the same ack, and its tokens come once. Another gateway's copy of
+    the same id is refused as a duplicate."""
+    chunks: list[TokenChunk] = []
+
+    async def on_chunk(msg) -> None:  # type: ignore[no-untyped-def]
+        chunks.append(codec.decode(msg.data, TokenChunk))
+
+    await instance.subscribe(GW, cb=on_chunk)
+    first = await submit(instance, make_req("again", max_tokens=40))
+    again = await submit(instance, make_req("again", max_tokens=40))
+    assert first.ok and again.ok and again.num_prompt_tokens == first.num_prompt_tokens
+    other = msgspec.structs.replace(
+        make_req("again", max_tokens=40), reply_subject=subjects.gateway_tokens("gw-other")
+    )
+    refused = await submit(instance, other)
+    assert not refused.ok and refused.error_code == "duplicate"
+    for _ in range(100):
+        if chunks and chunks[-1].finish_reason:
+            break
+        await asyncio.sleep(0.05)
+    assert [c.seq for c in chunks] == list(range(40))
 
 
 async def _heartbeat_load(nc: NATS) -> dict:
