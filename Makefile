@@ -25,11 +25,11 @@ up: $(STAMP)
 	$(VENV)/bin/tidal up $(UP_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tidal services tests
-	$(VENV)/bin/ruff format --check tidal services tests
+	$(VENV)/bin/ruff check tidal services tidal_bench tests
+	$(VENV)/bin/ruff format --check tidal services tidal_bench tests
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy tidal services
+	$(VENV)/bin/mypy tidal services tidal_bench
 
 test: $(STAMP) lint typecheck
 	$(VENV)/bin/pytest -m "not gpu and not sglang" $(PYTEST_ARGS)

@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.cli import natsd
-from services.cli.benchkit import stack
+from tidal_bench.kit import stack
 
 TICK_S = os.sysconf("SC_CLK_TCK")
 WORDS = ("tide", "wave", "shore", "moon", "current", "reef", "harbor", "sail", "drift", "foam")

@@ -26,11 +26,12 @@ from pathlib import Path
 from services.cli import natsd, state
 from services.cli.model_args import check_model_args, instance_model_argv
 from services.cli.up_args import add_up_args, parse_pinning, sglang_args
-from services.common import affinity, live_config
-from services.common.live_config import load_live_config
+from services.common import affinity
 from services.gateway.auth import API_KEYS_ENV, keys_from
 from services.gateway.ratelimit import RateLimiter
 from tidal import envs
+from tidal.config import live as live_config
+from tidal.config.live import load_live_config
 from tidal.engine import core_share
 
 BACKOFF_START_S = 0.5

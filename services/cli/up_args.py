@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from services.cli.model_args import add_model_args
 from services.common import affinity
+from services.common.args import add_advertise_host
 from services.gateway.ratelimit import add_rate_args
 
 
@@ -112,12 +113,7 @@ def add_up_args(p: argparse.ArgumentParser, model_required: bool) -> None:
         help="address the instances' KV data planes and the CPU-attention workers listen on "
         "(default: 127.0.0.1 when the bus is on loopback, else 0.0.0.0)",
     )
-    p.add_argument(
-        "--advertise-host",
-        default="",
-        help="address other hosts reach this host's data planes on (default: "
-        "$TIDAL_ADVERTISE_HOST, else the interface that routes to NATS; docs/cluster.md)",
-    )
+    add_advertise_host(p)
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument(
         "--sim-step-model",

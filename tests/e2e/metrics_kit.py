@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.cli.benchkit import metric_samples
+from tidal_bench.kit import metric_samples
 
 
 def metric(base: str, name: str, **labels: str) -> float:

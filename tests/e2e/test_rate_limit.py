@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from services.cli.faultkit import MODEL, Stack
+from tidal_bench.faults.kit import MODEL, Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nats]
 

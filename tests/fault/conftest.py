@@ -7,14 +7,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.cli.faultkit import MODEL, Stack
 from tests.fault.fuzzkit import fuzz_up, http
+from tidal_bench.faults.kit import MODEL, Stack
 
 __all__ = ["MODEL", "Up", "fuzz_up", "http", "up"]
 
 
 class Up(Stack):
-    """The stack a fault test kills parts of (see `services.cli.faultkit.Stack`)."""
+    """The stack a fault test kills parts of (see `tidal_bench.faults.kit.Stack`)."""
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services.cli.faultkit import MODEL, Stack
+from tidal_bench.faults.kit import MODEL, Stack
 
 CHAT = [{"role": "user", "content": "hi"}]
 MB = 1024 * 1024

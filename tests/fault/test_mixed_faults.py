@@ -16,9 +16,9 @@ import asyncio
 
 import pytest
 
-from services.cli.bench_faults import KILLS
-from services.cli.faultkit import Outcome, run_mixed
 from tests.fault.conftest import Up
+from tidal_bench.faults.kit import Outcome, run_mixed
+from tidal_bench.faults.run import KILLS
 
 pytestmark = [pytest.mark.fault, pytest.mark.nats]
 STREAMS = 32

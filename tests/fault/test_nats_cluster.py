@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.cli.faultkit import Stack
-from services.cli.natsfault import run_node_loss
 from services.common.batch_store import FILES_BUCKET, JOBS_STREAM, KV_BUCKETS
 from services.common.bus import connect
+from tidal_bench.faults.kit import Stack
+from tidal_bench.faults.nats import run_node_loss
 
 pytestmark = [pytest.mark.fault, pytest.mark.nats, pytest.mark.slow]
 STREAMS = 16

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import natsd
-from services.cli.bench_overload import add_load_args, drive
+from tidal_bench.serve.overload import add_load_args, drive
 
 pytestmark = [pytest.mark.fault, pytest.mark.nats]
 

@@ -15,8 +15,8 @@ import time
 import openai
 import pytest
 
-from services.cli.faultkit import StreamResult, stream
 from tests.fault.conftest import Up
+from tidal_bench.faults.kit import StreamResult, stream
 
 pytestmark = [pytest.mark.fault, pytest.mark.nats]
 STREAMS = 16

@@ -23,14 +23,15 @@ PROBE = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, Block())
-    from services.cli.main import build_parser
+    from services.cli.main import main
 
-    parser = build_parser()
     for argv in (["up", "--help"], ["bench", "faults", "--help"], ["ctl", "--help"]):
         try:
-            parser.parse_args(argv)
+            main(argv)
         except SystemExit as e:
             assert e.code == 0, argv
+        else:
+            raise AssertionError(argv)
     for name in ("services.gateway.main", "services.scheduler.main", "services.batch.main",
                  "services.instance.main"):
         importlib.import_module(name)

@@ -24,7 +24,7 @@ from services.cli import natsd
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 REPO = Path(__file__).resolve().parents[2]
 OTHER_PYTHONS = ("3.12", "3.13")
-PACKAGED = ("pyproject.toml", "README.md", "LICENSE", "tidal", "services")
+PACKAGED = ("pyproject.toml", "README.md", "LICENSE", "tidal", "services", "tidal_bench")
 
 
 def _python(version: str) -> str | None:

@@ -1,8 +1,8 @@
-"""`tidal perf ...`: fit, validate and benchmark the step-latency models.
+"""`tidal perf ...`: fit and validate the step-latency models (what they cost, and a real step
+log to fit them on: `tidal bench perf-cost`, `tidal bench step-log`).
 
 tidal perf fit      --kernel-timings CSV | --log STEPS  --out PROFILE.json
 tidal perf validate --kernel-timings CSV | --log STEPS  [--profile PROFILE.json] [--json PATH]
-tidal perf bench    [--samples 80000] [--json PATH]
 tidal perf synth-log --kernel-timings CSV --out STEPS.jsonl   (a log until the engine has one)
 tidal perf budget   --model M --hardware H --target 0.1 [--metric p99_tbt]
 """
@@ -21,7 +21,7 @@ METRICS = ("mean_tbt", "p99_tbt", "mean_ttft", "p99_ttft")  # as tidal.perf.prof
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    perf = subparsers.add_parser("perf", help="step-latency models: fit, validate, bench")
+    perf = subparsers.add_parser("perf", help="step-latency models: fit, validate, budget")
     sub = perf.add_subparsers(dest="perf_cmd", required=True)
 
     def data_args(p: argparse.ArgumentParser) -> None:
@@ -45,11 +45,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     val.add_argument("--json", help="also write the figures to this JSON file")
     val.set_defaults(func=_validate)
 
-    bench = sub.add_parser("bench", help="prediction cost and regression fit time")
-    bench.add_argument("--samples", type=int, default=80_000, help="steps in the regression fit")
-    bench.add_argument("--json", help="also write the figures to this JSON file")
-    bench.set_defaults(func=_bench)
-
     syn = sub.add_parser("synth-log", help="step log from measured dense kernels + attention")
     syn.add_argument("--kernel-timings", required=True)
     syn.add_argument("--out", required=True)
@@ -59,19 +54,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     syn.add_argument("--noise", type=float, default=0.01, help="relative lognormal noise")
     syn.add_argument("--seed", type=int, default=0)
     syn.set_defaults(func=_synth)
-
-    rec = sub.add_parser("record-log", help="record a real step log from the torch engine")
-    rec.add_argument("--out", required=True, help="step log to append to")
-    rec.add_argument("--steps", type=int, default=1000)
-    rec.add_argument("--model", help="HF directory or GGUF (default: the embedded SmolLM2)")
-    rec.add_argument("--device", default="cpu")
-    rec.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = default)")
-    rec.add_argument("--seed", type=int, default=0)
-    rec.add_argument(
-        "--clock", choices=("wall", "thread"), default="wall",
-        help="step_s as wall time, or the stepping thread's CPU time (shared machines)",
-    )  # fmt: skip
-    rec.set_defaults(func=_record)
 
     bud = sub.add_parser("budget", help="HyGen SLO-aware profiler: binary-search the step budget")
     bud.add_argument("--model", default="llama-2-7b")
@@ -158,13 +140,6 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from tidal.perf.bench import run_bench
-
-    _emit(run_bench(args.samples), args.json)
-    return 0
-
-
 def _synth(args: argparse.Namespace) -> int:
     from tidal.perf.kernel_timings import read_kernel_timings
     from tidal.perf.steplog import synthetic_step_log, write_step_log
@@ -173,27 +148,6 @@ def _synth(args: argparse.Namespace) -> int:
     log = synthetic_step_log(kt, args.tp, args.layers, args.steps, args.noise, args.seed)
     write_step_log(args.out, log.batches, log.step_s)
     print(f"wrote {len(log)} steps to {args.out} ({log.source})")
-    return 0
-
-
-def _record(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
-
-    from tidal.perf.record import record_engine_log
-
-    with Progress() as bar:
-        task = bar.add_task("recording engine steps", total=args.steps)
-        record_engine_log(
-            args.out,
-            args.steps,
-            args.model,
-            args.device,
-            args.threads or None,
-            args.seed,
-            clock=args.clock,
-            progress=lambda i: bar.update(task, completed=i),
-        )
-    print(f"appended {args.steps} real {args.device} steps to {args.out}")
     return 0
 
 

@@ -46,3 +46,15 @@ class LinearStepModel:
             + self.per_ctx_token_s * batch.decode_context_tokens
             + self.per_attn_pair_s * batch.prefill_attn_pairs
         )
+
+
+# `--sim-step-model zero` (no time at all) and `linear` (the sim engine's default: about
+# SmolLM2-135M on a laptop core)
+ZERO_STEP_MODEL = LinearStepModel(0.0, 0.0, 0.0, 0.0, 0.0)
+DEFAULT_SIM_STEP_MODEL = LinearStepModel(
+    base_s=0.008,
+    per_token_s=8e-5,
+    per_ctx_token_s=5e-7,
+    per_attn_pair_s=0.0,
+    per_decode_req_s=1.2e-4,
+)

@@ -11,6 +11,7 @@ from tidal.perf.api import StepModel
 from tidal.perf.catalog import hardware_spec, model_spec
 from tidal.perf.factory import KINDS, make_step_model
 from tidal.perf.helpers import kv_capacity_tokens
+from tidal.perf.linear import DEFAULT_SIM_STEP_MODEL, ZERO_STEP_MODEL, LinearStepModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,3 +75,35 @@ def parse_spec(spec: str) -> StepModelSpec:
     if kind not in KINDS:
         raise ValueError(f"step model {spec!r}: kind must be one of {', '.join(KINDS)}")
     return StepModelSpec(model, hardware, tp, kind, fields.get("profile"))
+
+
+def parse_step_model(spec: str) -> StepModel:
+    """`zero`, `linear` (`DEFAULT_SIM_STEP_MODEL`), `linear:BASE_S,PER_TOKEN_S,DECODE_REQ_S,
+    CTX_TOKEN_S` (a `LinearStepModel`: seconds per step, per token, per decoding request, per
+    decode context token), or `MODEL@HARDWARE[,tp=N][,kind=K][,profile=PATH]` for a `tidal.perf`
+    model (`tidal.perf.spec`; e.g. `llama-2-7b@a100-80gb`, `yi-34b@a100-80gb,tp=2`)."""
+    if spec == "zero":
+        return ZERO_STEP_MODEL
+    if spec == "linear":
+        return DEFAULT_SIM_STEP_MODEL
+    if spec.startswith("linear:"):
+        try:
+            coeffs = [float(x) for x in spec.removeprefix("linear:").split(",")]
+        except ValueError:
+            raise ValueError(f"--sim-step-model {spec!r}: coefficients must be numbers") from None
+        if len(coeffs) != 4:
+            raise ValueError(f"--sim-step-model {spec!r}: linear takes exactly 4 coefficients")
+        base_s, per_token_s, per_decode_req_s, per_ctx_token_s = coeffs
+        return LinearStepModel(
+            base_s=base_s,
+            per_token_s=per_token_s,
+            per_decode_req_s=per_decode_req_s,
+            per_ctx_token_s=per_ctx_token_s,
+            per_attn_pair_s=0.0,
+        )
+    if "@" in spec:
+        return parse_spec(spec).build()
+    raise ValueError(
+        f"--sim-step-model {spec!r}: expected zero, linear[:...] or "
+        "MODEL@HARDWARE[,tp=N][,kind=K][,profile=PATH]"
+    )

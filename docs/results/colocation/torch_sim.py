@@ -20,8 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from services.cli import bench_colo_search as cs
-from services.cli.bench_colo_report import plot, table
+from tidal_bench.colocation import search as cs
+from tidal_bench.colocation.report import plot, table
 
 
 def main(argv: list[str]) -> int:

@@ -2,7 +2,7 @@
 with <tree> the code before (git archive df95804) or after; one JSON line per case."""
 import json, sys, statistics, time
 import torch
-from services.cli.bench_cpu_attn_bound import measure, on_cores, SMOLLM2_135M, ITEM_BYTES
+from tidal_bench.cpu_attn.bound import measure, on_cores, SMOLLM2_135M, ITEM_BYTES
 from tidal.cpu_attn.kv_store import KvStore
 label = sys.argv[1]
 for dtype in ("bfloat16", "float32"):
@@ -10,7 +10,7 @@ for dtype in ("bfloat16", "float32"):
     print(json.dumps({"label": label, "case": "24x400", **r}), flush=True)
 # mixed lengths 100..1000 (24 rows), bf16, same cores, same bound formula
 with on_cores((1,)):
-    from services.cli.bench_cpu_attn_bound import copy_gb_per_s
+    from tidal_bench.cpu_attn.bound import copy_gb_per_s
     bw = copy_gb_per_s()
     for dtype in ("bfloat16", "float32"):
         dt = getattr(torch, dtype); geo = SMOLLM2_135M

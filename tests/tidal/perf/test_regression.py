@@ -65,7 +65,7 @@ def test_closed_form_inverse_matches_forward_and_bisection(
 
 
 def test_fit_cost_is_small() -> None:
-    # not a timed assertion of the target (see `tidal perf bench`): only that the fit is a
+    # not a timed assertion of the target (see `tidal bench perf-cost`): only that the fit is a
     # single least-squares solve, far below a second on 80k rows even on a busy machine
     rng = np.random.default_rng(2)
     sp, sd, n_p, n_d = _sample(rng, 80_000)

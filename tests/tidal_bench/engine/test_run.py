@@ -1,0 +1,39 @@
+"""`tidal bench engine` end to end on a tiny checkpoint: both dtypes side by side, the engine's
+dtype choice and the per-phase profile in the report and the JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from tidal_bench.engine import run
+
+
+def test_bench_engine_reports_both_dtypes_and_the_choice(
+    tiny_dirs: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TIDAL_DTYPE", raising=False)
+    parser = argparse.ArgumentParser()
+    run._add_args(parser)
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(tiny_dirs["llama"]), "--batches", "1,2", "--prefill", "16"]
+    argv += ["--rounds", "1", "--decode-steps", "2", "--prompt-len", "8", "--kv-tokens", "4096"]
+    args = parser.parse_args([*argv, "--profile", "--json", str(out)])
+    assert args.func(args) == 0
+    res = json.loads(out.read_text())
+    assert set(res["runs"]) == {"float32", "bfloat16"}
+    for r in res["runs"].values():
+        assert r["decode_tokens_per_s"]["1"] > 0 and r["hf"]["decode"]["2"] > 0
+        assert r["profile_batch1"]["wall_ms"] > 0 and "batch1_vs_hf" in r["targets"]
+    assert (
+        res["chosen"]["dtype"] in ("float32", "bfloat16") and "measured" in res["chosen"]["reason"]
+    )
+    text = capsys.readouterr().out
+    assert "engine default dtype here" in text and "matmul gate_up" in text

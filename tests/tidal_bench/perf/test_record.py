@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tidal.perf.steplog import read_step_log
+from tidal_bench.perf.record import record_engine_log
+
+
+@pytest.mark.slow
+def test_records_real_engine_steps_that_the_fits_can_read(tmp_path) -> None:
+    out = tmp_path / "steps.jsonl"
+    record_engine_log(
+        str(out), num_steps=8, max_prompt=48, max_output=4, chunks=(16, 32), clock="thread"
+    )
+    log = read_step_log(out)
+    assert all("wall_s" in json.loads(line) for line in out.read_text().splitlines())
+    assert len(log) == 8
+    assert all(t > 0 for t in log.step_s)
+    assert any(b.num_prefill_tokens > 0 for b in log.batches)
+    # chunks of at most 32 tokens per step (or one whole <= 48-token prompt when nothing else)
+    assert all(b.num_prefill_tokens <= 48 for b in log.batches)

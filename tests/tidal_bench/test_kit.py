@@ -1,0 +1,41 @@
+"""What the bench commands share: percentiles and the JSON report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tidal_bench.kit import pct, save_json
+
+
+def test_a_report_is_written_with_its_options_and_without_the_command(tmp_path: Path) -> None:
+    args = argparse.Namespace(rate=25.0, json="x.json", func=print)
+    out = tmp_path / "r.json"
+    save_json(str(out), {"args": args, "p50": 1.5, "when": Path("/a")})
+    assert json.loads(out.read_text()) == {
+        "args": {"rate": 25.0, "json": "x.json"},
+        "p50": 1.5,
+        "when": "/a",
+    }
+    save_json("", {"nothing": 1})  # no path: nothing written, no error
+
+
+def test_percentiles_are_numpys_and_nan_without_values() -> None:
+    assert pct([3.0, 1.0, 2.0], 50) == 2.0
+    assert pct([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)  # linear between ranks
+    assert math.isnan(pct([], 50))
+
+
+def test_a_stack_that_exits_at_once_is_reported_with_its_log_not_waited_for() -> None:
+    from services.cli import natsd
+    from tidal_bench.kit import stack
+
+    with (
+        pytest.raises(RuntimeError, match=r"(?s)exited .* before serving.*nonsense"),
+        stack(natsd.free_port(), "--engine", "nonsense", start_timeout_s=600),
+    ):
+        pass

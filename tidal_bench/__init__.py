@@ -1,0 +1,1 @@
+"""Measurement, apart from the product: `tidal bench`, replay, co-location search, fault kits."""

@@ -1,0 +1,1 @@
+"""Online latency beside offline work, and the live max-offline search."""

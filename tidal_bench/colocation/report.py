@@ -1,0 +1,285 @@
+"""`tidal bench colocation --search-offline`: run the searches, print the table, write JSON and
+the plot (attainment and offline tokens/s against the offline load, one line per policy)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from services.cli.up_args import parse_pinning
+from tidal_bench.colocation import search as cs
+
+console = Console(stderr=True)
+
+
+def label(report: dict[str, Any]) -> str:
+    if report["engine"] == "sim":
+        return f"sim engine, EMULATED {report['sim_step_model']} step times"
+    return "torch engine, real SmolLM2-135M on this CPU"
+
+
+def table(report: dict[str, Any]) -> str:
+    """The printed table: one line per policy, live beside the simulator, resources below."""
+    lines = [
+        f"Live max offline load at >= {100 - report['violation']:g}% online SLO attainment "
+        f"({label(report)}; {report['config']}, online trace window {report['window']}; "
+        f"{report['repeats']} windows a point: attainment over all their online requests, "
+        f"offline tok/s their median, [min, max] over the windows; simulator: emulated, with the "
+        f"same {report.get('batch_max_inflight', '?')} batch lines in flight):",
+        "  policy                   live offline tok/s [spread]       QPS  attain % [spread]"
+        "        sim tok/s",
+    ]
+    for name, e in report["policies"].items():
+        lo, hi = e["spread"]["offline_tokens_per_s"]
+        alo, ahi = e["spread"]["attainment_pct"]
+        sat = " (saturated)" if e["saturated"] else ""
+        sim = f"{e['sim_max_offline_tokens_per_s']:9.1f}"
+        if "simulator_with_cpu_attn" in e:
+            w = e["simulator_with_cpu_attn"]
+            sim += f" ({w['max_offline_tokens_per_s']:.1f} with {w['cpu_attn_workers']} CPU-attn)"
+        lines.append(
+            f"  {name:22s} {e['max_offline_tokens_per_s']:9.1f} [{lo:7.1f}, {hi:7.1f}]"
+            f"{sat:12s} {e['max_offline_qps']:6.3g}  {e['attainment']:6.1f} [{alo:5.1f}, "
+            f"{ahi:5.1f}] {sim}"
+        )
+    lines.append("  resources (per policy):")
+    for name, e in report["policies"].items():
+        r = e["resources"]
+        inst = ", ".join(
+            f"{i['count']}x {i['role']}/chunk {i['chunk_size']}" for i in r["instances"]
+        )
+        lines.append(
+            f"    {name}: {inst}; KV {r['kv_cache_tokens_per_instance']} tokens/instance; "
+            f"{r['cpu_attn_workers']} CPU-attn worker(s) ({r['cpu_attn_workers_usable']} usable "
+            f"by the engine); batch lines in flight <= {r['batch_max_inflight']}; "
+            f"{r['host_cores']} host cores, {pinning(r)}"
+        )
+    return "\n".join(lines)
+
+
+def pinning(r: dict[str, Any]) -> str:
+    """Where the stack's processes ran (`--*-cores`), or that every process shared every core."""
+    pins = [(k, r.get(f"{k}_cores")) for k in ("engine", "cpu_attn", "service")]
+    if all(v is None for _, v in pins):
+        return "shared by every process"
+    return "pinned: " + ", ".join(f"{k} {v if v is not None else 'any'}" for k, v in pins)
+
+
+def plot(report: dict[str, Any], path: str) -> str:
+    """Median attainment (min-max bars) and offline tok/s against offered offline QPS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, e in report["policies"].items():
+        pts = sorted(e["probes"], key=lambda p: p["offline_qps"])
+        x = [p["offline_qps"] for p in pts]
+        y = [p["attainment_pct"] for p in pts]
+        err = [
+            [p["attainment_pct"] - p["attainment_spread"][0] for p in pts],
+            [p["attainment_spread"][1] - p["attainment_pct"] for p in pts],
+        ]
+        line = ax1.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{name} (live)")
+        colour = line[0].get_color()
+        tok = [p["offline_tokens_per_s"] for p in pts]
+        ax2.plot(x, tok, marker="o", color=colour, label=f"{name} (live)")
+        sim = sorted(e["simulator"].get("probes", []), key=lambda p: p["offline_qps"])
+        if sim:  # the simulator's search, same windows: dashed, same colour
+            sx = [p["offline_qps"] for p in sim]
+            ax1.plot(sx, [p["attainment_pct"] for p in sim], ls="--", marker="x", color=colour)
+            ax2.plot(
+                sx,
+                [p["offline_tokens_per_s"] for p in sim],
+                ls="--",
+                marker="x",
+                color=colour,
+                label=f"{name} (simulator)",
+            )
+    ax1.axhline(100 - report["violation"], color="grey", ls="--", lw=1)
+    ax1.set_xlabel("offline load offered through the Batch API (lines/s, uniform)")
+    ax1.set_ylabel("online SLO attainment (%): all repeats' requests")
+    ax2.set_xlabel("offline load offered (lines/s)")
+    ax2.set_ylabel("offline output tokens/s generated in the window")
+    ax1.legend(fontsize=8)
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"Live max-offline search ({label(report)})", fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _batch_cap(report: dict[str, Any]) -> int | None:
+    """The report's batch lines in flight (a report from before it was recorded at the top: its
+    policies' resources; None if it has neither)."""
+    if "batch_max_inflight" in report:
+        return int(report["batch_max_inflight"])
+    for e in report.get("policies", {}).values():
+        if "batch_max_inflight" in e.get("resources", {}):
+            return int(e["resources"]["batch_max_inflight"])
+    return None
+
+
+def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`new`'s policies added to an earlier report of the same method (a search split over two
+    runs); refused when the engine, config, window or search differ."""
+    keys = ("engine", "sim_step_model", "config", "set", "window", "violation", "repeats", "search")
+    diff = [k for k in keys if old.get(k) != new.get(k)]
+    if None not in (cap := (_batch_cap(old), _batch_cap(new))) and cap[0] != cap[1]:
+        diff.append("batch_max_inflight")
+    if diff:
+        raise ValueError(f"--append: the earlier report differs in {diff}")
+    out = {**new, "policies": {**old["policies"], **new["policies"]}}
+    out["wall_s"] = old.get("wall_s", 0.0) + new["wall_s"]
+    return out
+
+
+def run_search(args: argparse.Namespace) -> int:
+    if args.repeats < 1 or args.measure_s <= 0 or args.warmup_s < 0:
+        print("error: --repeats >= 1, --measure-s > 0 and --warmup-s >= 0", file=sys.stderr)
+        return 2
+    if args.batch_max_inflight < 1:
+        print("error: --batch-max-inflight must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        parse_pinning(args)  # a bad or overlapping core list, before any stack starts
+        cfg, cfg_path = cs.write_config(args, cs.temp_dir())
+        # the live instances emulate the model the simulator builds from the same config
+        args.sim_step_model = args.sim_step_model or cfg.step_model_spec()
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    on = cfg.online
+    assert on is not None
+    start = on.start_s
+    report: dict[str, Any] = {
+        "what": "live max-offline search (OOCO §5.2 on the running stack)",
+        "engine": args.engine,
+        "emulated": args.engine == "sim",
+        "sim_step_model": args.sim_step_model if args.engine == "sim" else None,
+        "config": args.config,
+        "set": args.set,
+        "window": f"trace seconds {start:g}-{start + cfg.duration_s:g} (first {args.warmup_s:g} s "
+        f"warm-up, not counted)",
+        "online_stream": {
+            "source": on.source,
+            "arrival": on.arrival,
+            "scale": on.scale,
+            "rate": on.rate,
+        },
+        "slo": {"ttft_s": cfg.slo.ttft_s, "tpot_s": cfg.slo.tpot_s},
+        "violation": args.violation,
+        "repeats": args.repeats,
+        "warmup_s": args.warmup_s,
+        "measure_s": args.measure_s,
+        "search": {"start_qps": args.start_qps, "max_qps": args.max_qps, "iters": args.iters},
+        "batch_max_inflight": args.batch_max_inflight,  # live and simulated alike
+        "policies": {},
+    }
+    earlier = None
+    if args.json and args.append and Path(args.json).exists():
+        earlier = json.loads(Path(args.json).read_text())
+        try:
+            merged(earlier, {**report, "wall_s": 0.0})
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    t0 = time.perf_counter()
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TextColumn("{task.completed:.0f} windows"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as prog:
+        for name, policy, workers in cs.variants(args):
+            report["policies"][name] = cs.run_policy(args, cfg, cfg_path, policy, workers, prog)
+    report["wall_s"] = time.perf_counter() - t0
+    if earlier is not None:
+        report = merged(earlier, report)
+    print(table(report))
+    if args.json:
+        png = args.plot or str(Path(args.json).with_suffix(".png"))
+        report["plot"] = plot(report, png)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {args.json} and {png}")
+    elif args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+def add_search_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("max-offline search (--search-offline)")
+    g.add_argument(
+        "--search-offline",
+        action="store_true",
+        help="search each policy's largest Batch API offline load at the online SLO",
+    )
+    g.add_argument("--policies", default="", help="comma-separated policies to search")
+    g.add_argument("--violation", type=float, default=3.0, help="online violation cap, %%")
+    g.add_argument("--config", default="", help="experiment config (default: per engine)")
+    g.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value for the stack and the simulator alike",
+    )
+    g.add_argument(
+        "--sim-step-model",
+        default="",
+        help="sim engine step times, emulated: MODEL@HARDWARE[,tp=N][,kind=K][,profile=PATH] "
+        "(default: the config's, as the simulator builds it)",
+    )
+    g.add_argument("--max-model-len", type=int, default=8192, help="sim engine context length")
+    g.add_argument(
+        "--cpu-attn", type=int, default=1, help="CPU-attention workers every policy's stack gets"
+    )
+    g.add_argument(
+        "--without-cpu-attn",
+        default="tidal",
+        help="policies also searched with no CPU-attention worker (torch engine)",
+    )
+    g.add_argument(
+        "--batch-max-inflight",
+        type=int,
+        default=32,
+        help="Batch API lines running at once in every policy's stack (tidal up's flag) and "
+        "in the simulator beside it",
+    )
+    g.add_argument(
+        "--engine-cores",
+        default=None,
+        help="pin every policy's instances to these cores (tidal up's flag; default unpinned)",
+    )
+    g.add_argument(
+        "--cpu-attn-cores",
+        default=None,
+        help="pin every policy's CPU-attention workers here, disjoint from --engine-cores",
+    )
+    g.add_argument(
+        "--service-cores",
+        default=None,
+        help="pin the control plane and this load generator here (may overlap the workers')",
+    )
+    g.add_argument("--measure-s", type=float, default=10.0, help="measured part of a window")
+    g.add_argument("--repeats", type=int, default=3, help="windows per offline load")
+    g.add_argument("--start-qps", type=float, default=1.0, help="first offline load probed")
+    g.add_argument("--max-qps", type=float, default=32.0, help="stop growing the load here")
+    g.add_argument("--iters", type=int, default=1, help="bisection steps")
+    g.add_argument(
+        "--append",
+        action="store_true",
+        help="add these policies to the --json report of an earlier run with the same settings",
+    )
+    g.add_argument("--plot", default="", help="PNG path (default: the --json path's .png)")

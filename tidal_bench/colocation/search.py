@@ -1,0 +1,459 @@
+"""`tidal bench colocation --search-offline`: the live twin of `tidal sim max-offline` (OOCO §5.2).
+
+Per policy, one `tidal up` stack with the same resources for every policy (the config's
+instances, `--kv-cache-tokens` from the config, `--cpu-attn N` workers: a policy that cannot use
+them leaves them idle); on it, `max_offline.search_max_offline` raises a uniform offline load,
+submitted through the Batch API (`/v1/files` + `/v1/batches`, one batch a second holding the
+lines that arrived in it), until the median online SLO attainment of `--repeats` windows falls
+below 100 - `--violation` %. Each window replays the config's online trace stream (its scale,
+from `--set online.start_s`) with the official openai client, streamed; its first `--warmup-s`
+seconds are warm-up and are not counted (online requests arriving then, offline tokens completed
+then). Offline lengths come from the config's offline stream, the same requests the simulator
+offers at that QPS. Offline tokens/s is the growth of `tidal_batch_generated_tokens_total`
+(tokens as they are generated) over the measured window. Beside each live figure: the
+simulator's search on the same config, window and resources (the batch service's lines in
+flight included), run in-process and counted the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from services.cli import natsd
+from services.common import affinity
+from tidal.configs import config_path
+from tidal.sim.build import kv_geometry, with_offline_rate, workload
+from tidal.sim.config import SimConfig, parse_config, set_path
+from tidal.workload.mix import SimRequest
+from tidal_bench.colocation.max_offline import Measurement, Outcome, Point, search_max_offline
+from tidal_bench.kit import metric_samples, pct, prompt_maker, stack
+
+
+def write_config(args: argparse.Namespace, tmp: str) -> tuple[SimConfig, str]:
+    """The config after `--set`, checked, and a YAML copy of it the live stack reads too (so the
+    stack and the simulator run one config)."""
+    data = yaml.safe_load(config_path(args.config).read_text()) or {}
+    for a in args.set:
+        try:
+            set_path(data, a)
+        except (KeyError, IndexError, TypeError) as e:
+            raise ValueError(f"--set {a}: no such place in {args.config} ({e})") from e
+    cfg = parse_config(data, args.config)
+    if cfg.online is None or cfg.offline is None:
+        raise ValueError(f"{args.config}: the search needs an online and an offline stream")
+    cfg = dataclasses.replace(cfg, duration_s=args.warmup_s + args.measure_s)
+    path = Path(tmp) / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return cfg, str(path)
+
+
+def resources(args: argparse.Namespace, cfg: SimConfig, policy: str, cpu_attn: int) -> dict:
+    """What the stack of `policy` is given; the same for every policy but the CPU-attn variant."""
+    _, blocks = kv_geometry(cfg)
+    usable = cpu_attn if args.engine == "torch" else 0
+    return {
+        "engine": args.engine,
+        "step_times": f"emulated {args.sim_step_model}" if args.engine == "sim" else "real",
+        "instances": [
+            {"role": g.role, "chunk_size": g.chunk_size, "count": g.count}
+            for g in cfg.groups_for(policy)
+        ],
+        "kv_cache_tokens_per_instance": blocks * cfg.block_size,
+        "cpu_attn_workers": cpu_attn,
+        # NOTE: the sim engine has no CPU-attention path: its workers run but take no work
+        "cpu_attn_workers_usable": usable,
+        # the batch service runs this many lines at once, live and in the simulator
+        # (`SimConfig.batch_max_inflight`); it caps the offline rate at high loads
+        "batch_max_inflight": args.batch_max_inflight,
+        "host_cores": os.cpu_count(),
+        # NOTE: None = unpinned (every process on every core)
+        "engine_cores": args.engine_cores,
+        "cpu_attn_cores": args.cpu_attn_cores,
+        "service_cores": args.service_cores,
+    }
+
+
+def up_args(args: argparse.Namespace, cfg_path: str, policy: str, res: dict) -> list[str]:
+    up = ["--engine", args.engine, "--config", cfg_path, "--policy", policy]
+    up += ["--cpu-attn", str(res["cpu_attn_workers"])]
+    up += ["--kv-cache-tokens", str(res["kv_cache_tokens_per_instance"])]
+    up += ["--batch-max-inflight", str(res["batch_max_inflight"])]
+    for flag in ("engine_cores", "cpu_attn_cores", "service_cores"):
+        if res[flag] is not None:
+            up += ["--" + flag.replace("_", "-"), res[flag]]
+    if args.engine == "sim":
+        up += ["--sim-step-model", args.sim_step_model, "--max-model-len", str(args.max_model_len)]
+    return up
+
+
+async def _submit(client: Any, model: str, lines: list[tuple[int, int]]) -> str:
+    """One batch of (prompt tokens, output tokens) lines through /v1/files + /v1/batches."""
+    prompt = prompt_maker()
+    body = "\n".join(
+        json.dumps(
+            {
+                "custom_id": f"l{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {
+                    "model": model,
+                    "prompt": prompt(n_in),
+                    "max_tokens": n_out,
+                    "ignore_eos": True,
+                },
+            }
+        )
+        for i, (n_in, n_out) in enumerate(lines)
+    ).encode()
+    f = await client.files.create(file=("w.jsonl", io.BytesIO(body)), purpose="batch")
+    b = await client.batches.create(
+        input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    return str(b.id)
+
+
+FINAL = ("completed", "failed", "cancelled", "expired")
+
+
+async def _settle(client: Any, model: str, batch_ids: list[str], settle_s: float) -> None:
+    """Leave the stack empty for the next window: the window's batches get `settle_s` to finish,
+    the rest are cancelled. NOTE: the batch service takes seconds to minutes to finalize
+    cancelled batches and validates no new batch meanwhile (later windows measured no offline
+    tokens at all), so batches are left to finish where they can; after a cancel, a one-line
+    batch run to completion shows the service is ready again."""
+    import openai
+
+    deadline = time.monotonic() + settle_s
+    left = list(batch_ids)
+    while left and time.monotonic() < deadline:
+        states = await asyncio.gather(*(client.batches.retrieve(b) for b in left))
+        left = [b.id for b in states if b.status not in FINAL]
+        if left:
+            await asyncio.sleep(0.5)
+    if not left:
+        return
+    for bid in left:
+        with contextlib.suppress(openai.APIError):  # it ended meanwhile
+            await client.batches.cancel(bid)
+    probe = await _submit(client, model, [(8, 1)])
+    for _ in range(600):
+        if (await client.batches.retrieve(probe)).status in FINAL:
+            return
+        await asyncio.sleep(0.5)
+    raise RuntimeError("the batch service did not run a one-line batch within 300 s")
+
+
+def _batch_counters(base: str) -> dict[str, float]:
+    out = {"tokens": 0.0, "lines": 0.0, "busy": 0.0}
+    for name, labels, value in metric_samples(base):
+        if name == "tidal_batch_generated_tokens_total":  # as generated, not per stored line
+            out["tokens"] += value
+        elif name == "tidal_batch_lines_total" and labels.get("outcome") == "completed":
+            out["lines"] += value
+        elif name in ("tidal_batch_lines_in_flight", "tidal_batch_lines_queued"):
+            out["busy"] += value
+    return out
+
+
+async def measure_window(
+    base: str,
+    model: str,
+    cfg: SimConfig,
+    online: list[SimRequest],
+    offline: list[SimRequest],
+    warmup_s: float,
+    settle_s: float = 90.0,
+) -> Measurement:
+    """One window: the online trace streamed and the offline lines submitted as batches at their
+    arrival times; counted from `warmup_s` on; every batch cancelled and drained at the end."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+    prompt = prompt_maker()
+    slo, end_s = cfg.slo, cfg.duration_s
+    rows: list[tuple[float, float | None, float | None, int, int]] = []  # sent, 1st, last, n, want
+    batch_ids: list[str] = []
+    t0 = time.perf_counter()
+
+    async def at(t: float) -> None:
+        await asyncio.sleep(max(0.0, t - (time.perf_counter() - t0)))
+
+    async def one(r: SimRequest) -> None:
+        await at(r.arrival_s)
+        sent = time.perf_counter() - t0
+        first = last = None
+        n = 0
+        try:
+            stream = await client.completions.create(
+                model=model,
+                prompt=prompt(r.input_tokens),
+                max_tokens=r.output_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"request_class": "online", "ignore_eos": True},
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    last = time.perf_counter() - t0
+                    first = first if first is not None else last
+                if chunk.usage is not None:
+                    # NOTE: tokens, not text chunks: a real tokenizer's detokenizer may hold
+                    # a token back or send two in one chunk
+                    n = chunk.usage.completion_tokens
+        except openai.APIError:
+            pass  # rejected or failed: not attained
+        if sent >= warmup_s:
+            rows.append((sent, first, last, n, r.output_tokens))
+
+    async def submit(second: int, lines: list[SimRequest]) -> None:
+        await at(float(second))
+        batch_ids.append(
+            await _submit(client, model, [(r.input_tokens, r.output_tokens) for r in lines])
+        )
+
+    async def snapshot(t: float) -> dict[str, float]:
+        await at(t)
+        return await asyncio.to_thread(_batch_counters, base)
+
+    groups: dict[int, list[SimRequest]] = {}
+    for r in offline:
+        groups.setdefault(int(r.arrival_s), []).append(r)
+    tasks = [asyncio.create_task(one(r)) for r in online]
+    tasks += [asyncio.create_task(submit(s, g)) for s, g in groups.items()]
+    c0, c1 = await asyncio.gather(snapshot(warmup_s), snapshot(end_s))
+    measured_s = end_s - warmup_s
+    try:
+        await asyncio.gather(*tasks)
+        await _settle(client, model, batch_ids, settle_s)
+    finally:
+        await client.close()
+    ok = 0
+    ttft, tpot = [], []
+    for sent, first, last, n, want in rows:
+        if first is None or last is None:
+            continue
+        ttft.append(first - sent)
+        tp = (last - first) / (n - 1) if n > 1 else 0.0
+        tpot.append(tp)
+        ok += n >= want and first - sent <= slo.ttft_s and tp <= slo.tpot_s
+    return Measurement(
+        attainment_pct=100.0 * ok / max(1, len(rows)),
+        offline_tokens_per_s=(c1["tokens"] - c0["tokens"]) / measured_s,
+        offline_lines_per_s=(c1["lines"] - c0["lines"]) / measured_s,
+        num_online=len(rows),
+        ttft_p99_s=pct(ttft, 99),
+        tpot_p99_s=pct(tpot, 99),
+    )
+
+
+def streams(cfg: SimConfig, qps: float) -> tuple[list[SimRequest], list[SimRequest]]:
+    """The window's online requests (the same at every load) and its offline lines at `qps`."""
+    online = [
+        r for r in workload(dataclasses.replace(cfg, offline=None)) if r.arrival_s < cfg.duration_s
+    ]
+    if qps <= 0:
+        return online, []
+    off_cfg = dataclasses.replace(with_offline_rate(cfg, qps), online=None)
+    return online, [r for r in workload(off_cfg) if r.arrival_s < cfg.duration_s]
+
+
+def live_search(
+    args: argparse.Namespace,
+    cfg: SimConfig,
+    base: str,
+    model: str,
+    on_window: Any,
+) -> Outcome:
+    """The search on one running stack; `on_window(qps, repeat, measurement)` after each one."""
+
+    def measure(qps: float) -> list[Measurement]:
+        online, offline = streams(cfg, qps)
+        runs = []
+        for i in range(args.repeats):
+            m = asyncio.run(measure_window(base, model, cfg, online, offline, args.warmup_s))
+            runs.append(m)
+            on_window(qps, i, m)
+        return runs
+
+    return search_max_offline(
+        measure, 100.0 - args.violation, args.start_qps, args.max_qps, args.iters
+    )
+
+
+def window_bin_s(warmup_s: float, end_s: float) -> float:
+    """The widest time-series bin both the warm-up's end and the window's end fall on (whole
+    milliseconds), so the simulator's per-bin token counts cover exactly the measured part."""
+    ms = math.gcd(round(warmup_s * 1000), round(end_s * 1000))
+    return max(ms, 1) / 1000
+
+
+def sim_window(cfg: SimConfig, policy: str, qps: float, warmup_s: float) -> Measurement:
+    """One simulated window, counted as the live one is: online requests arriving after the
+    warm-up; offline tokens generated inside the measured part (a line still running or still
+    waiting for a batch place at either end counts only what it generated inside); offline
+    lines finishing inside it."""
+    from tidal.policy.base import Phase
+    from tidal.sim.build import simulate
+    from tidal.sim.metrics import online_arrays
+
+    c = with_offline_rate(cfg, qps) if qps > 0 else dataclasses.replace(cfg, offline=None)
+    end_s, measured_s = cfg.duration_s, cfg.duration_s - warmup_s
+    bin_s = window_bin_s(warmup_s, end_s)
+    rec = simulate(dataclasses.replace(c, bin_s=bin_s), policy)
+    reqs = rec.requests
+    on = online_arrays(reqs)
+    counted = on["arrival"] >= warmup_s
+    done = [
+        r
+        for r in reqs
+        if not r.is_online and r.phase is Phase.FINISHED and warmup_s <= (r.finish_s or 0.0) < end_s
+    ]
+    tokens = sum(rec.offline_tokens[round(warmup_s / bin_s) : round(end_s / bin_s)])
+    ttft, tpot = on["ttft"][counted], on["tpot"][counted]
+    return Measurement(
+        attainment_pct=100.0 * float(on["ok"][counted].sum()) / max(1, int(counted.sum())),
+        offline_tokens_per_s=tokens / measured_s,
+        offline_lines_per_s=len(done) / measured_s,
+        num_online=int(counted.sum()),
+        ttft_p99_s=pct(ttft[~np.isnan(ttft)].tolist(), 99),
+        tpot_p99_s=pct(tpot[~np.isnan(tpot)].tolist(), 99),
+    )
+
+
+def simulated(cfg: SimConfig, policy: str, args: argparse.Namespace, workers: int) -> dict:
+    """The simulator (emulated) on the same config, window and resources: the same search over
+    windows counted as the live ones (deterministic: one run a point), and beside it the
+    simulator's own `max_offline` over the whole window (`tidal sim max-offline`)."""
+    from tidal.sim.search import max_offline
+
+    c = dataclasses.replace(
+        cfg,
+        cpu_workers=dataclasses.replace(cfg.cpu_workers, count=workers),
+        batch_max_inflight=args.batch_max_inflight,
+    )
+    out = search_max_offline(
+        lambda q: [sim_window(c, policy, q, args.warmup_s)],
+        100.0 - args.violation,
+        args.start_qps,
+        args.max_qps,
+        args.iters,
+    )
+    own = max_offline(c, policy, args.violation, args.start_qps, args.max_qps, args.iters)
+    b = own.best or {}
+    return {
+        "max_offline_tokens_per_s": out.max_offline_tokens_per_s,
+        "max_offline_qps": out.best.load_qps,
+        "attainment_pct": out.best.attainment_pct,
+        "saturated": out.saturated,
+        "probes": [point_row(p) for p in out.probes],
+        "cpu_attn_workers": workers,
+        "own_max_offline": {
+            "what": "tidal sim max-offline on the whole window, warm-up included",
+            "max_offline_tokens_per_s": b.get("offline", {}).get("tokens_per_s", 0.0),
+            "max_offline_qps": own.best_rate,
+            "attainment_pct": b.get("online", {}).get("slo_attainment_pct"),
+            "saturated": own.saturated,
+        },
+    }
+
+
+def point_row(p: Point) -> dict[str, Any]:
+    return {
+        "offline_qps": p.load_qps,
+        "attainment_pct": p.attainment_pct,
+        "attainment_median_pct": p.attainment_median_pct,
+        "attainment_spread": p.spread("attainment_pct"),
+        "offline_tokens_per_s": p.offline_tokens_per_s,
+        "offline_tokens_per_s_spread": p.spread("offline_tokens_per_s"),
+        "offline_lines_per_s": p.offline_lines_per_s,
+        "runs": [dataclasses.asdict(m) for m in p.runs],
+    }
+
+
+def run_policy(
+    args: argparse.Namespace, cfg: SimConfig, cfg_path: str, policy: str, cpu_attn: int, prog: Any
+) -> dict[str, Any]:
+    """Search one policy on its own stack; its JSON entry."""
+    res = resources(args, cfg, policy, cpu_attn)
+    task = prog.add_task(f"{policy} (cpu-attn {cpu_attn}): starting the stack", total=None)
+    with stack(natsd.free_port(), *up_args(args, cfg_path, policy, res)) as base:
+        import openai
+
+        model = openai.OpenAI(base_url=base, api_key="unused").models.list().data[0].id
+
+        def on_window(qps: float, i: int, m: Measurement) -> None:
+            prog.update(
+                task,
+                advance=1,
+                description=f"{policy} (cpu-attn {cpu_attn}): {qps:g} QPS repeat {i + 1}/"
+                f"{args.repeats}: {m.attainment_pct:.1f}% attained, "
+                f"{m.offline_tokens_per_s:.0f} offline tok/s",
+            )
+
+        with on_cores(args.service_cores):  # the load generator beside the control plane
+            out = live_search(args, cfg, base, model, on_window)
+    prog.update(task, description=f"{policy} (cpu-attn {cpu_attn}): simulating")
+    sim = simulated(cfg, policy, args, res["cpu_attn_workers_usable"])
+    prog.update(task, description=f"{policy} (cpu-attn {cpu_attn}): done")
+    best = out.best
+    entry: dict[str, Any] = {
+        "max_offline_tokens_per_s": out.max_offline_tokens_per_s,
+        "max_offline_qps": best.load_qps,
+        "attainment": best.attainment_pct,
+        "attainment_median": best.attainment_median_pct,
+        "spread": {
+            "attainment_pct": best.spread("attainment_pct"),
+            "offline_tokens_per_s": best.spread("offline_tokens_per_s"),
+        },
+        "saturated": out.saturated,
+        "sim_max_offline_tokens_per_s": sim["max_offline_tokens_per_s"],
+        "simulator": sim,
+        "resources": res,
+        "probes": [point_row(p) for p in out.probes],
+    }
+    if args.engine == "sim" and cfg.cpu_workers.count > 0 and policy in args.without_cpu_attn:
+        # the live sim engine cannot offload attention; what the simulator's worker adds
+        entry["simulator_with_cpu_attn"] = simulated(cfg, policy, args, cfg.cpu_workers.count)
+    return entry
+
+
+@contextlib.contextmanager
+def on_cores(spec: str | None) -> Iterator[None]:
+    """This process (its threads from now on) on `spec`'s cores, then back where it was; the
+    stack is started before, so its processes do not inherit the mask."""
+    if spec is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, affinity.parse_cores(spec, "--service-cores"))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(report name, policy, CPU-attn workers) of every stack to search."""
+    out = [(p, p, args.cpu_attn) for p in args.policies]
+    if args.engine == "torch" and args.cpu_attn > 0:
+        out += [(f"{p}/no-cpu-attn", p, 0) for p in args.policies if p in args.without_cpu_attn]
+    return out
+
+
+def temp_dir() -> str:
+    return tempfile.mkdtemp(prefix="tidal-colo-")

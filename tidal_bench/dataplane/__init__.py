@@ -1,0 +1,1 @@
+"""The KV data plane: raw transfer, and migration between real engines."""

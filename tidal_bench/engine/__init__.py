@@ -1,0 +1,1 @@
+"""The torch engine alone: throughput, roofline, where a decode step goes."""

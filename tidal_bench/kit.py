@@ -1,0 +1,117 @@
+"""What the `tidal bench` commands share: a `tidal up` stack on a free port, percentiles, and
+writing a report as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (numpy's, linear between ranks); NaN for no values. The one
+    percentile every bench and the simulator's metrics use."""
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def metric_samples(base: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample on a gateway's /metrics (`base`: its root or API
+    URL), read with prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = base.removesuffix("/v1") + "/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return [
+        (s.name, dict(s.labels), float(s.value))
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    ]
+
+
+def gateway_metrics(base: str) -> dict[str, float]:
+    """The gateway's /metrics samples summed by name (labels dropped); `base` is the API URL."""
+    out: dict[str, float] = {}
+    for name, _, value in metric_samples(base):
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def save_json(path: str, report: dict[str, Any]) -> None:
+    """Write `report` to `path` as JSON (nothing when `path` is empty). An argparse namespace in
+    it is written as its options, without the command's function."""
+    if not path:
+        return
+    clean = {
+        k: {a: v for a, v in vars(x).items() if not callable(v)}
+        if isinstance(x, argparse.Namespace)
+        else x
+        for k, x in report.items()
+    }
+    Path(path).write_text(json.dumps(clean, indent=2, default=str))
+
+
+@contextlib.contextmanager
+def stack(
+    port: int, *up_args: str, start_timeout_s: float = 240.0, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """`tidal up --port PORT *up_args` (`env` added to this process's environment); yields the
+    API base URL once it serves a model."""
+    tmp = tempfile.mkdtemp(prefix="tidal-bench-")
+    env = {**os.environ, **(env or {}), "TIDAL_STATE_FILE": f"{tmp}/up.json"}
+    # `python -m`, not the `tidal` script: the stack runs the code this process imported (a
+    # worktree's, from its directory), not whatever the venv's entry point resolves to
+    argv = [sys.executable, "-m", "services.cli.main", "up", "--port", str(port)]
+    argv += ["--log-level", "WARNING", "--store-dir", tmp, *up_args]
+    log_path = Path(tmp) / "up.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), urllib.request.urlopen(base + "/models") as r:
+                if b'"id"' in r.read():
+                    break
+            if proc.poll() is not None:  # `tidal up` gave up: say why, do not wait out the clock
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
+                raise RuntimeError(
+                    f"the benchmark stack exited ({proc.returncode}) before serving: "
+                    + "\n".join(tail)
+                )
+            time.sleep(0.2)
+        else:
+            raise RuntimeError(
+                f"the benchmark stack did not start within {start_timeout_s} s (log: {log_path})"
+            )
+        time.sleep(1.0)  # every instance's first state report has reached the scheduler
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+@functools.cache  # the tokenizer is read once per process
+def prompt_maker() -> Any:
+    """prompt(n) -> a string the served tokenizer (the sim engine's default, SmolLM2's) reads as
+    exactly n tokens: " tide" is one token, plus whatever the tokenizer adds (a BOS)."""
+    from tidal.engine.sim_tokens import load_sim_tokenizer
+
+    extra = len(load_sim_tokenizer().encode("tide")) - 1
+
+    def prompt(n: int) -> str:
+        return "tide" + " tide" * max(0, n - 1 - extra)
+
+    return prompt
