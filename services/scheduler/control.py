@@ -7,21 +7,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 import nats.errors
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.common.bus import respond
-from tidal.cluster.membership import Member
+from services.scheduler.commands import Commands
+from services.scheduler.live import LiveCluster
+from tidal.cluster.membership import Member, Membership
+from tidal.config.live import LiveConfig
 from tidal.policy.base import InstanceRole, PolicyContext, Slo
 from tidal.policy.registry import available_policies, make_policy
 from tidal.schemas import subjects
 from tidal.schemas.messages import CtlDrain, CtlOfflineAdmission, CtlPolicy, CtlRoles, Heartbeat
-
-if TYPE_CHECKING:
-    from services.scheduler.main import Scheduler
 
 log = logging.getLogger("tidal.scheduler")
 
@@ -30,8 +31,25 @@ class EmptyCtl(msgspec.Struct):
     """Control requests that take no arguments accept `{}` (or an empty payload)."""
 
 
+class Controlled(Protocol):
+    """What the control plane steers of the scheduler (`main.Scheduler`)."""
+
+    nc: NATS
+    service_id: str
+    started_unix_s: float
+    membership: Membership
+    live: LiveConfig
+    cluster: LiveCluster
+    offline_paused: bool
+    params_override: dict[str, object]
+    commands: Commands
+    num_routed: int
+    num_rejected: int
+    num_suspects_alive: int
+
+
 class Control:
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Controlled) -> None:
         self.s = sched
 
     async def on_models(self, _: EmptyCtl, msg: Msg) -> None:

@@ -113,3 +113,14 @@ def _prefills(
 
 ATTENTION: AttentionFn = sdpa_paged_attention
 SDPA_MAX_SINGLE_T = 512  # one gathered decode row: SDPA up to this context, matmuls past it
+
+
+@dataclass
+class ForwardBatch:
+    """One forward pass's rows: what `llama.LlamaModel.forward_layers` runs."""
+
+    hidden: torch.Tensor  # (N, hidden) embeddings or resumed hidden states
+    positions: torch.Tensor  # (N,)
+    slot_mapping: torch.Tensor  # (N,) KV slot each row writes
+    # (first layer, number of active rows, meta) per group, ascending in first layer
+    groups: list[tuple[int, int, AttnMeta]]

@@ -4,7 +4,7 @@ Why: on an AVX2-only x86 CPU (no AVX-512, no AMX) the default stack did not star
 oneDNN packs bf16 weights only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and torch refuses
 otherwise (`mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or
 avx512bw, avx512vl and avx512dq`; fp16 needs avx512_fp16 or avx_ne_convert, so even this Zen 4
-refuses it). Asking whether oneDNN is enabled, as `packed.can_pack` did, says nothing about
+refuses it). Asking whether oneDNN is enabled, as `can_pack` once did, says nothing about
 that, and neither does a CPU flag about what a given torch/oneDNN build accepts. So packing is
 asked of oneDNN itself: a one-time trial (pack a tiny weight, run one packed matmul) whose
 RuntimeError becomes the reason the engine runs plain matmuls instead.
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from tidal import envs
+from tidal.engine import packed
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +109,21 @@ def probe() -> CpuCaps:
 
 def _pack_trial(dtype: torch.dtype) -> None:
     """Pack a tiny `dtype` weight for oneDNN and run one packed matmul on it."""
-    from tidal.engine import packed  # NOTE: not at the top: packed asks this module
-
     w = torch.ones(16, 32, dtype=dtype)
     packed.linear_packed(torch.ones(2, 32, dtype=dtype), packed.pack(w), None)
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether multi-row matmuls of `dtype` on `device` run on oneDNN-packed weights
+    (`packed`): oneDNN is on and accepts `dtype` on this CPU (`pack_refusal` logs why not,
+    once)."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.bfloat16, torch.float16)
+        and torch.backends.mkldnn.is_available()
+        and torch._C._get_mkldnn_enabled()
+        and not pack_refusal(dtype)
+    )
 
 
 @functools.cache

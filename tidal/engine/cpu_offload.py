@@ -15,8 +15,8 @@ import torch
 
 from tidal.engine import kv_transfer as kvt
 from tidal.engine.api import OffloadRefused
-from tidal.engine.piggyback import CpuAttnLink, CpuProgress, Piggyback
-from tidal.engine.sequence import SeqStatus, Sequence
+from tidal.engine.piggyback import CpuAttnLink, Piggyback
+from tidal.engine.sequence import CpuProgress, SeqStatus, Sequence
 
 log = logging.getLogger("tidal.engine")
 

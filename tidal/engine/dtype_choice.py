@@ -88,7 +88,7 @@ def measure_matmuls(
         for _ in range(n_layers)
     ]
     # packed copies as `LlamaModel` makes them (multi-row calls run on them)
-    pk = packed.can_pack(dev, dtype)
+    pk = cpu_caps.can_pack(dev, dtype)
     packs = [[packed.pack(w) if pk else None for w in ws] for ws in layers]
     out: dict[str, float] = {}
     for m in batches:
@@ -120,7 +120,7 @@ def _cache_key(cfg: ModelConfig) -> str:
         pass
     shape = _layer_shapes(cfg)
     dev = torch.device("cpu")
-    pk = ",".join(f"{_name(dt)}:{packed.can_pack(dev, dt)}" for dt in CANDIDATES)
+    pk = ",".join(f"{_name(dt)}:{cpu_caps.can_pack(dev, dt)}" for dt in CANDIDATES)
     caps = cpu_caps.probe().summary()
     raw = f"{cpu}|{caps}|{torch.__version__}|{torch.get_num_threads()}|{shape}|packed {pk}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
@@ -165,7 +165,7 @@ def measure_candidates(cfg: ModelConfig) -> DtypeChoice:
             log.info("dtype calibration: %s skipped, it cannot run here: %s", _name(dt), why)
     note = "".join(f"; {k} skipped: {v}" for k, v in skipped.items())
     bf = torch.bfloat16
-    if _name(bf) in measured and not packed.can_pack(torch.device("cpu"), bf):
+    if _name(bf) in measured and not cpu_caps.can_pack(torch.device("cpu"), bf):
         why = cpu_caps.pack_refusal(bf) or "oneDNN is off in this process"
         note += f"; bf16 timed on plain matmuls (oneDNN bf16 packing off: {why})"
     choice = decide(measured, note)

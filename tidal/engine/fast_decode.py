@@ -20,15 +20,28 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from tidal.engine import attention, packed
-from tidal.engine.attention import AttnMeta
+from tidal.engine.attention import AttnMeta, ForwardBatch
+from tidal.engine.model_config import ModelConfig
 
-if TYPE_CHECKING:
-    from tidal.engine.llama import ForwardBatch, LlamaModel
+
+class DecodeModel(Protocol):
+    """What this path reads of the model that builds it (`llama.LlamaModel`)."""
+
+    config: ModelConfig
+    layers: list[Any]  # llama.LayerWeights: qkv, qkv_bias, o, gate_up, down and the norms
+    dtype: torch.dtype
+    device: torch.device
+    cos: torch.Tensor
+    sin_rot: torch.Tensor
+    scale: float
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor: ...
+
 
 # the 1-thread kernel beats torch's 2-thread SDPA at every length measured (SmolLM2, bf16, this
 # 2-core VM: 21 vs 43 us a layer at 256 tokens, 151 vs 216 at 2048, 586 vs 803 at 8000); past
@@ -40,7 +53,7 @@ _MAX_G, _MAX_D = 8, 256  # the kernels' stack buffers
 class NativeDecode:
     """Weight pointers and one-row buffers for one model's decode steps."""
 
-    def __init__(self, model: LlamaModel, lib: ctypes.CDLL) -> None:
+    def __init__(self, model: DecodeModel, lib: ctypes.CDLL) -> None:
         cfg = model.config
         self.model, self.lib = model, lib
         self.H, self.Hk, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

@@ -21,22 +21,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tidal.engine import attention, native, packed
-from tidal.engine.attention import AttnMeta
+from tidal.engine import attention, cpu_caps, native, packed
+from tidal.engine.attention import ForwardBatch
 from tidal.engine.fast_decode import NativeDecode
 from tidal.engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from tidal.engine.piggyback import Piggyback
-
-
-@dataclass
-class ForwardBatch:
-    hidden: torch.Tensor  # (N, hidden) embeddings or resumed hidden states
-    positions: torch.Tensor  # (N,)
-    slot_mapping: torch.Tensor  # (N,) KV slot each row writes
-    # (first layer, number of active rows, meta) per group, ascending in first layer
-    groups: list[tuple[int, int, AttnMeta]]
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -159,7 +150,7 @@ class LlamaModel:
         # oneDNN-packed copies for multi-row matmuls, by id of the plain weight (`packed`); none
         # where this CPU's oneDNN refuses the dtype (no AVX-512: `cpu_caps`), F.linear then
         self.packed_w: dict[int, torch.Tensor] = {}
-        if packed.can_pack(device, dtype) and self.weight_bytes() <= packed.PACK_MAX_BYTES:
+        if cpu_caps.can_pack(device, dtype) and self.weight_bytes() <= packed.PACK_MAX_BYTES:
             mats = [w for lay in self.layers for w in (lay.qkv, lay.o, lay.gate_up, lay.down)]
             self.packed_w = {id(w): packed.pack(w) for w in [*mats, self.lm_head]}
         inv, self.rope_scale = rope_inv_freq(config)

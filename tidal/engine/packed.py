@@ -9,8 +9,8 @@ Measured on the 2-core Zen 4 VM, 30 layers' matmuls at one thread: 2.0x faster a
 count (the packing's batch hint only picks the blocking).
 
 Not every CPU can: oneDNN packs bf16 only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT (fp16 with
-AVX512-FP16 or AVX-NE-CONVERT), so `can_pack` asks `cpu_caps.pack_refusal`, a one-time trial;
-where it is refused, multi-row matmuls run on the plain weight (`F.linear`).
+AVX512-FP16 or AVX-NE-CONVERT), so `cpu_caps.can_pack` says whether to (a one-time trial of
+these ops); where it is refused, multi-row matmuls run on the plain weight (`F.linear`).
 
 One-row matmuls keep ATen's native GEMV on the plain weight (faster still at batch 1, see
 `llama.weight_layout`), so both copies are kept: weights take twice the memory, which is why
@@ -21,22 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from tidal.engine import cpu_caps
-
 PACK_BATCH_HINT = 32  # the batch oneDNN picks its blocking for (any row count runs on it)
 PACK_MAX_BYTES = 4 << 30  # past this, a second copy of the weights costs too much memory
-
-
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether multi-row matmuls of `dtype` on `device` run on packed weights: oneDNN is on
-    and accepts `dtype` on this CPU (`cpu_caps.pack_refusal` logs why not, once)."""
-    return (
-        device.type == "cpu"
-        and dtype in (torch.bfloat16, torch.float16)
-        and torch.backends.mkldnn.is_available()
-        and torch._C._get_mkldnn_enabled()
-        and not cpu_caps.pack_refusal(dtype)
-    )
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

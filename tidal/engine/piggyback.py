@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from tidal.engine.sequence import Sequence
+from tidal.engine.sequence import Sequence
 
 
 class CpuAttnLink(Protocol):
@@ -67,21 +65,6 @@ class CpuAttnLink(Protocol):
     def capacity(self) -> tuple[int, int]:
         """(live workers, KV bytes free over them)."""
         ...
-
-
-@dataclass
-class CpuProgress:
-    """Where an offloaded request's current token is (OmniServe's residual store entry); its
-    worker is the link's to know."""
-
-    stage: str = "idle"  # "idle": at a token boundary | "pre": enters QKV at `layer`
-    # | "wait": attention at `layer` is on the worker
-    layer: int = 0
-    x: torch.Tensor | None = None  # (1, hidden) residual stream entering `layer`
-
-    @property
-    def at_boundary(self) -> bool:
-        return self.stage == "idle"
 
 
 class Piggyback:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.engine.api import FinishReason, TokenEvent
-from tidal.engine.attention import AttnMeta, PrefillSpan
-from tidal.engine.llama import ForwardBatch, LlamaModel
+from tidal.engine.attention import AttnMeta, ForwardBatch, PrefillSpan
+from tidal.engine.llama import LlamaModel
 from tidal.engine.piggyback import Piggyback
 from tidal.engine.sampling import apply_penalties, logprobs_of, sample
 from tidal.engine.sequence import PartialChunk, Sequence

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.engine.api import EngineRequest
-from tidal.engine.piggyback import CpuProgress
 from tidal.engine.sampling import Detokenizer
 
 
@@ -27,6 +26,21 @@ class PartialChunk:
     num_tokens: int
     layer: int
     hidden: torch.Tensor  # (num_tokens, hidden) residual stream entering `layer`
+
+
+@dataclass
+class CpuProgress:
+    """Where an offloaded request's current token is (OmniServe's residual store entry); its
+    worker is the link's to know."""
+
+    stage: str = "idle"  # "idle": at a token boundary | "pre": enters QKV at `layer`
+    # | "wait": attention at `layer` is on the worker
+    layer: int = 0
+    x: torch.Tensor | None = None  # (1, hidden) residual stream entering `layer`
+
+    @property
+    def at_boundary(self) -> bool:
+        return self.stage == "idle"
 
 
 @dataclass(eq=False)  # identity semantics: requests are compared with `is`

@@ -5,16 +5,14 @@ layer."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tidal.engine.api import OUT_OF_KV_ERROR, FinishReason, TokenEvent
 from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView
+from tidal.engine.sim_config import SimEngineConfig
 from tidal.engine.sim_seq import SimSeq
 from tidal.perf.api import BatchShape, StepModel
 from tidal.schemas.enums import RequestClass
-
-if TYPE_CHECKING:
-    from tidal.engine.sim import SimEngineConfig
 
 __all__ = [
     "Item",

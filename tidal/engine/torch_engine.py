@@ -62,7 +62,7 @@ from tidal.engine.torch_kv import TorchKvMixin
 from tidal.engine.torch_migrate import TorchMigrateMixin
 from tidal.plan import EngineCapabilities, MigrationMode, StepPlan
 
-__all__ = ["EngineConfig", "TorchEngine", "default_dtype", "load_torch_engine"]
+__all__ = ["EngineConfig", "TorchEngine", "default_dtype"]
 
 _DECODING = (SeqStatus.RUNNING, SeqStatus.OFFLOADED)  # counted as running in `load()`
 
@@ -382,7 +382,3 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin):
             self._release_blocks(seq)
         seq.swapped_kv = None
         seq.partial = None
-
-
-# NOTE: at the end: the loader builds a TorchEngine, so it imports this module first
-from tidal.engine.loader import load_torch_engine  # noqa: E402

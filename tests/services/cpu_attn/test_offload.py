@@ -179,7 +179,7 @@ def test_recall_in_the_middle_of_a_token_runs_that_token_again_on_the_instance(
 def test_smollm2_offloaded_mid_decode_and_recalled_keeps_greedy_output(
     make_worker: WorkerFactory, pool: CpuAttnPool
 ) -> None:
-    from tidal.engine.torch_engine import load_torch_engine
+    from tidal.engine.loader import load_torch_engine
 
     # NOTE: float32 so the worker's attention and the instance's agree to the last bit that
     # matters for argmax over 24 tokens; bf16 rounds differently per kernel.

@@ -55,8 +55,8 @@ def test_forced_avx2_takes_avx512_amx_and_bf16_packing_away(
     assert not [f for f in caps.flags if f.startswith(("avx512", "amx", "avx_ne_convert"))]
     assert "forced by TIDAL_CPU_ISA=avx2" in caps.summary()
     with caplog.at_level(logging.INFO, logger="tidal.engine.cpu_caps"):
-        assert not packed.can_pack(CPU, torch.bfloat16)
-        assert not packed.can_pack(CPU, torch.bfloat16)
+        assert not cpu_caps.can_pack(CPU, torch.bfloat16)
+        assert not cpu_caps.can_pack(CPU, torch.bfloat16)
     # either oneDNN's own refusal (ONEDNN_MAX_CPU_ISA=AVX2 set too) or the forced one
     why = cpu_caps.pack_refusal(torch.bfloat16)
     assert "avx512" in why.lower() or "AVX-512" in why
@@ -82,11 +82,11 @@ def test_a_refused_trial_turns_packing_off(
     monkeypatch.setattr(packed, "pack", refuse)
     with caplog.at_level(logging.INFO, logger="tidal.engine.cpu_caps"):
         assert cpu_caps.pack_refusal(torch.bfloat16) == REFUSAL
-        assert not packed.can_pack(CPU, torch.bfloat16)
+        assert not cpu_caps.can_pack(CPU, torch.bfloat16)
     assert [r.getMessage() for r in caplog.records] == [
         f"oneDNN bfloat16 packing off: {REFUSAL}; plain matmuls"
     ]
-    assert not packed.can_pack(CPU, torch.float32)  # fp32 never packs: no trial, no refusal
+    assert not cpu_caps.can_pack(CPU, torch.float32)  # fp32 never packs: no trial, no refusal
 
 
 def test_a_bf16_engine_without_packing_decodes_as_the_packed_one(

@@ -119,7 +119,7 @@ def test_bf16_packed_matmul_is_exact() -> None:
 def test_engine_packs_bf16_weights_only(make_engine: Any) -> None:
     bf = make_engine("llama", dtype="bfloat16").model
     if cpu_caps.pack_refusal(torch.bfloat16):  # the fallback: plain weights, F.linear
-        assert bf.packed_w == {} and not packed.can_pack(bf.device, torch.bfloat16)
+        assert bf.packed_w == {} and not cpu_caps.can_pack(bf.device, torch.bfloat16)
     else:
         n_mats = 4 * bf.config.num_hidden_layers + 1  # qkv, o, gate_up, down a layer; LM head
         assert len(bf.packed_w) == n_mats

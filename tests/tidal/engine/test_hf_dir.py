@@ -10,8 +10,8 @@ import torch
 
 from tests.tidal.engine.hf_dir import write_hf_dir
 from tidal.engine.api import EngineRequest, SamplingParams
+from tidal.engine.loader import load_torch_engine
 from tidal.engine.model_config import ModelConfig
-from tidal.engine.torch_engine import load_torch_engine
 
 TOLERANCE = 1e-4  # fp32 on both sides: different kernels, same math
 

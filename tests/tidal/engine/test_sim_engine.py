@@ -11,8 +11,6 @@ import pytest
 
 from tidal.engine.api import EngineRequest, FinishReason, RequestClass, SamplingParams
 from tidal.engine.sim import (
-    DEFAULT_SIM_STEP_MODEL,
-    ZERO_STEP_MODEL,
     SimEngine,
     SimEngineConfig,
     SimTokenizer,
@@ -20,7 +18,7 @@ from tidal.engine.sim import (
 from tidal.engine.sim_tokens import SIM_WORDS, prompt_key, sim_token
 from tidal.engine.tokenizer import embedded_model_path, load_tokenizer
 from tidal.perf.api import BatchShape
-from tidal.perf.linear import LinearStepModel
+from tidal.perf.linear import DEFAULT_SIM_STEP_MODEL, ZERO_STEP_MODEL, LinearStepModel
 from tidal.plan import StepPlan
 
 # 0.01 s a step, 1 ms a token, 1 ms more a decode, 0.1 ms a decode context token

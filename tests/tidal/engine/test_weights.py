@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from tidal.engine.api import EngineRequest, SamplingParams
+from tidal.engine.loader import load_torch_engine
 from tidal.engine.model_config import ModelConfig
-from tidal.engine.torch_engine import load_torch_engine
 from tidal.engine.weights import ModelLoadError, embedded_model_path
 
 

@@ -17,15 +17,23 @@ because its KV copy lengthens the step, and the copy is charged to the step's bu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tidal.policy.base import InstanceState, Phase, ReqState, StepPlan
 from tidal.policy.batch_shape import decode_shape
 from tidal.policy.omniserve.control import oldest_first, piggyback_admission
+from tidal.policy.ooco.config import OocoConfig
 from tidal.policy.plan_builder import PlanBuilder
+from tidal.policy.tidal.config import TidalConfig
 
-if TYPE_CHECKING:
-    from tidal.policy.tidal.policy import TidalPolicy
+
+class OverflowPolicy(Protocol):
+    """What a strict step's overflow reads of its policy (`TidalPolicy`)."""
+
+    cfg: OocoConfig
+    tcfg: TidalConfig
+
+    def strict_budget(self, inst: InstanceState, now: float) -> float: ...
 
 
 def host_room(inst: InstanceState) -> int | None:
@@ -86,7 +94,7 @@ def kv_binds(inst: InstanceState, cands: Sequence[ReqState]) -> bool:
 
 
 def pick_recall(
-    pol: TidalPolicy,
+    pol: OverflowPolicy,
     inst: InstanceState,
     dec: Sequence[ReqState],
     left_out: Sequence[ReqState],
@@ -113,7 +121,7 @@ def pick_recall(
 
 
 def cpu_overflow_step(
-    pol: TidalPolicy, inst: InstanceState, plan: StepPlan, now: float
+    pol: OverflowPolicy, inst: InstanceState, plan: StepPlan, now: float
 ) -> StepPlan:
     """One strict step: the decodes OOCO Alg. 2 chose (online first) less the one moved to the
     CPU, the piggybacked CPU-attention decodes whose attention is due (§3.3.6), the KV copy of
