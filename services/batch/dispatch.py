@@ -43,7 +43,8 @@ from services.common.batch_store import (
     MAX_DELIVER,
     BatchStore,
 )
-from services.gateway.bus_client import GatewayBus, RequestHandle
+from services.common.client.bus import RequestBus
+from services.common.client.stream import RequestHandle
 from tidal.batch.lines import error_line, response_line
 
 log = logging.getLogger("tidal.batch")
@@ -74,7 +75,7 @@ class Counters:
 @dataclass
 class Dispatcher:
     store: BatchStore
-    bus: GatewayBus
+    bus: RequestBus
     max_inflight: int
     counters: Counters = field(default_factory=Counters)
     tasks: dict[str, dict[str, asyncio.Task[None]]] = field(

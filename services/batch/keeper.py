@@ -27,8 +27,8 @@ import nats.js.errors
 
 from services.batch.dispatch import Dispatcher, JobPayload
 from services.common.batch_store import BatchStore, decode_or_none
-from services.gateway.bus_client import GatewayBus
-from services.gateway.protocol import ApiError
+from services.common.client.bus import RequestBus
+from services.common.protocol import ApiError
 from tidal.batch.lines import Checked, check_lines, error_line, split_lines
 from tidal.batch.objects import Batch, BatchError, Errors, FileObject, RequestCounts, Usage, advance
 
@@ -62,7 +62,7 @@ class Tally:
 @dataclass
 class Keeper:
     store: BatchStore
-    bus: GatewayBus
+    bus: RequestBus
     dispatcher: Dispatcher
     tally: Tally = field(default_factory=Tally)
     kick: asyncio.Event = field(default_factory=asyncio.Event)

@@ -26,11 +26,12 @@ from nats.aio.client import Client as NATS
 
 from services.batch.dispatch import Dispatcher
 from services.batch.keeper import Keeper
+from services.common.args import add_bus_args
 from services.common.batch_store import DISPATCH_CONSUMER, JOBS_STREAM, BatchStore
 from services.common.bus import connect
+from services.common.client.bus import RequestBus
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
-from services.gateway.bus_client import GatewayBus
 from tidal import envs
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import BatchStats, Heartbeat
@@ -103,7 +104,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     subjects.check_token(args.id, "batch service id")
     nc = await connect(args.nats_url, f"batch-{args.id}", args.connect_timeout_s)
     started = time.time()
-    bus = GatewayBus(nc, args.id, args.max_inflight)
+    bus = RequestBus(nc, args.id, args.max_inflight)
     await bus.start()
     dispatcher: Dispatcher | None = None
 
@@ -145,7 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--nats-url", default=envs.NATS_URL.get(), help="NATS server to join")
+    add_bus_args(p)
     p.add_argument("--id", default="batch-0", help="service id (letters, digits, _ -)")
     p.add_argument("--max-inflight", type=int, default=32, help="batch lines running at once")
     p.add_argument(
@@ -154,7 +155,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="lines queued over all batches past which a new batch fails (0: no bound)",
     )
-    p.add_argument("--connect-timeout-s", type=float, default=10.0, help="give up after this")
     args = p.parse_args(argv)
     if args.max_backlog < 0:
         p.error("--max-backlog must be >= 0")

@@ -18,8 +18,9 @@ from typing import Any
 
 import pydantic
 
-from services.gateway.bus_client import GatewayBus, RequestHandle
-from services.gateway.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from services.common.client.bus import RequestBus
+from services.common.client.stream import RequestHandle
+from services.common.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from tidal.schemas.messages import GenerateRequest, TokenChunk
 
 _FAILED = ("error", "abort")
@@ -130,7 +131,7 @@ def response_body(endpoint: str, handle: RequestHandle, chunks: list[TokenChunk]
 
 
 async def run_line(
-    bus: GatewayBus,
+    bus: RequestBus,
     endpoint: str,
     body: dict[str, Any],
     handles: dict[str, RequestHandle],

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.client.stream import RequestHandle
 from services.gateway.metrics import GatewayMetrics, slo_attained
-from services.gateway.stream import RequestHandle
 from tidal.schemas.messages import TokenChunk
 
 FAILED = ("error", "abort")
@@ -107,9 +107,11 @@ class Call:
             self.metrics.tpot.labels(self.req_class, self.emulated).observe(tpot)
         req = self.handle.request
         if self.req_class == "online" and self.first_token_s is not None:
+            d = self.handle.default_slo
+            slo = d.of_request(req.ttft_slo_ms, req.tpot_slo_ms) if d is not None else None
             targets_ms = (
-                req.ttft_slo_ms or self.handle.default_slo_ms[0] or None,
-                req.tpot_slo_ms or self.handle.default_slo_ms[1] or None,
+                slo.ttft_s * 1e3 if slo else req.ttft_slo_ms or None,
+                slo.tpot_s * 1e3 if slo else req.tpot_slo_ms or None,
             )
             ttft_s = self.first_token_s - self.arrival_s
             attained = slo_attained(ttft_s, tpot, *targets_ms)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import Request
 
 from services.common.batch_store import BatchStore
-from services.gateway.bus_client import GatewayBus
+from services.common.protocol import ApiError
+from services.gateway.bus import GatewayBus
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol import ApiError
 
 
 def get_bus(request: Request) -> GatewayBus:

@@ -23,14 +23,15 @@ from nats.aio.client import Client as NATS
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.common.args import add_bus_args
 from services.common.bus import BusUnavailable, connect, redact
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import setup_logging
+from services.common.protocol import ApiError
 from services.gateway.auth import Guard, keys_from
-from services.gateway.bus_client import GatewayBus
+from services.gateway.bus import GatewayBus
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import install as install_openapi
-from services.gateway.protocol import ApiError
 from services.gateway.ratelimit import RateLimiter, add_rate_args
 from services.gateway.routers import batches, files, openai, ops
 from tidal import envs
@@ -169,12 +170,11 @@ def _log_error(request: Request, status: int, message: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
-    p.add_argument("--nats-url", default=envs.NATS_URL.get(), help="NATS server to join")
+    add_bus_args(p)
     p.add_argument("--id", default="gateway-0", help="gateway id (letters, digits, _ -)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--max-inflight", type=int, default=1024, help="429 beyond this many")
-    p.add_argument("--connect-timeout-s", type=float, default=10.0, help="give up after this")
     p.add_argument(
         "--api-key",
         action="append",

@@ -23,8 +23,8 @@ import msgspec
 from tidal.engine.api import ControllableEngine, TokenEvent
 from tidal.schemas.messages import TokenChunk
 
-# Far below the gateway's silent-stream check (`services.gateway.resync.STALL_S`, 10 s): a held
-# chunk must never make a live stream look lost.
+# Far below the gateway's silent-stream check (`services.common.client.resync.STALL_S`,
+# 10 s): a held chunk must never make a live stream look lost.
 MAX_AGE_LIMIT_S = 2.0
 
 

@@ -18,8 +18,8 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
 from services.common.batch_store import BatchStore
+from services.common.protocol import ApiError
 from services.gateway.dependencies import get_batch_store, get_owner
-from services.gateway.protocol import ApiError
 from services.gateway.routers.files import FILE_ID_PATTERN, owned_file
 from tidal.batch.objects import ENDPOINTS, Batch, advance, page, to_api
 

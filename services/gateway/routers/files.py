@@ -17,8 +17,8 @@ from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.responses import StreamingResponse
 
 from services.common.batch_store import BatchStore
+from services.common.protocol import ApiError
 from services.gateway.dependencies import get_batch_store, get_owner
-from services.gateway.protocol import ApiError
 from tidal.batch.objects import FileObject, page, to_api
 
 router = APIRouter(prefix="/v1")

@@ -22,11 +22,8 @@ import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.gateway.bus_client import GatewayBus, RequestHandle
-from services.gateway.call import FAILED, Call, usage
-from services.gateway.dependencies import get_bus, get_metrics
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol import (
+from services.common.client.stream import RequestHandle
+from services.common.protocol import (
     SEED_MAX,
     SEED_MIN,
     ApiError,
@@ -34,6 +31,10 @@ from services.gateway.protocol import (
     CompletionRequest,
     resolve_class_and_slo,
 )
+from services.gateway.bus import GatewayBus
+from services.gateway.call import FAILED, Call, usage
+from services.gateway.dependencies import get_bus, get_metrics
+from services.gateway.metrics import GatewayMetrics
 from tidal.schemas.messages import GenerateRequest, TokenChunk
 
 router = APIRouter(prefix="/v1")

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.gateway.bus_client import GatewayBus
+from services.gateway.bus import GatewayBus
 from services.gateway.dependencies import get_bus, get_metrics
 from services.gateway.metrics import GatewayMetrics
 

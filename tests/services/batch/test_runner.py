@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from services.batch.runner import build_request
-from services.gateway.protocol import ApiError
+from services.common.protocol import ApiError
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway import resync
+from services.common.client import resync
 from services.instance import main as instance_main
 from services.instance.chunks import MAX_AGE_LIMIT_S, Coalescing, Stream, merge
 from tidal.schemas.messages import TokenChunk

@@ -11,16 +11,16 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
+from nats.aio.client import Client as NATS
 
-from services.gateway.protocol import ApiError
+from services.common.client.silence import Silences
+from services.common.protocol import ApiError
+from tidal.policy.base import Slo
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import CancelRequest, GenerateAck, GenerateRequest, TokenChunk
-
-if TYPE_CHECKING:
-    from services.gateway.bus_client import GatewayBus
 
 log = logging.getLogger("tidal.gateway")
 
@@ -40,11 +40,27 @@ class _Down:
     exclude: bool = True  # keep the request off that instance (False: the instance is fine)
 
 
+class StreamBus(Protocol):
+    """What a stream uses of its bus (`bus.RequestBus`)."""
+
+    nc: NATS
+    silences: Silences
+    handles: dict[str, RequestHandle]
+
+    def release(self, handle: RequestHandle) -> None: ...
+
+    def on_recompute(self, req_class: str) -> None: ...
+
+    async def place(
+        self, handle: RequestHandle, exclude: list[str], excluded_at_unix_s: float = 0.0
+    ) -> None: ...
+
+
 @dataclass
 class RequestHandle:
     """A submitted request. Iterate it for its `TokenChunk`s, in order, ending with a finish."""
 
-    bus: GatewayBus
+    bus: StreamBus
     request: GenerateRequest
     instance_id: str = ""
     ack: GenerateAck = field(default_factory=lambda: GenerateAck(ok=False))
@@ -60,7 +76,7 @@ class RequestHandle:
     progress_unix_s: float = 0.0  # when it was last placed or last delivered a chunk
     reconnects_at_place: int = 0  # the bus's reconnect count when an instance accepted it
     client_req_id: str = ""  # the id the client knows (a re-run copy may have another)
-    default_slo_ms: tuple[float, float] = (0.0, 0.0)  # the scheduler's (TTFT, TPOT); 0: none
+    default_slo: Slo | None = None  # the scheduler's, once it routed the request
 
     def __post_init__(self) -> None:
         self.client_req_id = self.client_req_id or self.request.req_id
@@ -143,8 +159,7 @@ class RequestHandle:
         self.progress_unix_s = 0.0
         if self.num_recomputes < MAX_RECOMPUTES:
             self.num_recomputes += 1
-            if self.bus.metrics is not None:
-                self.bus.metrics.recomputes.labels(self.request.req_class).inc()
+            self.bus.on_recompute(self.request.req_class)
             log.warning(
                 "request %s lost on %s after %d token(s); recomputing elsewhere",
                 self.request.req_id,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from services.gateway import stream
-from services.gateway.protocol import ApiError
-from services.gateway.silence import Silences
-from services.gateway.stream import RequestHandle
+from services.common.client import stream
+from services.common.client.silence import Silences
+from services.common.client.stream import RequestHandle
+from services.common.protocol import ApiError
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import CancelRequest, GenerateRequest, SamplingSpec, TokenChunk
 
@@ -25,11 +25,11 @@ class FakeNats:
 
 
 class FakeBus:
-    """What a RequestHandle asks of its GatewayBus; `place` puts it on instance i1."""
+    """What a RequestHandle asks of its RequestBus; `place` puts it on instance i1."""
 
     def __init__(self) -> None:
         self.nc = FakeNats()
-        self.metrics = None
+        self.recomputes: list[str] = []
         self.handles: dict[str, RequestHandle] = {}
         self.placed: list[tuple[GenerateRequest, list[str]]] = []
         self.silences = Silences(heartbeat_s=0.5, on_back=lambda *_: None)
@@ -37,6 +37,9 @@ class FakeBus:
 
     def release(self, handle: RequestHandle) -> None:
         self.handles.pop(handle.request.req_id, None)
+
+    def on_recompute(self, req_class: str) -> None:
+        self.recomputes.append(req_class)
 
     async def place(self, handle: RequestHandle, exclude: list[str], at: float = 0.0) -> None:
         if self.num_unroutable > 0:  # the bus has no route to a scheduler yet
@@ -137,7 +140,7 @@ def test_an_instance_that_did_not_answer_is_excluded_as_the_process_routed_to() 
     """The process the scheduler routed to failed it, not one started since (a restart)."""
     import nats.errors
 
-    from services.gateway.bus_client import GatewayBus
+    from services.common.client.bus import RequestBus
     from tidal.schemas.messages import GenerateAck, RouteReply
 
     class Reply:
@@ -154,7 +157,7 @@ def test_an_instance_that_did_not_answer_is_excluded_as_the_process_routed_to() 
             return Reply()
 
     async def go() -> None:
-        bus = GatewayBus(Nc(), "g", 8)  # type: ignore[arg-type]
+        bus = RequestBus(Nc(), "g", 8)  # type: ignore[arg-type]
         asked: list[tuple[list[str], float]] = []
 
         async def route(

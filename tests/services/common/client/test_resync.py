@@ -6,8 +6,8 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from services.gateway import resync
-from services.gateway.resync import StreamResync
+from services.common.client import resync
+from services.common.client.resync import StreamResync
 from tests.services.scheduler.test_scheduler import make_report
 from tidal.schemas.messages import ReqReport
 

@@ -1,4 +1,4 @@
-"""`GatewayBus.place` across a cut link: a submit that found no route to an instance just back
+"""`RequestBus.place` across a cut link: a submit that found no route to an instance just back
 from a silence is sent to it again (the instance did not fail it: excluding it held a re-run
 copy whose only fit it was until the scheduler's max hold); an instance heard all along that
 does not answer is excluded, as before."""
@@ -11,9 +11,9 @@ import time
 import msgspec
 import nats.errors
 
-from services.gateway import bus_client
-from services.gateway.bus_client import GatewayBus
-from services.gateway.stream import RequestHandle
+from services.common.client import bus as bus_client
+from services.common.client.bus import RequestBus
+from services.common.client.stream import RequestHandle
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     GenerateAck,
@@ -47,7 +47,7 @@ class Nc:
 
 def place(nc: Nc, before: object = None) -> list[RouteRequest]:
     async def go() -> list[RouteRequest]:
-        bus = GatewayBus(nc, "g", 8)  # type: ignore[arg-type]
+        bus = RequestBus(nc, "g", 8)  # type: ignore[arg-type]
         asks: list[RouteRequest] = []
 
         async def ask_route(ask: RouteRequest, timeout_s: float) -> Reply:
@@ -68,7 +68,7 @@ def place(nc: Nc, before: object = None) -> list[RouteRequest]:
 
 
 def test_a_submit_lost_across_a_link_just_back_goes_to_the_same_instance_again() -> None:
-    def just_back(bus: GatewayBus) -> None:
+    def just_back(bus: RequestBus) -> None:
         bus.silences.heard("i0", time.monotonic() - 30.0)
         bus.silences.heard("i0")  # heard again now, after 30 s of silence
 
@@ -79,7 +79,7 @@ def test_a_submit_lost_across_a_link_just_back_goes_to_the_same_instance_again()
 
 
 def test_an_instance_heard_all_along_that_does_not_answer_is_excluded() -> None:
-    def heard(bus: GatewayBus) -> None:
+    def heard(bus: RequestBus) -> None:
         bus.silences.heard("i0")
 
     nc = Nc(num_lost=1)
@@ -91,7 +91,7 @@ def test_an_instance_heard_all_along_that_does_not_answer_is_excluded() -> None:
 def test_a_submit_to_a_silent_instance_waits_for_it_to_be_heard(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(bus_client, "UNTIL_HEARD_S", 5.0)
 
-    def silent(bus: GatewayBus) -> None:
+    def silent(bus: RequestBus) -> None:
         bus.silences.heard("i0", time.monotonic() - 30.0)
         asyncio.get_running_loop().call_later(0.3, bus.silences.heard, "i0")
 

@@ -8,7 +8,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from services.gateway.silence import ABANDONED_KEEP_S, Silences
+from services.common.client.silence import ABANDONED_KEEP_S, Silences
 
 
 def test_a_silence_longer_than_the_bound_is_noted_once_heard_again() -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.gateway.protocol import (
+from services.common.protocol import (
     DEFAULT_CHAT_MAX_TOKENS,
     ApiError,
     ChatCompletionRequest,

@@ -8,8 +8,8 @@ import asyncio
 
 import msgspec
 
-from services.gateway.bus_client import GatewayBus
-from services.gateway.stream import RequestHandle
+from services.common.client.bus import RequestBus
+from services.common.client.stream import RequestHandle
 from tidal.schemas import codec
 from tidal.schemas.messages import (
     GenerateAck,
@@ -36,7 +36,7 @@ class Nc:
 
 def test_a_re_placed_request_is_routed_on_its_token_count() -> None:
     async def go() -> None:
-        bus = GatewayBus(Nc(), "g", 8)  # type: ignore[arg-type]
+        bus = RequestBus(Nc(), "g", 8)  # type: ignore[arg-type]
         asks: list[RouteRequest] = []
 
         async def ask_route(ask: RouteRequest, timeout_s: float) -> Reply:

@@ -1,4 +1,5 @@
-"""The gateway's side of the bus: route a request, submit it, and stream its tokens back.
+"""The cluster's request client (the gateway's and the Batch API service's side of the bus):
+route a request, submit it, and stream its tokens back.
 
 One subscription per gateway (`subjects.gateway_tokens(id)`) carries every request's tokens; they
 are dispatched by request id to per-request queues and delivered strictly in `seq` order, from
@@ -20,23 +21,21 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.common.bus import subscribe
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol import ApiError
-from services.gateway.resync import StreamResync
-from services.gateway.silence import Silences
-from services.gateway.stream import RequestHandle, _Down
+from services.common.client.resync import StreamResync
+from services.common.client.silence import Silences
+from services.common.client.stream import RequestHandle, _Down
+from services.common.protocol import ApiError
 from tidal import envs
 from tidal.cluster.membership import Membership
+from tidal.policy.base import Slo
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
-    BatchStats,
     CancelRequest,
     GenerateAck,
     GenerateRequest,
     Heartbeat,
     InstanceDown,
     InstanceReport,
-    MigrationEvent,
     RouteReply,
     RouteRequest,
     TokenChunk,
@@ -68,12 +67,13 @@ WIRE_HEADROOM_BYTES = 64 * 1024
 _ACK_ERRORS = {"context_length_exceeded": 400, "invalid_request": 400}
 
 
-class GatewayBus:
-    def __init__(
-        self, nc: NATS, gateway_id: str, max_inflight: int, metrics: GatewayMetrics | None = None
-    ) -> None:
+class RequestBus:
+    """Requests placed and streamed for one client of the cluster (a gateway, the batch service).
+    The `saw_*` and `on_recompute` hooks do nothing here; the gateway's bus feeds its metrics
+    from them (`services/gateway/bus.py`)."""
+
+    def __init__(self, nc: NATS, gateway_id: str, max_inflight: int) -> None:
         self.nc = nc
-        self.metrics = metrics
         self.gateway_id = gateway_id
         self.reply_subject = subjects.gateway_tokens(gateway_id)
         self.max_inflight = max_inflight
@@ -93,21 +93,27 @@ class GatewayBus:
         await subscribe(self.nc, beats, Heartbeat, self._on_scheduler_beat)
         await subscribe(self.nc, subjects.INSTANCE_STATE_ALL, InstanceReport, self._on_rep)
         self.resync.start()
-        if self.metrics is not None:
-            await subscribe(self.nc, subjects.MIGRATION_EVENTS, MigrationEvent, self._on_mig)
-            await subscribe(self.nc, subjects.BATCH_STATS, BatchStats, self._on_batch_stats)
-            workers = f"{subjects.PREFIX}.hb.cpu_attn.*"
-            await subscribe(self.nc, workers, Heartbeat, self._on_worker_beat)
-        instances = f"{subjects.PREFIX}.hb.instance.*"  # as the cpu_attn beats above
+        instances = f"{subjects.PREFIX}.hb.instance.*"
         await subscribe(self.nc, instances, Heartbeat, self._on_instance_beat)
-        if self.metrics is not None:
-            await subscribe(self.nc, subjects.HEARTBEAT_ALL, Heartbeat, self._on_any_beat)
-            gateways = f"{subjects.PREFIX}.hb.gateway.*"  # which gateway exports the cluster's
-            await subscribe(self.nc, gateways, Heartbeat, self._on_gateway_beat)
 
-    async def _on_mig(self, ev: MigrationEvent, _: Msg) -> None:
-        assert self.metrics is not None
-        self.metrics.on_migration(ev)
+    # ---- hooks (the gateway's metrics) ----
+
+    def saw_report(self, rep: InstanceReport) -> None:
+        """An instance's report came in."""
+
+    def saw_instance_beat(self, hb: Heartbeat) -> None:
+        """An instance's heartbeat came in."""
+
+    def saw_scheduler_beat(self, hb: Heartbeat) -> None:
+        """A scheduler's heartbeat came in."""
+
+    def saw_down(self, instance_id: str) -> None:
+        """The scheduler declared `instance_id` dead."""
+
+    def on_recompute(self, req_class: str) -> None:
+        """A stream lost its instance and runs again elsewhere."""
+
+    # ---- the bus ----
 
     async def _on_rep(self, rep: InstanceReport, _: Msg) -> None:
         self.silences.heard(rep.instance_id)
@@ -116,22 +122,12 @@ class GatewayBus:
             log.warning("%s still runs abandoned %s; cancelling it again", rep.instance_id, rid)
             cancel = CancelRequest(rid, "abandoned for a re-run after a cut")
             await self.nc.publish(subjects.CANCEL, codec.encode(cancel))
-        if self.metrics is not None:
-            self.metrics.on_report(rep)
-
-    async def _on_worker_beat(self, hb: Heartbeat, _: Msg) -> None:
-        assert self.metrics is not None
-        self.metrics.cpu_attn.on_heartbeat(hb)
-
-    async def _on_any_beat(self, hb: Heartbeat, _: Msg) -> None:
-        assert self.metrics is not None
-        self.metrics.loop_lag.on_heartbeat(hb)
+        self.saw_report(rep)
 
     async def _on_instance_beat(self, hb: Heartbeat, _: Msg) -> None:
         self.silences.heard(hb.service_id)
         self._observe(hb)
-        if self.metrics is not None:
-            self.metrics.on_instance_beat(hb)
+        self.saw_instance_beat(hb)
 
     def _observe(self, hb: Heartbeat) -> None:
         if hb.status == "stopped":
@@ -139,49 +135,13 @@ class GatewayBus:
         else:
             self.presence.observe(hb, time.monotonic())
 
-    def readiness(self) -> tuple[list[str], dict[str, object]]:
-        """(why this gateway cannot serve now — empty when it can, what it sees)."""
-        now = time.monotonic()
-        if not self.nc.is_connected:
-            # Cut off from the bus: missing beats say nothing, keep what was known.
-            self.presence.extend(now)
-        self.presence.expire(now)
-        members = self.presence.members.values()
-        instances = sorted(m.heartbeat.service_id for m in members if m.is_instance)
-        taking = [
-            m.heartbeat.service_id for m in members if m.is_instance and m.heartbeat.status == "ok"
-        ]
-        schedulers = sorted(
-            m.heartbeat.service_id for m in members if m.heartbeat.kind == "scheduler"
-        )
-        reasons = []
-        if not self.nc.is_connected:
-            reasons.append("not connected to the NATS bus")
-        if not schedulers:
-            reasons.append("no scheduler heard from")
-        if not instances:
-            reasons.append("no instance heard from")
-        elif not taking:
-            reasons.append(f"no instance takes work ({len(instances)} draining)")
-        seen = {"instances": instances, "schedulers": schedulers}
-        return reasons, {"nats_connected": self.nc.is_connected, **seen}
-
-    async def _on_gateway_beat(self, hb: Heartbeat, _: Msg) -> None:
-        assert self.metrics is not None
-        self.metrics.exporter.on_gateway_beat(hb)
-
-    async def _on_batch_stats(self, st: BatchStats, _: Msg) -> None:
-        assert self.metrics is not None
-        self.metrics.batch.on_stats(st)
-
     async def _on_chunk(self, chunk: TokenChunk, _: Msg) -> None:
         handle = self.handles.get(chunk.req_id)
         if handle is not None:
             handle.queue.put_nowait(chunk)
 
     async def _on_down(self, event: InstanceDown, _: Msg) -> None:
-        if self.metrics is not None:
-            self.metrics.vllm.forget(event.instance_id)
+        self.saw_down(event.instance_id)
         for handle in list(self.handles.values()):
             if handle.instance_id == event.instance_id:
                 handle.queue.put_nowait(_Down(event.instance_id, event.reason, time.monotonic()))
@@ -245,7 +205,8 @@ class GatewayBus:
         while failures < MAX_ROUTE_ATTEMPTS:
             route = await self._route(req, tried, failed_at, known)
             handle.instance_id = route.instance_id
-            handle.default_slo_ms = (route.default_ttft_slo_s * 1e3, route.default_tpot_slo_s * 1e3)
+            if route.default_ttft_slo_s > 0 and route.default_tpot_slo_s > 0:
+                handle.default_slo = Slo(route.default_ttft_slo_s, route.default_tpot_slo_s)
             # NOTE: the process the scheduler routed to is the one that fails it (its start time,
             # else the time it was sent), not the time the failure shows: the instance's process
             # restarted meanwhile (`tidal up` restarts it in seconds; the submit times out in 5)
@@ -331,6 +292,7 @@ class GatewayBus:
             model=req.model,
             req_class=req.req_class,
             max_tokens=req.sampling.max_tokens,
+            max_tokens_is_default=req.sampling.max_tokens_is_default,
             num_prompt_chars=len(req.prompt or "")
             + sum(len(m.content) for m in req.messages or []),
             exclude=exclude,
@@ -407,8 +369,7 @@ class GatewayBus:
 
     async def _on_scheduler_beat(self, hb: Heartbeat, _: Msg) -> None:
         self._observe(hb)
-        if self.metrics is not None:
-            self.metrics.healing.on_scheduler_beat(hb)
+        self.saw_scheduler_beat(hb)
         key = (hb.service_id, hb.started_unix_s)
         if key not in self.schedulers_seen and hb.status != "stopped":
             if self.schedulers_seen:
