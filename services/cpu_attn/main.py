@@ -20,6 +20,7 @@ import time
 import torch
 
 from services.common import affinity, net
+from services.common.args import add_advertise_host, add_bus_args
 from services.common.bus import connect
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
@@ -104,7 +105,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.cpu_attn", description=__doc__)
-    p.add_argument("--nats-url", default=envs.NATS_URL.get(), help="NATS server to join")
+    add_bus_args(p)
     p.add_argument("--id", default="cpu-attn-0", help="worker id (letters, digits, _ -)")
     p.add_argument("--num-threads", type=int, default=0, help="attention threads (0: all)")
     p.add_argument(
@@ -120,16 +121,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "else 0.0.0.0)",
     )
     p.add_argument("--port", type=int, default=0, help="data-plane port (0: any free one)")
-    p.add_argument(
-        "--advertise-host",
-        default=envs.ADVERTISE_HOST.get(),
-        help="address instances reach this worker on (also $TIDAL_ADVERTISE_HOST; default: "
-        "--host, or when that is 0.0.0.0 the interface that routes to NATS)",
-    )
+    add_advertise_host(p)
     p.add_argument(
         "--capacity-gib", type=float, default=4.0, help="host memory for offloaded KV, GiB"
     )
-    p.add_argument("--connect-timeout-s", type=float, default=10.0, help="give up after this")
     return p.parse_args(argv)
 
 

@@ -9,45 +9,10 @@ from typing import Any
 
 from tidal import envs
 from tidal.engine.api import ControllableEngine
-from tidal.engine.sim import DEFAULT_SIM_STEP_MODEL, ZERO_STEP_MODEL, SimEngine, SimEngineConfig
-from tidal.perf.api import StepModel
-from tidal.perf.linear import LinearStepModel
+from tidal.engine.sim import SimEngine, SimEngineConfig
+from tidal.perf.spec import parse_step_model
 
 ENGINES = ("sim", "torch", "sglang")
-
-
-def parse_step_model(spec: str) -> StepModel:
-    """`zero`, `linear` (`DEFAULT_SIM_STEP_MODEL`), `linear:BASE_S,PER_TOKEN_S,DECODE_REQ_S,
-    CTX_TOKEN_S` (a `LinearStepModel`: seconds per step, per token, per decoding request, per
-    decode context token), or `MODEL@HARDWARE[,tp=N][,kind=K][,profile=PATH]` for a `tidal.perf`
-    model (`tidal.perf.spec`; e.g. `llama-2-7b@a100-80gb`, `yi-34b@a100-80gb,tp=2`)."""
-    if spec == "zero":
-        return ZERO_STEP_MODEL
-    if spec == "linear":
-        return DEFAULT_SIM_STEP_MODEL
-    if spec.startswith("linear:"):
-        try:
-            coeffs = [float(x) for x in spec.removeprefix("linear:").split(",")]
-        except ValueError:
-            raise ValueError(f"--sim-step-model {spec!r}: coefficients must be numbers") from None
-        if len(coeffs) != 4:
-            raise ValueError(f"--sim-step-model {spec!r}: linear takes exactly 4 coefficients")
-        base_s, per_token_s, per_decode_req_s, per_ctx_token_s = coeffs
-        return LinearStepModel(
-            base_s=base_s,
-            per_token_s=per_token_s,
-            per_decode_req_s=per_decode_req_s,
-            per_ctx_token_s=per_ctx_token_s,
-            per_attn_pair_s=0.0,
-        )
-    if "@" in spec:
-        from tidal.perf.spec import parse_spec
-
-        return parse_spec(spec).build()
-    raise ValueError(
-        f"--sim-step-model {spec!r}: expected zero, linear[:...] or "
-        "MODEL@HARDWARE[,tp=N][,kind=K][,profile=PATH]"
-    )
 
 
 KV_MEMORY_FRACTION = 0.9  # of device memory left after the weights, as vLLM's default
@@ -98,7 +63,7 @@ def build_engine(args: argparse.Namespace) -> ControllableEngine:
         return sim_engine
     if args.engine == "torch":
         # Imported on demand: the torch engine pulls in PyTorch, which the sim engine never needs.
-        torch_engine = importlib.import_module("tidal.engine.torch_engine")
+        loader = importlib.import_module("tidal.engine.loader")
         if args.num_threads:
             import torch
 
@@ -111,7 +76,7 @@ def build_engine(args: argparse.Namespace) -> ControllableEngine:
         if served:
             kwargs["model_name"] = served
         dtype = getattr(args, "dtype", "auto")
-        torch_eng = torch_engine.load_torch_engine(
+        torch_eng = loader.load_torch_engine(
             args.model or None,
             device=args.device,
             dtype=None if dtype == "auto" else dtype,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from tidal.config.limits import fit_max_tokens
 from tidal.engine.api import (
     ControllableEngine,
     EngineRequest,
@@ -29,9 +30,9 @@ def to_engine_request(engine: ControllableEngine, req: GenerateRequest) -> Engin
     if not ids:
         raise ValueError("the prompt is empty")
     s = req.sampling
-    max_tokens = s.max_tokens
-    if s.max_tokens_is_default:
-        max_tokens = max(1, min(max_tokens, engine.max_model_len - len(ids)))
+    max_tokens = fit_max_tokens(
+        s.max_tokens, s.max_tokens_is_default, len(ids), engine.max_model_len
+    )
     check_fits(len(ids), max_tokens, engine.max_model_len)
     # A recompute after a lost instance: what the client already has is input now.
     resumed = list(req.resume_token_ids)

@@ -22,20 +22,22 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.common import affinity, net, torch_threads
+from services.common.args import add_advertise_host, add_bus_args
 from services.common.bus import connect, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
-from services.common.live_config import LiveConfig, load_live_config
 from services.common.torch_threads import ComputeThread
 from services.instance.chunks import Coalescing
 from services.instance.dataplane import DataPlaneServer
-from services.instance.engines import ENGINES, build_engine, parse_step_model
+from services.instance.engines import ENGINES, build_engine
 from services.instance.migration import Migrator
 from services.instance.policy_adapter import PolicyAdapter
 from services.instance.worker import Instance
 from tidal import envs
+from tidal.config.live import LiveConfig, load_live_config
 from tidal.engine.api import ControllableEngine
 from tidal.engine.sglang_api import DEFAULT_BOOTSTRAP_PORT, DEFAULT_HANDOFF_TIMEOUT_S
+from tidal.perf.spec import parse_step_model
 from tidal.policy.base import InstanceRole, Slo
 from tidal.policy.registry import make_policy
 from tidal.schemas import codec, subjects
@@ -272,7 +274,7 @@ def coalescing(args: argparse.Namespace) -> Coalescing:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.instance", description=__doc__)
-    p.add_argument("--nats-url", default=envs.NATS_URL.get(), help="NATS server to join")
+    add_bus_args(p)
     p.add_argument("--id", default="instance-0", help="instance id (letters, digits, _ -)")
     p.add_argument("--index", type=int, default=0, help="this instance's slot in the config")
     p.add_argument("--config", default="", help="cluster config YAML (default: embedded)")
@@ -379,12 +381,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="address the KV data plane listens on (default: 127.0.0.1 when the bus is on "
         "loopback, else 0.0.0.0)",
     )
-    p.add_argument(
-        "--advertise-host",
-        default=envs.ADVERTISE_HOST.get(),
-        help="address other instances reach this data plane on (also $TIDAL_ADVERTISE_HOST; "
-        "default: --data-host, or when that is 0.0.0.0 the interface that routes to NATS)",
-    )
+    add_advertise_host(p)
     p.add_argument("--data-port", type=int, default=0, help="KV data plane port (0: any free)")
     p.add_argument(
         "--drain-timeout-s",
@@ -392,7 +389,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=5.0,
         help="on SIGTERM, let running requests finish this long before aborting",
     )
-    p.add_argument("--connect-timeout-s", type=float, default=10.0, help="give up after this")
     for env, flag, kind in (
         (envs.OFFLINE_CHUNK_TOKENS, "--offline-chunk-tokens", int),
         (envs.OFFLINE_CHUNK_S, "--offline-chunk-s", float),

@@ -143,11 +143,7 @@ class Instance:
         )
         slo = None
         if engine_req.req_class is RequestClass.ONLINE:
-            d = self.default_slo
-            slo = Slo(
-                (req.ttft_slo_ms / 1e3) if req.ttft_slo_ms else d.ttft_s,
-                (req.tpot_slo_ms / 1e3) if req.tpot_slo_ms else d.tpot_s,
-            )
+            slo = self.default_slo.of_request(req.ttft_slo_ms, req.tpot_slo_ms)
         self.adapter.meta[req.req_id] = ReqMeta(slo, req.arrival_unix_s or time.time())
         self.pending_add.append(engine_req)
         self.wake.set()
@@ -396,6 +392,7 @@ class Instance:
             last_step_ms=round(self.last_step_ms, 3),
             emulated=self.engine.is_emulated,
             finished_req_ids=self.finished_ids,
+            max_model_len=self.engine.max_model_len,
         )
         extra = [*self.moving_out.values(), *(self._submitted(r) for r in self.pending_add)]
         if extra:

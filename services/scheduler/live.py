@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 import msgspec
 from nats.aio.msg import Msg
 
-from services.instance.engines import parse_step_model
 from tidal.cluster.backoff import TargetBackoff
 from tidal.cluster.healing import RoleHealer, stand_in
 from tidal.cluster.view import build_cluster_view
+from tidal.config.limits import fit_max_tokens
 from tidal.perf.api import StepModel
+from tidal.perf.spec import parse_step_model
 from tidal.policy.base import (
     ClusterActions,
     ClusterView,
@@ -206,15 +207,16 @@ class LiveCluster:
                 return f"the scheduler's queue is full ({held} of {self.max_held_tokens} tokens)"
         return ""
 
+    def max_model_len(self) -> int:
+        """The longest context among the instances reporting (0: none said yet): what a
+        request without `max_tokens` is planned with, as the instance fits it."""
+        return max((rep.max_model_len for rep in self.reports.values()), default=0)
+
     def new_request(self, r: RouteRequest, now: float) -> ReqState:
         cls = RequestClass(r.req_class)
         slo = None
         if cls is RequestClass.ONLINE:
-            d = self.default_slo
-            slo = Slo(
-                r.ttft_slo_ms / 1e3 if r.ttft_slo_ms else d.ttft_s,
-                r.tpot_slo_ms / 1e3 if r.tpot_slo_ms else d.tpot_s,
-            )
+            slo = self.default_slo.of_request(r.ttft_slo_ms, r.tpot_slo_ms)
         n = r.num_prompt_tokens or max(1, round(r.num_prompt_chars / self.chars_per_token))
         if not r.num_prompt_tokens and r.num_prompt_chars:
             self.prompt_chars[r.req_id] = r.num_prompt_chars
@@ -223,7 +225,9 @@ class LiveCluster:
             req_class=cls,
             arrival_s=now,
             num_prompt_tokens=n,
-            max_output_tokens=r.max_tokens,
+            max_output_tokens=fit_max_tokens(
+                r.max_tokens, r.max_tokens_is_default, n, self.max_model_len()
+            ),
             slo=slo,
             queued_s=now,
         )

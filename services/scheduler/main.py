@@ -16,10 +16,10 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from services.common.args import add_bus_args
 from services.common.bus import connect, jetstream_quorum, redact, respond, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
-from services.common.live_config import load_live_config
 from services.scheduler.commands import Commands
 from services.scheduler.control import Control, EmptyCtl
 from services.scheduler.live import NO_INSTANCE, SLOT_DOWN, Held, LiveCluster, expire_held
@@ -27,6 +27,7 @@ from services.scheduler.trace import EventTrace
 from tidal import envs
 from tidal.cluster.healing import RoleHealer
 from tidal.cluster.membership import Member, Membership
+from tidal.config.live import load_live_config
 from tidal.policy.base import ClusterActions, RouteAction
 from tidal.policy.registry import make_policy
 from tidal.schemas import codec, subjects
@@ -324,7 +325,7 @@ class Scheduler:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.scheduler", description=__doc__)
-    p.add_argument("--nats-url", default=envs.NATS_URL.get(), help="NATS server to join")
+    add_bus_args(p)
     p.add_argument("--id", default="scheduler-0", help="service id (letters, digits, _ -)")
     p.add_argument("--config", default="", help="cluster config YAML (default: embedded)")
     p.add_argument("--policy", default="", help="policy name (default: the config's)")
@@ -351,7 +352,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="when no live instance can prefill (or decode) for this long, the survivors stand "
         "in as aggregated instances until one is back (docs/cluster.md)",
     )
-    p.add_argument("--connect-timeout-s", type=float, default=10.0, help="give up after this")
     return p.parse_args(argv)
 
 

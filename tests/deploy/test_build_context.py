@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from services.common import live_config
+from tidal.config import live as live_config
 from tidal.workload import traces
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -110,6 +110,7 @@ def report_of(
     last_step_ms: float = 0.0,
     emulated: bool = False,
     finished_req_ids: list[str] | None = None,
+    max_model_len: int = 0,
 ) -> InstanceReport:
     """`inst` and its requests as the `InstanceReport` number `seq` of the instance named
     `instance_id`, sent at `now_unix_s`. `step_model` is the spec `build_cluster_view` looks the
@@ -146,6 +147,7 @@ def report_of(
         last_step_ms=last_step_ms,
         emulated=emulated,
         finished_req_ids=list(finished_req_ids or []),
+        max_model_len=max_model_len,
     )
 
 

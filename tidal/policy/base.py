@@ -116,6 +116,14 @@ class Slo:
         if self.ttft_s <= 0 or self.tpot_s <= 0:
             raise ValueError(f"SLO targets must be > 0, got ttft={self.ttft_s} tpot={self.tpot_s}")
 
+    def of_request(self, ttft_slo_ms: float | None, tpot_slo_ms: float | None) -> Slo:
+        """A request's targets: its own (milliseconds, as on the wire) where it gives them,
+        else these defaults. The one rule the gateway, the scheduler and the instances share."""
+        return Slo(
+            ttft_slo_ms / 1e3 if ttft_slo_ms else self.ttft_s,
+            tpot_slo_ms / 1e3 if tpot_slo_ms else self.tpot_s,
+        )
+
 
 class Phase(enum.StrEnum):
     """Where a request is in its life. The list it sits in on its instance follows from it."""

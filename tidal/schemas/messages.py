@@ -58,6 +58,7 @@ class RouteRequest(msgspec.Struct, frozen=True):
     num_prompt_tokens: int = 0  # the gateway's estimate (0: the scheduler estimates from chars)
     ttft_slo_ms: float | None = None  # online only; None: the scheduler's default SLO
     tpot_slo_ms: float | None = None
+    max_tokens_is_default: bool = False  # the client set none (`SamplingSpec`'s)
 
 
 class RouteReply(msgspec.Struct, frozen=True):
@@ -210,6 +211,7 @@ class InstanceReport(msgspec.Struct, frozen=True):
     # Requests that ended here since the previous report: the scheduler stops counting a routed
     # request that finished before any report showed it (a short one ends within one interval).
     finished_req_ids: list[str] = []
+    max_model_len: int = 0  # its model's context, tokens (0: not said)
 
 
 class MigrateCommand(msgspec.Struct, frozen=True):

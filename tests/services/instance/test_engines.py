@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from services.instance.engines import build_engine, parse_step_model
-from tidal.engine.sim import DEFAULT_SIM_STEP_MODEL, SimEngine
+from services.instance.engines import build_engine
+from tidal.engine.sim import SimEngine
 from tidal.engine.sim_tokens import shipped_tokenizer_dir
 from tidal.engine.tokenizer import load_tokenizer
 from tidal.perf.api import BatchShape
-from tidal.perf.linear import LinearStepModel
+from tidal.perf.linear import DEFAULT_SIM_STEP_MODEL, LinearStepModel
+from tidal.perf.spec import parse_step_model
 
 
 def test_step_model_specs() -> None:

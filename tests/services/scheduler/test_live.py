@@ -6,9 +6,9 @@ import time
 
 import msgspec
 
-from services.common.live_config import load_live_config
 from services.scheduler.live import SLOT_DOWN, LiveCluster
 from tests.services.scheduler.test_scheduler import make_report
+from tidal.config.live import load_live_config
 from tidal.policy.base import InstanceRole, RouteAction
 from tidal.policy.registry import make_policy
 from tidal.schemas.messages import ReqReport, RouteRequest
@@ -217,3 +217,19 @@ def test_a_process_declared_dead_while_it_lived_may_take_a_rerun_that_excludes_i
     other = msgspec.structs.replace(ask, req_id="o.r1", exclude=["inst-1", "inst-0"])
     c.forget("inst-0")
     assert c.route(c.new_request(other, now), now, other)[0] is not RouteAction.QUEUE
+
+
+def test_a_request_without_max_tokens_is_planned_with_what_the_context_leaves() -> None:
+    """The instance fits a default `max_tokens` to its context (`tidal.config.limits`); the
+    scheduler plans with the same figure once reports say the context, not the default."""
+    c = _cluster()
+    now = time.time()
+    ask = RouteRequest(req_id="d", model="m", req_class="online", max_tokens=16384,
+                       num_prompt_chars=4 * 1000, max_tokens_is_default=True)  # fmt: skip
+    assert c.new_request(ask, now).max_output_tokens == 16384  # no report yet: nothing to fit
+    for i in range(2):
+        rep = make_report(f"inst-{i}", i, "aggregated")
+        c.on_report(msgspec.structs.replace(rep, max_model_len=8192))
+    assert c.new_request(ask, now).max_output_tokens == 8192 - 1000
+    given = msgspec.structs.replace(ask, max_tokens_is_default=False)
+    assert c.new_request(given, now).max_output_tokens == 16384  # the client's own: kept
