@@ -38,8 +38,8 @@ from tidal.config.live import LiveConfig, load_live_config
 from tidal.engine.api import ControllableEngine
 from tidal.engine.sglang_api import DEFAULT_BOOTSTRAP_PORT, DEFAULT_HANDOFF_TIMEOUT_S
 from tidal.perf.spec import parse_step_model
-from tidal.policy.base import InstanceRole, Slo
 from tidal.policy.registry import make_policy
+from tidal.policy.state import InstanceRole, Slo
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     CancelRequest,

@@ -50,7 +50,7 @@ from services.instance.worker import Instance, Stream
 from tidal.engine.api import SeqSnapshot
 from tidal.engine.migrate import KvSink, KvSource, MovableEngine, WholeRequestMover
 from tidal.plan import MigrationMode
-from tidal.policy.base import Phase, Slo
+from tidal.policy.state import Phase, Slo
 from tidal.schemas import codec, kv_wire, subjects
 from tidal.schemas.messages import (
     MigrateAbort,

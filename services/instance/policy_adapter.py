@@ -17,15 +17,8 @@ from typing import Any
 from tidal.cluster.view import report_of, sync_instance
 from tidal.engine.api import SeqSnapshot
 from tidal.perf.api import StepModel
-from tidal.policy.base import (
-    CpuPoolState,
-    InstanceRole,
-    InstanceState,
-    Policy,
-    ReqState,
-    Slo,
-    StepPlan,
-)
+from tidal.policy.base import Policy, StepPlan
+from tidal.policy.state import CpuPoolState, InstanceRole, InstanceState, ReqState, Slo
 from tidal.schemas.messages import InstanceReport
 from tidal.sim.models import CpuAttnRoofline
 

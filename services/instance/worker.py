@@ -41,7 +41,8 @@ from tidal.engine.api import (
 )
 from tidal.engine.executor import execute
 from tidal.plan import PlanRefused, RefusalReason
-from tidal.policy.base import Slo, StepPlan
+from tidal.policy.base import StepPlan
+from tidal.policy.state import Slo
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     CancelRequest,

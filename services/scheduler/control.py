@@ -19,8 +19,9 @@ from services.scheduler.commands import Commands
 from services.scheduler.live import LiveCluster
 from tidal.cluster.membership import Member, Membership
 from tidal.config.live import LiveConfig
-from tidal.policy.base import InstanceRole, PolicyContext, Slo
+from tidal.policy.base import PolicyContext
 from tidal.policy.registry import available_policies, make_policy
+from tidal.policy.state import InstanceRole, Slo
 from tidal.schemas import subjects
 from tidal.schemas.messages import CtlDrain, CtlOfflineAdmission, CtlPolicy, CtlRoles, Heartbeat
 

@@ -27,16 +27,8 @@ from tidal.cluster.view import build_cluster_view
 from tidal.config.limits import fit_max_tokens
 from tidal.perf.api import StepModel
 from tidal.perf.spec import parse_step_model
-from tidal.policy.base import (
-    ClusterActions,
-    ClusterView,
-    InstanceRole,
-    Phase,
-    Policy,
-    ReqState,
-    RouteAction,
-    Slo,
-)
+from tidal.policy.base import ClusterActions, Policy, RouteAction
+from tidal.policy.state import ClusterView, InstanceRole, Phase, ReqState, Slo
 from tidal.schemas.enums import RequestClass
 from tidal.schemas.messages import InstanceReport, RouteRequest
 from tidal.sim.config import InstanceGroup

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tidal.policy.base import ClusterView, InstanceRole
+from tidal.policy.state import ClusterView, InstanceRole
 
 R = InstanceRole
 # The parts of online serving each role does.

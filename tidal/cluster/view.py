@@ -23,7 +23,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 
 from tidal.engine.api import SeqSnapshot
 from tidal.perf.api import StepModel
-from tidal.policy.base import (
+from tidal.policy.state import (
     ClusterView,
     CpuPoolState,
     InstanceRole,

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tidal.configs import config_path
-from tidal.policy.base import InstanceRole, PolicyContext
+from tidal.policy.base import PolicyContext
 from tidal.policy.registry import available_policies
+from tidal.policy.state import InstanceRole
 from tidal.sim.config import InstanceGroup, SimConfig, load_config
 
 DEFAULT_CONFIG = config_path("embedded.yaml")  # shipped in the package (`tidal.configs`)

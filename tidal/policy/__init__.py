@@ -4,21 +4,9 @@ The interface is in `tidal.policy.base` (read its docstring to write a policy); 
 looked up by name with `tidal.policy.registry.make_policy`.
 """
 
-from tidal.policy.base import (
-    ClusterActions,
-    ClusterView,
-    InstanceRole,
-    InstanceState,
-    Migration,
-    Phase,
-    Policy,
-    PolicyContext,
-    ReqState,
-    Route,
-    Slo,
-    StepPlan,
-)
+from tidal.policy.base import ClusterActions, Migration, Policy, PolicyContext, Route, StepPlan
 from tidal.policy.registry import available_policies, make_policy, register_policy
+from tidal.policy.state import ClusterView, InstanceRole, InstanceState, Phase, ReqState, Slo
 
 __all__ = [
     "ClusterActions",

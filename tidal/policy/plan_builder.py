@@ -8,8 +8,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from tidal.perf.api import BatchShape, StepModel
-from tidal.policy.base import BlockBudget, InstanceState, Phase, ReqState
+from tidal.policy.base import BlockBudget
 from tidal.policy.batch_shape import add_decode, add_prefill
+from tidal.policy.state import InstanceState, Phase, ReqState
 
 
 def split_running(inst: InstanceState) -> tuple[list[ReqState], list[ReqState]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from tidal.policy.base import Phase, ReqState
+from tidal.policy.state import Phase, ReqState
 from tidal.workload.mix import SimRequest
 
 _ENDED = (Phase.FINISHED, Phase.REJECTED)

@@ -7,8 +7,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from tidal.perf.api import StepModel
-from tidal.policy.base import CpuPoolState, InstanceRole, PolicyContext
+from tidal.policy.base import PolicyContext
 from tidal.policy.registry import make_policy
+from tidal.policy.state import CpuPoolState, InstanceRole
 from tidal.sim.config import SimConfig, StreamConfig
 from tidal.sim.core import InstanceSetup, Simulator
 from tidal.sim.models import CpuAttnRoofline

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import yaml
 
 from tidal.configs import config_path
-from tidal.policy.base import InstanceRole, Slo
+from tidal.policy.state import InstanceRole, Slo
 from tidal.workload.mix import StreamConfig
 
 _T = TypeVar("_T")

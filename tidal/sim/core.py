@@ -5,7 +5,8 @@ run is a pure function of (workload, policy, seed): the simulator never reads th
 Each instance runs one *step* at a time; a policy's decode-only plan may ask to repeat
 (`StepPlan.max_repeat`), which the simulator runs as one *span* of steps, cut short at the next
 step boundary as soon as anything lands on that instance. Plans are applied and checked here
-(`tidal.sim.apply`); this module owns time, events, transfers and the cluster queue.
+(`tidal.sim.apply`, `tidal.sim.span`), KV moves between instances in `tidal.sim.transfers`; this
+module owns time, events, steps and the cluster queue.
 """
 
 from __future__ import annotations
@@ -17,23 +18,22 @@ from dataclasses import dataclass, replace
 
 from tidal.cluster.view import build_cluster_view, report_of
 from tidal.perf.api import StepModel
-from tidal.policy.base import (
-    ClusterActions,
+from tidal.policy.base import ClusterActions, Policy, PolicyError, RouteAction
+from tidal.policy.state import (
     ClusterView,
     CpuPoolState,
     InstanceRole,
     InstanceState,
     Phase,
-    Policy,
-    PolicyError,
     ReqState,
-    RouteAction,
 )
 from tidal.schemas.enums import RequestClass
-from tidal.sim.apply import Span, finish_span, start_span
+from tidal.sim.apply import start_span
 from tidal.sim.batch_gate import BatchGate
-from tidal.sim.link import Flow, SharedLink
+from tidal.sim.integrity import check_invariants
 from tidal.sim.recorder import Recorder
+from tidal.sim.span import Span, finish_span
+from tidal.sim.transfers import Transfers
 from tidal.workload.mix import SimRequest
 
 _STEP, _XFER, _TICK, _HANDOFF = 0, 1, 2, 3  # event kinds
@@ -136,13 +136,18 @@ class Simulator:
         self._seq = 0
         self._spans: list[Span | None] = [None] * len(setups)
         self._idle_plan_s = [0.0] * len(setups)  # when each idle instance is next asked
-        # per instance: (req_id, target, is_push) to move out at its step boundary
-        self._pending_out: list[list[tuple[str, int, bool]]] = [[] for _ in setups]
         self._now = 0.0
         self._num_open = 0  # requests arrived and not finished or rejected
-        self._reserved = [0] * len(setups)  # blocks reserved for KV in flight to each instance
-        # KV transfers share each instance's send and receive side of the link (`tidal.sim.link`)
-        self._link = SharedLink(len(setups), link_bytes_per_s)
+        self.transfers = Transfers(
+            self.cluster,
+            self.reqs,
+            self.rec,
+            handoff_delay_s,
+            xfer_at=lambda t, p: self._push(t, _XFER, p),
+            handoff_at=lambda t, p: self._push(t, _HANDOFF, p),
+            interrupt=self._interrupt,
+            in_step=lambda i: self._spans[i] is not None,
+        )
         self._check = check  # run check_integrity after every event (tests)
         # `via_reports`: the cluster half sees a view rebuilt from instance reports, exactly as
         # the live scheduler builds it (`tidal.cluster.view`). Same decisions (tests), but ~4x
@@ -218,13 +223,13 @@ class Simulator:
                 if kind == _STEP:
                     self._step_end(payload, t)  # type: ignore[arg-type]
                 elif kind == _XFER:
-                    self._xfer(payload, t)  # type: ignore[arg-type]
+                    self.transfers.on_xfer(payload, t)  # type: ignore[arg-type]
                 elif kind == _HANDOFF:
-                    self._handoff(payload, t)  # type: ignore[arg-type]
+                    self.transfers.on_handoff(payload, t)  # type: ignore[arg-type]
             if self.batch is not None:
                 self._admit_lines(t)
             self._apply(self.policy.tick(self._view(t), t), t)
-            self._retry_transfers(t)
+            self.transfers.retry(t)
             self._kick(t)
             if self._check:
                 self.check_integrity()
@@ -335,175 +340,12 @@ class Simulator:
                 dst = self.policy.place_decode(r, inst, self.cluster, now)
             if dst is None or dst == inst_id:
                 continue
-            if self.handoff_delay_s > 0:
-                r.phase = Phase.TRANSFER_WAIT  # asked for: no step schedules it meanwhile
-                self._push(now + self.handoff_delay_s, _HANDOFF, (r, dst))
-            else:
-                self._start_transfer(r, inst, dst, now, is_migration=False)
-        if self._pending_out[inst_id]:
-            pend, self._pending_out[inst_id] = self._pending_out[inst_id], []
-            for rid, dst, is_push in pend:
-                r = self.reqs[rid]
-                if is_push:
-                    self._export_push(r, dst, now)
-                elif r.phase is Phase.RUNNING and r.instance_id == inst_id and r.is_decoding:
-                    self._migrate(rid, dst, now)
-                else:  # it finished (or was preempted) in the step it was waiting for
-                    self.rec.num_migrations_refused += 1
-
-    # ---------------------------------------------------------------- KV transfers
-    def _handoff(self, payload: tuple[ReqState, int], now: float) -> None:
-        """A push asked for `handoff_delay_s` ago reaches its source: exported now, or at the
-        end of the step the source is in."""
-        r, dst = payload
-        src_id = r.instance_id
-        assert src_id is not None
-        if self._spans[src_id] is not None:
-            self._pending_out[src_id].append((r.req_id, dst, True))
-            self._interrupt(src_id, now)  # a span of repeated steps ends at the next step
-            return
-        self._export_push(r, dst, now)
-
-    def _export_push(self, r: ReqState, dst: int, now: float) -> None:
-        if r.phase is not Phase.TRANSFER_WAIT or r in self.instances[dst].pending_in:
-            return  # no longer waiting for this push (NOTE: no policy plans such requests)
-        r.phase = Phase.RUNNING
-        src = self.instances[r.instance_id]  # type: ignore[index]
-        fixed_s = self.cluster.link_latency_s - self.handoff_delay_s  # what is left of it
-        self._start_transfer(r, src, dst, now, is_migration=False, fixed_s=fixed_s)
-
-    def _start_transfer(
-        self,
-        r: ReqState,
-        src: InstanceState,
-        dst_id: int,
-        now: float,
-        is_migration: bool,
-        fixed_s: float | None = None,
-    ) -> bool:
-        """Move `r`'s KV to `dst_id`: its bytes go on the link after `fixed_s` (default the
-        link's latency) and share it with the transfers moving then; False if it does not fit."""
-        if not 0 <= dst_id < len(self.instances):
-            raise PolicyError(f"no instance {dst_id} to move {r.req_id} to")
-        dst = self.instances[dst_id]
-        need = dst.blocks_for(r.num_computed_tokens + 1)
-        if need > dst.num_free_blocks:
-            if is_migration:
-                self.rec.num_migrations_refused += 1
-                return False
-            if r.phase is not Phase.TRANSFER_WAIT:  # P/D hand-off: hold KV until dst has room
-                r.phase = Phase.TRANSFER_WAIT
-                dst.pending_in.append(r)
-            return False
-        if r.phase is Phase.TRANSFER_WAIT:
-            dst.pending_in.remove(r)
-        dst.num_free_blocks -= need
-        dst.num_incoming += 1
-        self._reserved[dst_id] += need
-        src.num_free_blocks += r.num_blocks
-        r.num_blocks = 0
-        src.running.remove(r)
-        r.phase = Phase.MIGRATING
-        # The fixed part (offer, reservation, commit) runs at once; then the bytes share the link.
-        fixed = self.cluster.link_latency_s if fixed_s is None else fixed_s
-        flow = Flow(
-            r, src.instance_id, dst_id, need, r.num_computed_tokens * src.kv_bytes_per_token
-        )
-        if is_migration:
-            r.num_migrations += 1
-            self.rec.num_migrations += 1
-        else:
-            self.rec.num_kv_transfers += 1
-        self._push(now + fixed, _XFER, (flow, flow.version))
-        return True
-
-    def _xfer(self, payload: tuple[Flow, int], now: float) -> None:
-        """A transfer's fixed part is over (its bytes start moving) or its last byte moved."""
-        flow, version = payload
-        if version != flow.version:
-            return  # its end moved since (the link's shares changed)
-        if not flow.moving and flow.bytes_left > 0:
-            changed = self._link.start(flow, now)
-        else:
-            changed = self._link.finish(flow, now) if flow.moving else []
-            self._land(flow, now)
-        for f in changed:
-            f.version += 1
-            self._push(self._link.end_s(f), _XFER, (f, f.version))
-
-    def _land(self, flow: Flow, now: float) -> None:
-        r, dst_id, need = flow.req, flow.dst, flow.num_blocks
-        dst = self.instances[dst_id]
-        dst.num_incoming -= 1
-        self._reserved[dst_id] -= need
-        r.instance_id = dst_id
-        r.num_blocks = need
-        r.phase = Phase.RUNNING
-        r.queued_s = now
-        dst.running.append(r)
-        self._interrupt(dst_id, now, r.is_online)
-
-    def _retry_transfers(self, now: float) -> None:
-        for dst in self.instances:
-            while dst.pending_in:
-                r = dst.pending_in[0]
-                src = self.instances[r.instance_id]  # type: ignore[index]
-                if not self._start_transfer(r, src, dst.instance_id, now, is_migration=False):
-                    break
-
-    def _migrate(self, rid: str, dst: int, now: float) -> None:
-        r = self.reqs.get(rid)
-        if r is None or r.phase is not Phase.RUNNING or not r.is_decoding:
-            raise PolicyError(f"cannot migrate {rid}: not a running decode ({r and r.phase})")
-        src_id = r.instance_id
-        assert src_id is not None
-        if src_id == dst:
-            return
-        if self._spans[src_id] is not None:  # in a step now: move it at the step boundary
-            self._pending_out[src_id].append((rid, dst, False))
-            self._interrupt(src_id, now)
-            return
-        self._start_transfer(r, self.instances[src_id], dst, now, is_migration=True)
+            self.transfers.place(r, inst, dst, now)
+        self.transfers.step_ended(inst_id, now)
 
     def check_integrity(self) -> None:
         """Assert the invariants: every block accounted for, every request in one place."""
-        where: dict[str, str] = {}
-
-        def put(r: ReqState, place: str) -> None:
-            assert r.req_id not in where, f"{r.req_id} in {where.get(r.req_id)} and {place}"
-            where[r.req_id] = place
-
-        for inst in self.instances:
-            i = inst.instance_id
-            held = 0
-            for name, lst in (
-                ("waiting", inst.waiting),
-                ("running", inst.running),
-                ("swapped", inst.swapped),
-                ("offloaded", inst.offloaded),
-            ):
-                for r in lst:
-                    put(r, f"{name}@{i}")
-                    assert r.instance_id == i, f"{r.req_id} listed on {i}, says {r.instance_id}"
-                    held += r.num_blocks
-                    if name != "running":
-                        assert r.num_blocks == 0, f"{r.req_id} {name} but holds GPU blocks"
-                    else:
-                        need = inst.blocks_for(r.num_computed_tokens)
-                        assert r.num_blocks >= need, f"{r.req_id} holds too few blocks"
-            assert inst.num_free_blocks >= 0, f"instance {i}: free blocks < 0"
-            assert held + inst.num_free_blocks + self._reserved[i] == inst.num_blocks, (
-                f"instance {i}: {held} held + {inst.num_free_blocks} free + "
-                f"{self._reserved[i]} reserved != {inst.num_blocks}"
-            )
-            assert inst.num_waiting_tokens == sum(r.num_prefill_left for r in inst.waiting)
-        for r in self.cluster.held:
-            put(r, "held")
-        for r in self.reqs.values():
-            if r.phase in (Phase.FINISHED, Phase.REJECTED, Phase.MIGRATING):
-                put(r, str(r.phase))
-            assert r.num_output_tokens <= r.max_output_tokens, f"{r.req_id} overran"
-        assert len(where) == len(self.reqs), "a request is lost"
+        check_invariants(self.instances, self.cluster.held, self.reqs, self.transfers.reserved)
 
     # ---------------------------------------------------------------- cluster actions
     def _apply(self, act: ClusterActions, now: float) -> None:
@@ -525,7 +367,7 @@ class Simulator:
             else:
                 held[:] = [r for r in held if r.req_id not in moved]
         for mig in act.migrate:
-            self._migrate(mig.req_id, mig.dst, now)
+            self.transfers.migrate(mig.req_id, mig.dst, now)
         for inst_id, role in act.set_role.items():
             self.instances[inst_id].role = role
         for inst_id, size in act.set_chunk_size.items():

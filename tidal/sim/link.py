@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.policy.base import ReqState
+from tidal.policy.state import ReqState
 
 
 @dataclass(eq=False, slots=True)

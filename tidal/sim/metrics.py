@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.policy.base import Phase, ReqState
+from tidal.policy.state import Phase, ReqState
 from tidal.sim.recorder import Recorder
 
 SIMULATED = "simulated"  # every summary and plot says what produced it

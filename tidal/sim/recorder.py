@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tidal.policy.base import ReqState
+from tidal.policy.state import ReqState
 
 
 class Recorder:

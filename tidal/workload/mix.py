@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tidal.policy.base import Slo
+from tidal.policy.state import Slo
 from tidal.schemas.enums import RequestClass
 from tidal.workload.arrivals import gamma_arrivals, scale_trace, uniform_arrivals
 from tidal.workload.traces import load_trace

@@ -307,7 +307,7 @@ def sim_window(cfg: SimConfig, policy: str, qps: float, warmup_s: float) -> Meas
     warm-up; offline tokens generated inside the measured part (a line still running or still
     waiting for a batch place at either end counts only what it generated inside); offline
     lines finishing inside it."""
-    from tidal.policy.base import Phase
+    from tidal.policy.state import Phase
     from tidal.sim.build import simulate
     from tidal.sim.metrics import online_arrays
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import tidal.policy.omniserve.policy as omni
 from tidal.perf.api import BatchShape
-from tidal.policy.base import InstanceState, StepPlan
+from tidal.policy.base import StepPlan
 from tidal.policy.batch_shape import add_decode, add_prefill
+from tidal.policy.state import InstanceState
 from tidal.sim.build import simulate
 from tidal.sim.config import load_config
 

@@ -27,7 +27,7 @@ from services.common.client.stream import RequestHandle, _Down
 from services.common.protocol import ApiError
 from tidal import envs
 from tidal.cluster.membership import Membership
-from tidal.policy.base import Slo
+from tidal.policy.state import Slo
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     CancelRequest,

@@ -18,7 +18,7 @@ from nats.aio.client import Client as NATS
 
 from services.common.client.silence import Silences
 from services.common.protocol import ApiError
-from tidal.policy.base import Slo
+from tidal.policy.state import Slo
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import CancelRequest, GenerateAck, GenerateRequest, TokenChunk
 

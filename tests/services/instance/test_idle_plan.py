@@ -11,7 +11,7 @@ from nats.aio.client import Client as NATS
 
 from services.common.bus import connect
 from services.instance import main as instance_main
-from tidal.policy.ooco.policy import PULL_SEQ
+from tidal.policy.ooco.steps import PULL_SEQ
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import InstanceReport
 

@@ -9,8 +9,9 @@ import msgspec
 from services.scheduler.live import SLOT_DOWN, LiveCluster
 from tests.services.scheduler.test_scheduler import make_report
 from tidal.config.live import load_live_config
-from tidal.policy.base import InstanceRole, RouteAction
+from tidal.policy.base import RouteAction
 from tidal.policy.registry import make_policy
+from tidal.policy.state import InstanceRole
 from tidal.schemas.messages import ReqReport, RouteRequest
 
 

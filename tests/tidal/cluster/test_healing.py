@@ -7,16 +7,9 @@ import pytest
 
 from tidal.cluster.healing import RoleHealer, lost_parts, stand_in
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import (
-    ClusterView,
-    InstanceRole,
-    InstanceState,
-    Phase,
-    PolicyContext,
-    ReqState,
-    Slo,
-)
+from tidal.policy.base import PolicyContext
 from tidal.policy.registry import make_policy
+from tidal.policy.state import ClusterView, InstanceRole, InstanceState, Phase, ReqState, Slo
 from tidal.schemas.enums import RequestClass
 
 R = InstanceRole

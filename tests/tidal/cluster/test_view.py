@@ -14,7 +14,7 @@ from tidal.cluster.view import (
 )
 from tidal.engine.api import SeqSnapshot
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import InstanceRole, InstanceState, Phase, ReqState, Slo
+from tidal.policy.state import InstanceRole, InstanceState, Phase, ReqState, Slo
 from tidal.schemas.enums import RequestClass
 from tidal.schemas.messages import InstanceReport
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from tidal.perf.linear import LinearStepModel
 from tidal.policy import InstanceRole, PolicyContext, Slo, make_policy
-from tidal.policy.base import ClusterView, InstanceState, Phase, ReqState, RouteAction
+from tidal.policy.base import RouteAction
 from tidal.policy.baselines.chunked import MAX_REPEAT, chunked_plan
+from tidal.policy.state import ClusterView, InstanceState, Phase, ReqState
 from tidal.schemas.enums import RequestClass
 
 SLO = Slo(1.0, 0.1)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import InstanceRole, InstanceState, Phase, PolicyContext, ReqState, Slo
+from tidal.policy.base import PolicyContext
 from tidal.policy.registry import make_policy
+from tidal.policy.state import InstanceRole, InstanceState, Phase, ReqState, Slo
 from tidal.schemas.enums import RequestClass
 
 SLO = Slo(1.0, 0.05)

@@ -5,20 +5,13 @@ object's, so live (one policy object per instance) it is the same as in the simu
 from __future__ import annotations
 
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import (
-    CpuPoolState,
-    InstanceRole,
-    InstanceState,
-    Phase,
-    PolicyContext,
-    ReqState,
-    Slo,
-    StepPlan,
-)
+from tidal.policy.base import PolicyContext, StepPlan
 from tidal.policy.registry import make_policy
+from tidal.policy.state import CpuPoolState, InstanceRole, InstanceState, Phase, ReqState, Slo
 from tidal.schemas.enums import RequestClass
-from tidal.sim.apply import finish_span, start_span
+from tidal.sim.apply import start_span
 from tidal.sim.recorder import Recorder
+from tidal.sim.span import finish_span
 
 SLO = Slo(2.0, 0.2)
 

@@ -4,16 +4,9 @@ requests are routed by LS prefill queued (BE prompts do not count)."""
 from __future__ import annotations
 
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import (
-    ClusterView,
-    InstanceRole,
-    InstanceState,
-    Phase,
-    PolicyContext,
-    ReqState,
-    Slo,
-)
+from tidal.policy.base import PolicyContext
 from tidal.policy.registry import make_policy
+from tidal.policy.state import ClusterView, InstanceRole, InstanceState, Phase, ReqState, Slo
 from tidal.schemas.enums import RequestClass
 
 SLO = Slo(2.0, 0.2)

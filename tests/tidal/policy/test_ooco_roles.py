@@ -6,16 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import (
-    ClusterView,
-    InstanceRole,
-    InstanceState,
-    Phase,
-    PolicyContext,
-    ReqState,
-    Slo,
-)
+from tidal.policy.base import PolicyContext
 from tidal.policy.registry import make_policy
+from tidal.policy.state import ClusterView, InstanceRole, InstanceState, Phase, ReqState, Slo
 from tidal.schemas.enums import RequestClass
 
 R = InstanceRole

@@ -85,8 +85,9 @@ def test_config_sliders() -> None:
 
 def test_sliders_default_to_the_configured_chunk_sizes() -> None:
     from tidal.perf.linear import LinearStepModel
-    from tidal.policy.base import ClusterView, InstanceRole, InstanceState, PolicyContext, Slo
+    from tidal.policy.base import PolicyContext
     from tidal.policy.registry import make_policy
+    from tidal.policy.state import ClusterView, InstanceRole, InstanceState, Slo
 
     roles = (InstanceRole.P_HEAVY, InstanceRole.D_HEAVY)
     insts = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tests.tidal.policy.test_tidal_policies import RS, run
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import CpuPoolState, InstanceRole, InstanceState, Phase, ReqState
+from tidal.policy.state import CpuPoolState, InstanceRole, InstanceState, Phase, ReqState
 from tidal.policy.tidal.overflow import pick_offloads
 from tidal.schemas.enums import RequestClass
 from tidal.sim.models import CpuAttnRoofline

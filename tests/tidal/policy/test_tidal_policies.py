@@ -9,8 +9,9 @@ import random
 import pytest
 
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import CpuPoolState, InstanceRole, PolicyContext, Slo
+from tidal.policy.base import PolicyContext
 from tidal.policy.registry import available_policies, make_policy
+from tidal.policy.state import CpuPoolState, InstanceRole, Slo
 from tidal.schemas.enums import RequestClass
 from tidal.sim.core import InstanceSetup, Simulator
 from tidal.sim.models import CpuAttnRoofline

@@ -9,7 +9,7 @@ import pytest
 
 from tests.tidal.sim.test_core import OFF, make_policy_for, make_setup, req
 from tidal.policy import InstanceRole
-from tidal.policy.base import Phase, ReqState
+from tidal.policy.state import Phase, ReqState
 from tidal.sim.build import simulate
 from tidal.sim.config import load_config
 from tidal.sim.core import Simulator

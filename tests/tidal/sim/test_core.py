@@ -8,7 +8,8 @@ import pytest
 
 from tidal.perf.linear import LinearStepModel
 from tidal.policy import InstanceRole, PolicyContext, Slo, make_policy
-from tidal.policy.base import InstanceState, Phase, Policy, StepPlan
+from tidal.policy.base import Policy, StepPlan
+from tidal.policy.state import InstanceState, Phase
 from tidal.schemas.enums import RequestClass
 from tidal.sim.core import InstanceSetup, Simulator
 from tidal.workload.mix import SimRequest

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import CpuPoolState, InstanceRole, InstanceState, Policy, StepPlan
+from tidal.policy.base import Policy, StepPlan
+from tidal.policy.state import CpuPoolState, InstanceRole, InstanceState
 from tidal.schemas.enums import RequestClass
 from tidal.sim.core import InstanceSetup, Simulator
 from tidal.sim.models import CpuAttnRoofline

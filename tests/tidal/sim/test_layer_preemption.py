@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import InstanceRole, InstanceState, Policy, StepPlan
+from tidal.policy.base import Policy, StepPlan
+from tidal.policy.state import InstanceRole, InstanceState
 from tidal.schemas.enums import RequestClass
 from tidal.sim.core import InstanceSetup, Simulator
 from tidal.workload.mix import SimRequest

@@ -10,17 +10,9 @@ import pytest
 
 from tidal.perf.linear import LinearStepModel
 from tidal.policy import InstanceRole, PolicyContext, Slo, make_policy
-from tidal.policy.base import (
-    ClusterActions,
-    ClusterView,
-    CpuPoolState,
-    InstanceState,
-    Policy,
-    ReqState,
-    Route,
-    StepPlan,
-)
+from tidal.policy.base import ClusterActions, Policy, Route, StepPlan
 from tidal.policy.registry import available_policies
+from tidal.policy.state import ClusterView, CpuPoolState, InstanceState, ReqState
 from tidal.schemas.enums import RequestClass
 from tidal.sim.core import InstanceSetup, Simulator
 from tidal.sim.models import CpuAttnRoofline

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tidal.policy.base import Slo
+from tidal.policy.state import Slo
 from tidal.schemas.enums import RequestClass
 from tidal.workload.mix import StreamConfig, build_stream, build_workload
 from tidal.workload.traces import data_dir, load_trace

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.policy.base import (
-    ClusterView,
-    InstanceState,
-    Policy,
-    PolicyContext,
-    ReqState,
-    Route,
-    StepPlan,
-    parse_params,
-)
+from tidal.policy.base import Policy, PolicyContext, Route, StepPlan, parse_params
 from tidal.policy.baselines.chunked import chunked_plan
 from tidal.policy.registry import register_policy
+from tidal.policy.state import ClusterView, InstanceState, ReqState
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ treated alike in arrival order (Sarathi-Serve; OOCO's *base P/D*).
 
 from __future__ import annotations
 
-from tidal.policy.base import BlockBudget, InstanceState, Phase, ReqState, StepPlan
+from tidal.policy.base import BlockBudget, StepPlan
 from tidal.policy.plan_builder import stuck_online
+from tidal.policy.state import InstanceState, Phase, ReqState
 
 MAX_REPEAT = 1024  # decode-only plans: let the simulator run them back to back
 

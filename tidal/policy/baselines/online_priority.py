@@ -15,13 +15,8 @@ from dataclasses import dataclass
 from tidal.policy.base import (
     NO_ACTIONS,
     ClusterActions,
-    ClusterView,
-    InstanceRole,
-    InstanceState,
-    Phase,
     Policy,
     PolicyContext,
-    ReqState,
     Route,
     StepPlan,
     parse_params,
@@ -30,6 +25,7 @@ from tidal.policy.baselines.aggregated import least_loaded
 from tidal.policy.baselines.chunked import chunked_plan
 from tidal.policy.baselines.pd import roomiest, split_roles
 from tidal.policy.registry import register_policy
+from tidal.policy.state import ClusterView, InstanceRole, InstanceState, Phase, ReqState
 
 
 @dataclass(frozen=True)

@@ -9,20 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.policy.base import (
-    ClusterView,
-    InstanceRole,
-    InstanceState,
-    Policy,
-    PolicyContext,
-    ReqState,
-    Route,
-    StepPlan,
-    parse_params,
-)
+from tidal.policy.base import Policy, PolicyContext, Route, StepPlan, parse_params
 from tidal.policy.baselines.aggregated import least_loaded
 from tidal.policy.baselines.chunked import chunked_plan
 from tidal.policy.registry import register_policy
+from tidal.policy.state import ClusterView, InstanceRole, InstanceState, ReqState
 
 PREFILL_ROLES = frozenset((InstanceRole.PREFILL, InstanceRole.RELAXED, InstanceRole.P_HEAVY))
 

@@ -13,23 +13,13 @@ import random
 from collections.abc import Iterable
 from dataclasses import replace
 
-from tidal.policy.base import (
-    ClusterActions,
-    ClusterView,
-    InstanceState,
-    Phase,
-    Policy,
-    PolicyContext,
-    ReqState,
-    Route,
-    StepPlan,
-    parse_params,
-)
+from tidal.policy.base import ClusterActions, Policy, PolicyContext, Route, StepPlan, parse_params
 from tidal.policy.hygen.batch import HyReq, two_phase_schedule
 from tidal.policy.hygen.config import HygenConfig
 from tidal.policy.hygen.prefix_order import OfflineOrder
 from tidal.policy.plan_builder import make_room_for_decodes, stuck_online
 from tidal.policy.registry import register_policy
+from tidal.policy.state import ClusterView, InstanceState, Phase, ReqState
 
 
 def hy(r: ReqState) -> HyReq:

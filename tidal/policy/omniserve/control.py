@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tidal.perf.api import BatchShape, StepModel
-from tidal.policy.base import ReqState
 from tidal.policy.batch_shape import add_decode, add_prefill
+from tidal.policy.state import ReqState
 
 
 def admit_ls(

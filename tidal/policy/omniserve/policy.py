@@ -10,24 +10,13 @@ control admits their dense work (§3.3.6) and are recalled by delayed swap-in.
 
 from __future__ import annotations
 
-from tidal.policy.base import (
-    ClusterActions,
-    ClusterView,
-    CpuPoolState,
-    InstanceState,
-    Phase,
-    Policy,
-    PolicyContext,
-    ReqState,
-    Route,
-    StepPlan,
-    parse_params,
-)
+from tidal.policy.base import ClusterActions, Policy, PolicyContext, Route, StepPlan, parse_params
 from tidal.policy.batch_shape import decode_shape
 from tidal.policy.omniserve.config import OmniConfig
 from tidal.policy.omniserve.control import admit_ls, oldest_first, piggyback_admission
 from tidal.policy.plan_builder import PlanBuilder, make_room_for_decodes, split_running
 from tidal.policy.registry import register_policy
+from tidal.policy.state import ClusterView, CpuPoolState, InstanceState, Phase, ReqState
 
 
 def ls_admissible(inst: InstanceState, req: ReqState, ttft_s: float, cfg: OmniConfig) -> bool:

@@ -8,7 +8,7 @@ from enum import StrEnum
 
 # §3.2: RELAXED (§3.2.1: step time unrestricted; prefill of both classes + offline decode) and
 # STRICT (§3.2.2: every step under the TPOT SLO; decode only) are roles of the shared interface.
-from tidal.policy.base import InstanceRole
+from tidal.policy.state import InstanceRole
 
 
 class Stage(StrEnum):

@@ -16,14 +16,9 @@ import random
 
 from tidal.policy.base import (
     ClusterActions,
-    ClusterView,
-    InstanceRole,
-    InstanceState,
     Migration,
-    Phase,
     Policy,
     PolicyContext,
-    ReqState,
     Route,
     StepPlan,
     parse_params,
@@ -36,6 +31,7 @@ from tidal.policy.plan_builder import (
     stuck_online,
 )
 from tidal.policy.registry import register_policy
+from tidal.policy.state import ClusterView, InstanceRole, InstanceState, Phase, ReqState
 from tidal.policy.taichi.config import TaichiConfig
 from tidal.policy.taichi.flowing import (
     DecodeHost,

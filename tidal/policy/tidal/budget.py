@@ -22,7 +22,7 @@ simulator and the live stack run this one rule on their own clocks.
 
 from __future__ import annotations
 
-from tidal.policy.base import InstanceState, ReqState
+from tidal.policy.state import InstanceState, ReqState
 
 
 def tpot_room_s(r: ReqState, now: float, target_s: float) -> float | None:

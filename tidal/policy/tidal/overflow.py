@@ -19,11 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from tidal.policy.base import InstanceState, Phase, ReqState, StepPlan
+from tidal.policy.base import StepPlan
 from tidal.policy.batch_shape import decode_shape
 from tidal.policy.omniserve.control import oldest_first, piggyback_admission
 from tidal.policy.ooco.config import OocoConfig
 from tidal.policy.plan_builder import PlanBuilder
+from tidal.policy.state import InstanceState, Phase, ReqState
 from tidal.policy.tidal.config import TidalConfig
 
 

@@ -10,16 +10,7 @@ import dataclasses
 import random
 from collections.abc import Sequence
 
-from tidal.policy.base import (
-    ClusterView,
-    InstanceState,
-    Policy,
-    PolicyContext,
-    ReqState,
-    Route,
-    StepPlan,
-    parse_params,
-)
+from tidal.policy.base import Policy, PolicyContext, Route, StepPlan, parse_params
 from tidal.policy.batch_shape import decode_shape
 from tidal.policy.hygen.prefix_order import OfflineOrder
 from tidal.policy.omniserve.config import OmniConfig
@@ -28,6 +19,7 @@ from tidal.policy.omniserve.policy import ls_admissible
 from tidal.policy.ooco.policy import OocoPolicy, ooco_config
 from tidal.policy.plan_builder import PlanBuilder, parse_section
 from tidal.policy.registry import register_policy
+from tidal.policy.state import ClusterView, InstanceState, ReqState
 from tidal.policy.taichi.policy import queued_prefill
 from tidal.policy.taichi.routing import PrefillTarget, route_prefill
 from tidal.policy.tidal.budget import strict_step_budget

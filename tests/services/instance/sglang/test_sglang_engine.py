@@ -27,8 +27,9 @@ from tidal.engine.api import (
 from tidal.engine.executor import execute
 from tidal.engine.sglang_api import PRIORITY
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import InstanceRole, InstanceState, PolicyContext, ReqState, Slo
+from tidal.policy.base import PolicyContext
 from tidal.policy.registry import make_policy
+from tidal.policy.state import InstanceRole, InstanceState, ReqState, Slo
 
 PROMPT = [11, 12, 13, 14, 15]
 

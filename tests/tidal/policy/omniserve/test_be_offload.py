@@ -8,17 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import (
-    CpuPoolState,
-    InstanceRole,
-    InstanceState,
-    Phase,
-    Policy,
-    PolicyContext,
-    ReqState,
-    Slo,
-)
+from tidal.policy.base import Policy, PolicyContext
 from tidal.policy.registry import make_policy
+from tidal.policy.state import CpuPoolState, InstanceRole, InstanceState, Phase, ReqState, Slo
 from tidal.schemas.enums import RequestClass
 from tidal.sim.models import CpuAttnRoofline
 

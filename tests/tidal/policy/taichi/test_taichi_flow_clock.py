@@ -4,17 +4,17 @@ TPOT the request banked on the D-heavy instance; a back-flow (③) restarts TPOT
 from __future__ import annotations
 
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import (
+from tidal.policy.base import PolicyContext
+from tidal.policy.registry import make_policy
+from tidal.policy.state import (
     ClusterView,
     InstanceRole,
     InstanceState,
     Phase,
-    PolicyContext,
     ReqState,
     RequestClass,
     Slo,
 )
-from tidal.policy.registry import make_policy
 from tidal.policy.taichi.policy import TaichiPolicy
 
 ROLES = (InstanceRole.P_HEAVY, InstanceRole.D_HEAVY)

@@ -9,7 +9,7 @@ import pytest
 
 from tidal.perf.api import BatchShape
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import InstanceRole, InstanceState, Phase, ReqState, RequestClass
+from tidal.policy.state import InstanceRole, InstanceState, Phase, ReqState, RequestClass
 from tidal.policy.taichi import PrefillTarget, estimate_prefill_s, route_prefill
 from tidal.policy.taichi.policy import queued_prefill
 

@@ -7,16 +7,9 @@ from tests.tidal.policy.test_tidal_policies import KV_BYTES, attainment, workloa
 from tests.tidal.policy.test_tidal_policies import MODEL as POLICY_MODEL
 from tests.tidal.policy.test_tidal_policies import SLO as POLICY_SLO
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.base import (
-    CpuPoolState,
-    InstanceRole,
-    InstanceState,
-    Phase,
-    PolicyContext,
-    ReqState,
-    Slo,
-)
+from tidal.policy.base import PolicyContext
 from tidal.policy.registry import make_policy
+from tidal.policy.state import CpuPoolState, InstanceRole, InstanceState, Phase, ReqState, Slo
 from tidal.policy.tidal.overflow import kv_binds
 from tidal.schemas.enums import RequestClass
 from tidal.sim.core import InstanceSetup, Simulator
