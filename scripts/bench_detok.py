@@ -9,7 +9,7 @@ import argparse
 import inspect
 import time
 
-from tidal.engine.sampling import Detokenizer
+from tidal.engine.detokenizer import Detokenizer
 from tidal.engine.tokenizer import embedded_model_path, load_tokenizer
 
 

@@ -107,7 +107,7 @@ def stack(
 def prompt_maker() -> Any:
     """prompt(n) -> a string the served tokenizer (the sim engine's default, SmolLM2's) reads as
     exactly n tokens: " tide" is one token, plus whatever the tokenizer adds (a BOS)."""
-    from tidal.engine.sim_tokens import load_sim_tokenizer
+    from tidal.engine.sim.tokens import load_sim_tokenizer
 
     extra = len(load_sim_tokenizer().encode("tide")) - 1
 

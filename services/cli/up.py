@@ -32,7 +32,7 @@ from services.gateway.ratelimit import RateLimiter
 from tidal import envs
 from tidal.config import live as live_config
 from tidal.config.live import load_live_config
-from tidal.engine import core_share
+from tidal.engine.torch import core_share
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -144,7 +144,7 @@ class Supervisor:
         # NOTE: instances share this machine's cores; without a split, each torch engine would
         # start one thread per core and they would fight over them. This split is where they
         # start; with a core share each step then runs on cores ÷ instances busy at the time
-        # (tidal.engine.core_share), so a lone stream gets every core.
+        # (tidal.engine.torch.core_share), so a lone stream gets every core.
         threads = max(1, len(pin.engine or affinity.allowed_cores()) // num_instances)
         share: list[str] = []
         if a.engine == "torch" and num_instances > 1 and not a.fixed_threads:

@@ -18,8 +18,7 @@ from services.gateway.healing_metrics import HealingMetrics
 from services.gateway.loop_metrics import LoopLagMetrics
 from services.gateway.vllm_metrics import TTFT_BUCKETS_S, VllmMetrics
 from tidal import envs
-from tidal.engine.sglang_api import PD_MIGRATION_MODE
-from tidal.schemas.messages import Heartbeat, InstanceReport, MigrationEvent
+from tidal.schemas.messages import PD_MIGRATION_MODE, Heartbeat, InstanceReport, MigrationEvent
 
 log = logging.getLogger("tidal.gateway")
 

@@ -1,4 +1,4 @@
-"""The instance's client of its CPU-attention workers (`tidal.engine.piggyback.CpuAttnLink`):
+"""The instance's client of its CPU-attention workers (`tidal.engine.torch.piggyback.CpuAttnLink`):
 one TCP connection per worker (wire format `tidal.cpu_attn.wire`), a reader thread per
 connection filing attention outputs by (request, layer) for the engine thread to take, and the
 choice of worker for an offload by free memory and load (OmniServe §4: a worker on another host
@@ -127,7 +127,7 @@ class WorkerConn:
 
 
 class CpuAttnPool:
-    """Every worker this instance uses; implements `tidal.engine.piggyback.CpuAttnLink`."""
+    """Every worker this instance uses; implements `tidal.engine.torch.piggyback.CpuAttnLink`."""
 
     def __init__(self) -> None:
         self.workers: dict[str, WorkerConn] = {}

@@ -9,7 +9,7 @@ from typing import Any
 
 from tidal import envs
 from tidal.engine.api import ControllableEngine
-from tidal.engine.sim import SimEngine, SimEngineConfig
+from tidal.engine.sim.engine import SimEngine, SimEngineConfig
 from tidal.perf.spec import parse_step_model
 
 ENGINES = ("sim", "torch", "sglang")
@@ -63,7 +63,7 @@ def build_engine(args: argparse.Namespace) -> ControllableEngine:
         return sim_engine
     if args.engine == "torch":
         # Imported on demand: the torch engine pulls in PyTorch, which the sim engine never needs.
-        loader = importlib.import_module("tidal.engine.loader")
+        loader = importlib.import_module("tidal.engine.torch.loader")
         if args.num_threads:
             import torch
 
@@ -85,7 +85,7 @@ def build_engine(args: argparse.Namespace) -> ControllableEngine:
         # every thread that steps takes the count, not only this one (OpenMP's is per thread)
         torch_eng.num_threads = args.num_threads or 0
         if share := getattr(args, "core_share", ""):
-            from tidal.engine.core_share import CoreShare
+            from tidal.engine.torch.core_share import CoreShare
 
             torch_eng.core_share = CoreShare(Path(share), args.index)
         engine: ControllableEngine = torch_eng

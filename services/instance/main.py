@@ -32,11 +32,11 @@ from services.instance.dataplane import DataPlaneServer
 from services.instance.engines import ENGINES, build_engine
 from services.instance.migration import Migrator
 from services.instance.policy_adapter import PolicyAdapter
+from services.instance.sglang.api import DEFAULT_BOOTSTRAP_PORT, DEFAULT_HANDOFF_TIMEOUT_S
 from services.instance.worker import Instance
 from tidal import envs
 from tidal.config.live import LiveConfig, load_live_config
 from tidal.engine.api import ControllableEngine
-from tidal.engine.sglang_api import DEFAULT_BOOTSTRAP_PORT, DEFAULT_HANDOFF_TIMEOUT_S
 from tidal.perf.spec import parse_step_model
 from tidal.policy.registry import make_policy
 from tidal.policy.state import InstanceRole, Slo

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import nats
 import openai
 
-from tidal.engine.sim_tokens import load_sim_tokenizer, output_word_ids, prompt_key, sim_token
+from tidal.engine.sim.tokens import load_sim_tokenizer, output_word_ids, prompt_key, sim_token
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import InstanceReport, MigrationEvent
 

@@ -33,7 +33,7 @@ import pytest
 from services.cli import natsd
 from services.instance.sglang.launcher import SglangProcess
 from tidal.engine.tokenizer import embedded_model_path
-from tidal.engine.weights import gguf_to_hf_dir
+from tidal.engine.torch.weights import gguf_to_hf_dir
 
 
 @dataclass

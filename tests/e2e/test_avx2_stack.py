@@ -1,6 +1,6 @@
-"""The default stack on a CPU without AVX-512 (it did not start there: oneDNN refused to pack
-bf16 weights during the dtype calibration). Emulated on any x86 machine with the three
-knobs together: Tidal's `TIDAL_CPU_ISA=avx2` (its own answer, `tidal.engine.cpu_caps`), torch's
+"""The default stack on a CPU without AVX-512 (it did not start there: oneDNN refused to pack bf16
+weights during the dtype calibration). Emulated on any x86 machine with the three knobs together:
+Tidal's `TIDAL_CPU_ISA=avx2` (its own answer, `tidal.engine.torch.cpu_caps`), torch's
 `ATEN_CPU_CAPABILITY=avx2` (ATen's kernels) and oneDNN's `ONEDNN_MAX_CPU_ISA=AVX2` (oneDNN's
 kernels: the packing trial is then refused with torch's own message, as on that CPU). A fresh
 `TIDAL_CACHE_DIR`, so the calibration runs under them instead of reusing this machine's entry."""

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Stack, wait_until
-from tidal.engine.sim_tokens import load_sim_tokenizer
+from tidal.engine.sim.tokens import load_sim_tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nats]
 MODEL = "tidal-sim"

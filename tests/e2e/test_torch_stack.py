@@ -74,7 +74,8 @@ def _batch_round_trip(client: openai.OpenAI, model: str) -> None:
     logits 25.33 "The" vs 25.24 "L"; 27.26 "Il" vs 27.14 "The"), inside bf16's logit error
     (max 0.7, as HF's own bf16), so the answer flips with the batch's shape ("L'Étoile...",
     "The capital of Italy is Rome." beside "Il Coriobella, Italy.", HF fp32's answer). In fp32
-    every path gives the lone request's logits: tests/tidal/engine/test_batch_invariance.py."""
+    every path gives the lone request's logits:
+    tests/tidal/engine/torch/test_batch_invariance.py."""
     questions = {"fr": "What is the capital of France?", "it": "What is the capital of Italy?"}
     lines = [
         {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",

@@ -23,7 +23,7 @@ class EngineCapabilities:
     num_layers: int = 1  # layer boundaries a step can be cut at (1 when it cannot be cut)
     migration: MigrationMode = MigrationMode.NONE  # what export_request/import_request move
     cpu_attention: bool = False  # offload / recall / cpu_decode (OmniServe §3.2); see
-    # `tidal.engine.cpu_offload`: True only while CPU-attention workers are attached
+    # `tidal.engine.torch.cpu_offload`: True only while CPU-attention workers are attached
     swap_is_recompute: bool = False  # swap_out drops the KV (the engine cannot move it to the
     # host); swap_in resubmits: the request recomputes. Counted as a recompute.
     priority: bool = False  # the engine itself runs online before offline work and retracts

@@ -235,6 +235,10 @@ class MigrateResult(msgspec.Struct, frozen=True):
     mode: str = "kv"  # "kv": KV moved | "recompute": the target recomputes it (sglang engine)
 
 
+# `MigrationEvent.mode` (`tidal_migrations_total{mode=...}`) of an SGLang P->D KV handoff
+PD_MIGRATION_MODE = "pd_transfer"
+
+
 class MigrationEvent(msgspec.Struct, frozen=True):
     """Scheduler -> anyone (`subjects.MIGRATION_EVENTS`): a migration ended (for metrics)."""
 

@@ -16,7 +16,7 @@ from rich.progress import Progress
 from services.cpu_attn.server import ThreadedWorker
 from services.instance.cpu_attn_link import CpuAttnPool
 from tidal.engine.api import EngineRequest, SamplingParams
-from tidal.engine.loader import load_torch_engine
+from tidal.engine.torch.loader import load_torch_engine
 from tidal.plan import StepPlan
 
 STEPS = 6

@@ -26,7 +26,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
 
     from services.instance.dataplane import DataPlaneServer, EngineReceiver, send_kv
     from tidal.engine.api import EngineRequest, SamplingParams
-    from tidal.engine.loader import load_torch_engine
+    from tidal.engine.torch.loader import load_torch_engine
     from tidal_bench.engine.measure import preempt_latency
 
     if args.num_threads:

@@ -43,8 +43,8 @@ def _peak_rss(pid: int) -> int:
 def serve(kv: str) -> None:
     """The child: a data plane whose sinks check (sim) or count (raw) every byte."""
     from services.instance.dataplane import DataPlaneServer
-    from tidal.engine.sim_migrate import SimKvSink
-    from tidal.engine.sim_seq import kv_digest
+    from tidal.engine.sim.migrate import SimKvSink
+    from tidal.engine.sim.seq import kv_digest
     from tidal.schemas.kv_wire import Hello
 
     class Sink:
@@ -75,8 +75,8 @@ def serve(kv: str) -> None:
 
 async def _send(url: str, ticket: str, nbytes: int, bpt: int) -> dict[str, float]:
     from services.instance.dataplane import send_kv
-    from tidal.engine.sim_migrate import SimKvSource
-    from tidal.engine.sim_seq import kv_digest
+    from tidal.engine.sim.migrate import SimKvSource
+    from tidal.engine.sim.seq import kv_digest
 
     n = -(-nbytes // bpt)
     source = SimKvSource(ticket, b"bench", n, bpt, kv_digest([7], n))

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from tidal.engine.api import EngineRequest, SamplingParams
-from tidal.engine.engine_config import EngineConfig
-from tidal.engine.llama import LlamaModel
-from tidal.engine.model_config import ModelConfig
-from tidal.engine.torch_engine import TorchEngine
+from tidal.engine.torch.engine import TorchEngine
+from tidal.engine.torch.engine_config import EngineConfig
+from tidal.engine.torch.llama import LlamaModel
+from tidal.engine.torch.model_config import ModelConfig
 
 QWEN25_7B = ModelConfig(
     model_type="qwen2",

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from tidal.engine.api import EngineRequest, SamplingParams
-from tidal.engine.torch_engine import TorchEngine
+from tidal.engine.torch.engine import TorchEngine
 from tidal_bench.engine.measure import _prompts
 
 # (calling function, aten op) -> phase; matmuls are split by weight shape in `_phase`

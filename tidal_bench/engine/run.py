@@ -12,10 +12,10 @@ by the copy bandwidth measured with a large torch copy. Also the time from `requ
 to the engine being free during a long prefill (OOCO §3.4.1). Figures come from a real engine.
 
 On CPU both fp32 and bf16 run, side by side (or only --dtype), and the report says which one the
-engine picks by default here and why (`tidal.engine.dtype_choice`: measured, not by CPU flag).
+engine picks by default here and why (`tidal.engine.torch.dtype_choice`: measured, not by CPU flag).
 --profile adds where a batch-1 decode step's time goes, per phase (`phases`).
-On CPU the report also says what this CPU runs (`tidal.engine.cpu_caps`): a CPU without AVX-512
-(or `TIDAL_CPU_ISA=avx2`) runs bf16 on plain matmuls, not oneDNN-packed ones.
+On CPU the report also says what this CPU runs (`tidal.engine.torch.cpu_caps`): a CPU without
+AVX-512 (or `TIDAL_CPU_ISA=avx2`) runs bf16 on plain matmuls, not oneDNN-packed ones.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from tidal.engine.dtype_choice import choose_dtype
+    from tidal.engine.torch.dtype_choice import choose_dtype
     from tidal_bench.engine.measure import QWEN25_7B, copy_bandwidth
 
     console = Console()
@@ -49,7 +49,7 @@ def run_bench(args: argparse.Namespace) -> int:
         dtypes = ["bfloat16"] if device.type == "cuda" else ["float32", "bfloat16"]
     res: dict[str, Any] = {"device": str(device), "threads": torch.get_num_threads(), "runs": {}}
     if device.type == "cpu":
-        from tidal.engine import cpu_caps
+        from tidal.engine.torch import cpu_caps
 
         refusal = cpu_caps.pack_refusal(torch.bfloat16)
         res["cpu"] = {"caps": cpu_caps.probe().summary(), "bf16_packing": refusal or "on"}
@@ -57,7 +57,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.shape == "qwen2.5-7b":
         cfg = QWEN25_7B
     else:
-        from tidal.engine.weights import embedded_model_path, load_checkpoint
+        from tidal.engine.torch.weights import embedded_model_path, load_checkpoint
 
         path = embedded_model_path() if args.model is None else Path(args.model)
         cfg, _, _, hf_dir = load_checkpoint(path)
@@ -92,7 +92,7 @@ def _bench_dtype(
     """Every figure of one dtype: ours, HF's (same dtype, threads), roofline."""
     import torch
 
-    from tidal.engine.loader import load_torch_engine
+    from tidal.engine.torch.loader import load_torch_engine
     from tidal_bench.engine.measure import (
         HFGenerate,
         engine_decode,

@@ -40,7 +40,7 @@ def record_engine_log(
     import torch
 
     from tidal.engine.api import EngineRequest, SamplingParams
-    from tidal.engine.loader import load_torch_engine
+    from tidal.engine.torch.loader import load_torch_engine
     from tidal.plan import StepPlan
 
     if threads:

@@ -5,7 +5,7 @@ the stack's log kept for later reading.
 
 Each event's `start_unix_s` is its end less its handshake (`total_s`: the migrate command at the
 source to the commit's answer), so a window's transfers can be laid beside each other and beside
-the engine's steps (`tidal.engine.sim` trace lines carry `unix_s` too).
+the engine's steps (`tidal.engine.sim.engine` trace lines carry `unix_s` too).
 """
 
 from __future__ import annotations

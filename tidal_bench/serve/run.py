@@ -5,8 +5,8 @@
 
 Starts `tidal up` (torch engine, the embedded SmolLM2) and sends `--requests` streaming
 `/v1/completions` one after another with the openai client: TTFT and inter-token latency medians.
-`--compare-fixed-threads` runs the stack twice, with `--fixed-threads` (each instance keeps
-cores ÷ instances threads) and without (threads follow the load, `tidal.engine.core_share`), and
+`--compare-fixed-threads` runs the stack twice, with `--fixed-threads` (each instance keeps cores ÷
+instances threads) and without (threads follow the load, `tidal.engine.torch.core_share`), and
 prints both. The first request of each run is a warm-up, not counted.
 
 `--compare URL` puts any OpenAI-compatible server beside it in the same run (llama.cpp's

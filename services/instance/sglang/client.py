@@ -3,7 +3,7 @@
 The engine interface is synchronous (the instance calls `step` from a worker thread), while
 SGLang streams every request over its own HTTP response; so this client runs the streams on a
 loop of its own and hands what they bring back through a thread-safe inbox. The worker never
-imports `sglang`: it speaks `tidal.engine.sglang_api`'s subset of SGLang's HTTP API.
+imports `sglang`: it speaks `services.instance.sglang.api`'s subset of SGLang's HTTP API.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from tidal.engine.sglang_api import SglangLoad, parse_loads
+from services.instance.sglang.api import SglangLoad, parse_loads
 
 log = logging.getLogger("tidal.instance.sglang")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request and per poll

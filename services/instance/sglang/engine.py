@@ -7,7 +7,7 @@ policy's `StepPlan` controls here (docs/sglang.md):
   the policy's per-step budget becomes how many requests (offline ones above all) the worker
   lets into SGLang at a time; FCFS (`plan=None`) admits everything waiting;
 - **class -> priority**: online requests go in with a higher SGLang priority, so SGLang's
-  scheduler lets them retract offline work (`tidal.engine.sglang_api.PRIORITY`);
+  scheduler lets them retract offline work (`services.instance.sglang.api.PRIORITY`);
 - **preempt / swap_out** (recompute): abort in SGLang, keep the tokens generated, wait again;
   re-admission sends prompt + generated ids as input and asks only for the rest;
 - **migration** (push and pull) is recompute too (as NVIDIA Dynamo's request migration):
@@ -19,7 +19,7 @@ policy's `StepPlan` controls here (docs/sglang.md):
 
 A step hands out whatever tokens the streams brought since the last one, waiting up to
 `poll_s` for the first. Text is detokenised here with Tidal's tokenizer and stop strings are
-cut here (`tidal.engine.sampling.Detokenizer`), so the text is what the torch engine would
+cut here (`tidal.engine.torch.sampling.Detokenizer`), so the text is what the torch engine would
 stream for the same tokens, and a recompute never repeats text.
 """
 
@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from services.instance.sglang.api import RecomputePayload, generate_body, new_rid, parse_chunk
 from services.instance.sglang.client import SglangClient
 from tidal.engine.api import (
     EngineLoad,
@@ -44,8 +45,7 @@ from tidal.engine.api import (
     Tokenizer,
     check_fits,
 )
-from tidal.engine.sampling import Detokenizer
-from tidal.engine.sglang_api import RecomputePayload, generate_body, new_rid, parse_chunk
+from tidal.engine.detokenizer import Detokenizer
 from tidal.plan import EngineCapabilities, MigrationMode, PlanRefused, RefusalReason
 
 log = logging.getLogger("tidal.instance.sglang")

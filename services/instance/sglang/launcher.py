@@ -3,7 +3,7 @@
 Either `--sglang-url URL` (a server someone else runs, e.g. the compose profile's; with
 `--sglang-decode-url URL2` the two are a prefill/decode pair, `pd.PdPairClient`), or the
 worker starts `python -m sglang.launch_server` as its child with `--sglang-args` appended
-(`tidal.engine.sglang_api.server_args`) and stops it when it stops. The child's Python is
+(`services.instance.sglang.api.server_args`) and stops it when it stops. The child's Python is
 `--sglang-python` (default: this one), so SGLang can live in a venv of its own with its own
 torch, and the worker never imports it.
 """
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import httpx
 
+from services.instance.sglang.api import DEFAULT_HANDOFF_TIMEOUT_S, parse_loads, server_args
 from services.instance.sglang.client import SglangClient
 from services.instance.sglang.engine import SglangEngine
 from services.instance.sglang.pd import PdPairClient
-from tidal.engine.sglang_api import DEFAULT_HANDOFF_TIMEOUT_S, parse_loads, server_args
 from tidal.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger("tidal.instance.sglang")

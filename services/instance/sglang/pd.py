@@ -6,7 +6,7 @@ does itself on its own engine (prefill on one instance, KV pushed, decode on ano
 out here by SGLang inside one instance that drives two servers: `--sglang-url` runs with
 `--disaggregation-mode prefill`, `--sglang-decode-url` with `--disaggregation-mode decode`.
 Every submission goes to both with the same `bootstrap_host`/`bootstrap_port`/`bootstrap_room`,
-as SGLang's routers send it (`tidal.engine.sglang_api`, "PD disaggregation", for what they do
+as SGLang's routers send it (`services.instance.sglang.api`, "PD disaggregation", for what they do
 and what SGLang 0.5.23's source says); the prefill server computes the prompt and its transfer
 backend (mooncake, nixl, ...) pushes the KV to the decode server, whose stream is read exactly
 as a single server's is (`SglangClient`). Tidal's own migrate and pull commands for such an
@@ -48,16 +48,16 @@ from typing import Any
 
 import httpx
 
-from services.instance.sglang.client import SglangClient, StreamMsg
-from tidal.engine.sglang_api import (
+from services.instance.sglang.api import (
     DEFAULT_HANDOFF_TIMEOUT_S,
-    PD_MIGRATION_MODE,
     SglangLoad,
     bootstrap_host_of,
     new_bootstrap_room,
     pd_prefill_body,
     prefill_outcome,
 )
+from services.instance.sglang.client import SglangClient, StreamMsg
+from tidal.schemas.messages import PD_MIGRATION_MODE
 
 log = logging.getLogger("tidal.instance.sglang")
 

@@ -12,7 +12,7 @@ import pytest
 from services.instance.cpu_attn_link import CpuAttnPool
 from tests.services.cpu_attn.conftest import WorkerFactory
 from tidal.engine.api import EngineRequest, OffloadRefused, SamplingParams
-from tidal.engine.torch_engine import TorchEngine
+from tidal.engine.torch.engine import TorchEngine
 from tidal.plan import StepPlan
 
 PROMPT = [ord(c) for c in "The tide comes in and the tide goes out; "]
@@ -179,7 +179,7 @@ def test_recall_in_the_middle_of_a_token_runs_that_token_again_on_the_instance(
 def test_smollm2_offloaded_mid_decode_and_recalled_keeps_greedy_output(
     make_worker: WorkerFactory, pool: CpuAttnPool
 ) -> None:
-    from tidal.engine.loader import load_torch_engine
+    from tidal.engine.torch.loader import load_torch_engine
 
     # NOTE: float32 so the worker's attention and the instance's agree to the last bit that
     # matters for argmax over 24 tokens; bf16 rounds differently per kernel.

@@ -20,8 +20,8 @@ from services.instance.dataplane import (
     send_kv,
     send_kv_blocking,
 )
-from tidal.engine.sim_migrate import SimKvSink, SimKvSource
-from tidal.engine.sim_seq import kv_digest
+from tidal.engine.sim.migrate import SimKvSink, SimKvSource
+from tidal.engine.sim.seq import kv_digest
 from tidal.schemas import kv_wire as wire
 
 BPT = 57_344  # KV bytes per token of a 7B model (28 layers, 4 KV heads of 128, bf16)

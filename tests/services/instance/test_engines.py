@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from services.instance.engines import build_engine
-from tidal.engine.sim import SimEngine
-from tidal.engine.sim_tokens import shipped_tokenizer_dir
+from tidal.engine.sim.engine import SimEngine
+from tidal.engine.sim.tokens import shipped_tokenizer_dir
 from tidal.engine.tokenizer import load_tokenizer
 from tidal.perf.api import BatchShape
 from tidal.perf.linear import DEFAULT_SIM_STEP_MODEL, LinearStepModel

@@ -175,9 +175,9 @@ async def test_commit_answered_too_late_runs_the_request_on_the_source_only(
     the target, its import done, must drop the request rather than start it as well."""
     cls: type
     if engine_kind.name == "sim":
-        from tidal.engine.sim import SimEngine as cls
+        from tidal.engine.sim.engine import SimEngine as cls
     else:
-        from tidal.engine.torch_engine import TorchEngine as cls
+        from tidal.engine.torch.engine import TorchEngine as cls
     fast_end = cls.end_import
 
     def end_import_slowly(self: object, req_id: str, commit: bool) -> None:

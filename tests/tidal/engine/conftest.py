@@ -13,8 +13,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from tidal.engine.loader import load_torch_engine
-from tidal.engine.torch_engine import TorchEngine
+from tidal.engine.torch.engine import TorchEngine
+from tidal.engine.torch.loader import load_torch_engine
 
 VOCAB = 320  # 256 byte tokens, "<eos>" = 256, the rest unused by the tokenizer
 EOS = 256

@@ -7,7 +7,7 @@ import pytest
 
 from tidal.engine.api import Tokenizer
 from tidal.engine.detokenizer import Detokenizer, HfDecodeStream, WindowDecodeStream
-from tidal.engine.sim_tokens import SimTokenizer, load_sim_tokenizer
+from tidal.engine.sim.tokens import SimTokenizer, load_sim_tokenizer
 
 TEXT = "The tide comes in; naïve café 海 🌊 over the reef.\n" * 3
 

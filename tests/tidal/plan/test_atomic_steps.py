@@ -7,7 +7,7 @@ import pytest
 
 from tidal.engine.api import EngineRequest, RequestClass, SamplingParams
 from tidal.engine.executor import execute
-from tidal.engine.sim import SimEngine, SimEngineConfig
+from tidal.engine.sim.engine import SimEngine, SimEngineConfig
 from tidal.plan import STAGES, PlanRefused, RefusalReason, StepPlan
 
 

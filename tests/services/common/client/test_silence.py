@@ -1,4 +1,4 @@
-"""`services/gateway/silence.py`: an instance unheard for seconds, then heard again, marks its
+"""`services/common/client/silence.py`: an instance unheard for seconds, then heard again, marks its
 streams' gaps as final and asks for a check against its next report; a late beat does not."""
 
 from __future__ import annotations

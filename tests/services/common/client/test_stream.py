@@ -1,6 +1,6 @@
-"""A request's stream in the gateway (`services/gateway/stream.py`) on a hand-driven bus: chunks
-lost in a bus outage while the instance still runs the request make it run again, and the old
-copy is cut."""
+"""A request's stream (`services/common/client/stream.py`, the gateway's and the batch
+service's) on a hand-driven bus: chunks lost in a bus outage while the instance still runs the
+request make it run again, and the old copy is cut."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from services.instance.engines import build_engine
+from services.instance.sglang.api import PRIORITY
 from services.instance.sglang.client import SglangClient
 from services.instance.sglang.engine import SglangEngine
 from tests.services.instance.sglang.fake_sglang import FakeSglang, next_token
@@ -25,7 +26,6 @@ from tidal.engine.api import (
     TokenEvent,
 )
 from tidal.engine.executor import execute
-from tidal.engine.sglang_api import PRIORITY
 from tidal.perf.linear import LinearStepModel
 from tidal.policy.base import PolicyContext
 from tidal.policy.registry import make_policy

@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 
 from services.cli import natsd
 from services.gateway.metrics import GatewayMetrics
+from services.instance.sglang.api import MAX_ROOM
 from services.instance.sglang.engine import SglangEngine
 from services.instance.sglang.launcher import pd_client
 from services.instance.sglang.pd import PdPairClient
@@ -28,8 +29,7 @@ from tests.services.instance.sglang.test_sglang_engine import (
     wait_for,
 )
 from tidal.engine.api import FinishReason, RequestClass, TokenEvent
-from tidal.engine.sglang_api import MAX_ROOM, PD_MIGRATION_MODE
-from tidal.schemas.messages import Heartbeat
+from tidal.schemas.messages import PD_MIGRATION_MODE, Heartbeat
 
 
 class Pair:

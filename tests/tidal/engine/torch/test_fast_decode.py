@@ -1,0 +1,230 @@
+"""The one-row decode step on native kernels (`tidal.engine.torch.fast_decode`) against the torch
+ops it replaces: each kernel alone, then whole decodes through the engine, both paths side by
+side."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.tidal.engine.torch.test_llama import greedy, prompt
+from tidal.engine.api import EngineRequest
+from tidal.engine.torch import fast_decode, native
+from tidal.engine.torch.engine import TorchEngine
+
+BF = torch.bfloat16
+lib = native.load()
+needs_native = pytest.mark.skipif(lib is None, reason="no C++ compiler to build the kernels")
+
+
+def _p(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest gap in units of bf16 rounding of the reference's magnitude."""
+    scale = ref.float().abs().clamp_min(1e-3) * 2**-8
+    return float(((got.float() - ref.float()).abs() / scale).max())
+
+
+@needs_native
+def test_add_rms_norm_matches_torch() -> None:
+    assert lib is not None
+    g = torch.Generator().manual_seed(0)
+    x, d = torch.randn(4, 576, generator=g).to(BF), torch.randn(4, 576, generator=g).to(BF)
+    w = torch.rand(576, generator=g).to(BF)
+    ref_x = x + d
+    ref_h = F.rms_norm(ref_x, (576,), w, 1e-5)
+    h = torch.empty_like(x)
+    lib.tidal_add_rms_norm(_p(x), _p(d), _p(w), _p(h), 4, 576, 1e-5)
+    assert torch.equal(x, ref_x)  # the residual add rounds as torch's does
+    assert _ulps(h, ref_h) <= 1.0
+    lib.tidal_add_rms_norm(_p(x), None, _p(w), _p(h), 4, 576, 1e-5)  # no residual: norm only
+    assert torch.equal(x, ref_x) and _ulps(h, ref_h) <= 1.0
+
+
+@needs_native
+def test_rope_kv_write_and_attention_match_torch() -> None:
+    assert lib is not None
+    g = torch.Generator().manual_seed(1)
+    H, Hk, D, T, slots_n, rows = 9, 3, 64, 37, 64, 3
+    width = (H + 2 * Hk) * D
+    qkv = torch.randn(rows, width, generator=g).to(BF)
+    cos, sin = torch.randn(50, D, generator=g).to(BF), torch.randn(50, D, generator=g).to(BF)
+    positions, slots = torch.tensor([7, 0, 49]), torch.tensor([20, 3, 63])
+    kc = torch.randn(slots_n, Hk, D, generator=g).to(BF)
+    vc = torch.randn(slots_n, Hk, D, generator=g).to(BF)
+    qk = qkv[:, : (H + Hk) * D].view(rows, H + Hk, D)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    ref_qk = torch.addcmul(qk * c, qk.roll(D // 2, -1), s)  # llama.py's RoPE
+    ref_v = qkv[:, (H + Hk) * D :].view(rows, Hk, D).clone()
+    lib.tidal_rope_kv_write(
+        _p(qkv), width, _p(cos), _p(sin), _p(positions), _p(kc), _p(vc), _p(slots), rows, H, Hk, D
+    )
+    assert _ulps(qkv[:, : (H + Hk) * D].view(rows, H + Hk, D), ref_qk) <= 1.0
+    assert torch.equal(kc[slots], qkv[:, H * D : (H + Hk) * D].view(rows, Hk, D))
+    assert torch.equal(vc[slots], ref_v)
+    # one row's attention over slots [4, 4 + T) in place, and over a scattered slot list
+    q = qkv[:1, : H * D].view(1, Hk, H // Hk, D)
+    scores = torch.empty(8 * T)
+    for ctx in (None, torch.randperm(slots_n, generator=g)[:T]):
+        idx = torch.arange(4, 4 + T) if ctx is None else ctx
+        k = kc.index_select(0, idx).transpose(0, 1).unsqueeze(0)
+        v = vc.index_select(0, idx).transpose(0, 1).unsqueeze(0)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=D**-0.5)
+        out = torch.empty(1, H * D, dtype=BF)
+        sp = None if ctx is None else _p(ctx)
+        lib.tidal_decode_attention(
+            _p(qkv), _p(kc), _p(vc), sp, 4, T, H, Hk, D, D**-0.5, _p(scores), _p(out)
+        )
+        torch.testing.assert_close(out.float().view(1, Hk, H // Hk, D), ref, atol=2e-2, rtol=0)
+
+
+@needs_native
+def test_attention_at_the_longest_native_context_matches_sdpa() -> None:
+    # SmolLM2's heads (9 query, 3 KV, 64 wide) over 8,192 tokens in place, as a long chat's
+    assert lib is not None
+    g = torch.Generator().manual_seed(3)
+    H, Hk, D, T = 9, 3, 64, fast_decode.NATIVE_MAX_T
+    qkv = torch.randn(1, (H + 2 * Hk) * D, generator=g).to(BF)
+    kc = torch.randn(T + 5, Hk, D, generator=g).to(BF)
+    vc = torch.randn(T + 5, Hk, D, generator=g).to(BF)
+    out = torch.empty(1, H * D, dtype=BF)
+    scores = torch.empty(8 * T)
+    lib.tidal_decode_attention(
+        _p(qkv), _p(kc), _p(vc), None, 5, T, H, Hk, D, D**-0.5, _p(scores), _p(out)
+    )
+    q = qkv[:, : H * D].view(1, Hk, H // Hk, D).float()
+    k, v = (c[5:].transpose(0, 1).unsqueeze(0).float() for c in (kc, vc))
+    ref = F.scaled_dot_product_attention(q, k, v, scale=D**-0.5)
+    torch.testing.assert_close(out.float().view(1, Hk, H // Hk, D), ref, atol=2e-2, rtol=0)
+
+
+@needs_native
+def test_silu_mul_matches_torch() -> None:
+    assert lib is not None
+    gu = torch.randn(3, 2 * 1536, generator=torch.Generator().manual_seed(2)).to(BF) * 4
+    g, u = gu.chunk(2, dim=-1)
+    out = torch.empty(3, 1536, dtype=BF)
+    lib.tidal_silu_mul(_p(gu), _p(out), 3, 1536)
+    assert _ulps(out, F.silu(g) * u) <= 1.0
+
+
+def _decode(engine: TorchEngine, rid: str, p: list[int], steps: int) -> tuple[list[int], list[Any]]:
+    engine.add(EngineRequest(rid, p, greedy(steps)))
+    engine.runner.keep_logits = True
+    toks, logits = [], []
+    while engine.has_work():
+        engine.runner.last_logits = {}
+        for ev in engine.step().events:
+            toks += ev.token_ids
+            logits.append(engine.runner.last_logits[rid])
+    return toks, logits
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3-rope"])
+@pytest.mark.parametrize("context", ["span", "slots", "long"])
+def test_native_decode_decode_matches_the_torch_path(
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch, arch: str, context: str
+) -> None:
+    engine = make_engine(arch, dtype="bfloat16", chunk_size=7, token_budget=16)
+    model = engine.model
+    assert model.native_decode is not None
+    if context == "long":  # contexts past the kernel's limit go to torch's SDPA
+        monkeypatch.setattr(fast_decode, "NATIVE_MAX_T", 8)
+    if context == "slots":  # another request's blocks between this one's: no in-place span
+        monkeypatch.setattr("tidal.engine.torch.runner._span", lambda seq, bs: None)
+    ran: list[int] = []
+    real = fast_decode.NativeDecode.run
+
+    def spy(self: Any, *a: Any) -> int:
+        ran.append(1)
+        return real(self, *a)
+
+    monkeypatch.setattr(fast_decode.NativeDecode, "run", spy)
+    p = prompt(30, 5)
+    toks, logits = _decode(engine, "native", p, 12)
+    assert len(ran) == 11  # every decode step after the first token
+    native_decode, model.native_decode = model.native_decode, None
+    ref_toks, ref_logits = _decode(engine, "torch", p, 12)
+    model.native_decode = native_decode
+    assert toks == ref_toks
+    for lg, ref in zip(logits, ref_logits, strict=True):
+        assert (lg - ref).abs().max() <= 0.02 * ref.abs().max() + 0.02
+
+
+@needs_native
+def test_batched_decodes_match_the_torch_path(make_engine: Any) -> None:
+    engine = make_engine("qwen2", dtype="bfloat16")
+    model = engine.model
+    prompts = {"a": prompt(20, 7), "b": prompt(9, 8), "c": prompt(14, 9)}
+
+    def run(tag: str) -> dict[str, list[int]]:
+        toks: dict[str, list[int]] = {r: [] for r in prompts}
+        for rid, p in prompts.items():
+            engine.add(EngineRequest(tag + rid, p, greedy(10)))
+        while engine.has_work():
+            for ev in engine.step().events:
+                toks[ev.req_id[len(tag) :]] += ev.token_ids
+        return toks
+
+    steps: list[int] = []
+    real = fast_decode.NativeDecode.run
+
+    def spy(self: Any, batch: Any, *a: Any) -> int:
+        steps.append(batch.hidden.shape[0])
+        return real(self, batch, *a)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fast_decode.NativeDecode, "run", spy)
+        got = run("n-")
+    assert 3 in steps  # the three decoded together on the native path
+    native_decode, model.native_decode = model.native_decode, None
+    assert got == run("t-")
+    model.native_decode = native_decode
+
+
+@needs_native
+def test_a_preempted_step_stops_at_the_same_layer(make_engine: Any) -> None:
+    engine = make_engine("llama", dtype="bfloat16")
+    model, runner = engine.model, engine.runner
+    engine.add(EngineRequest("a", prompt(20, 6), greedy(4)))
+    engine.step()  # prefill; "a" now decodes
+    seq = engine.seqs["a"]
+    outs = []
+    for native_decode in (model.native_decode, None):
+        model.native_decode = native_decode
+        batch, _ = runner._build([(seq, 1)], [0])
+        calls = iter(range(100))
+        layers = model.forward_layers(batch, runner.kv, lambda c=calls: next(c) == 1)
+        assert layers == 2  # stopped at the boundary after the second layer
+        outs.append(batch.hidden.clone())
+    # the same values to bf16 rounding, compounded over two layers
+    assert (outs[0].float() - outs[1].float()).abs().max() <= 0.02 * outs[1].float().abs().max()
+
+
+def test_kernels_off_or_unbuildable_leave_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with pytest.raises(subprocess.CalledProcessError):
+        native.build("false", tmp_path)  # a compiler that fails
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+    monkeypatch.setenv("TIDAL_NATIVE", "0")
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+    finally:
+        native.load.cache_clear()
+    monkeypatch.setenv("TIDAL_NATIVE", "1")
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++ or c++ anywhere
+    try:
+        assert native.load() is None
+    finally:
+        native.load.cache_clear()

@@ -1,0 +1,446 @@
+"""The `sim` engine: an emulated `ControllableEngine` for tests, demos and cluster experiments.
+
+It behaves like the torch engine in everything but computing: it takes explicit plans
+(`tidal.plan.StepPlan`) or plans itself, holds KV in blocks for the tokens it has computed,
+cuts steps at layer boundaries (`request_layer_cut`, the cut chunks resume with `forced_tokens`),
+recomputes (`recompute`), swaps KV to host memory, and exports/imports requests with a KV blob
+of the real size (`tidal.engine.sim.seq`).
+It runs no model: output tokens are deterministic words of the
+served model's vocabulary chosen from the prompt (`tidal.engine.sim.tokens`), and each step's
+duration comes from a latency model (`tidal.perf.api.StepModel`, default `DEFAULT_SIM_STEP_MODEL`).
+
+With `SimEngineConfig.realtime` the step really waits its emulated time, in `num_layers` equal
+parts, so a preemption signal from another thread ends it at the next layer boundary, as in the
+torch engine. Its timings are *emulated* (`is_emulated`): the instance service labels every
+response and metric accordingly.
+
+Own planner (`step()` with no plan): the torch engine's `FcfsChunkedPlanner`
+(`tidal.engine.scheduler`: decodes, then online prefills, then offline ones, each in arrival
+order). Entries whose KV does not fit are left out; an online one left out, or nothing
+fitting, takes the blocks of the latest offline arrival holding KV (recompute); online work
+is never evicted: with only online holders and nothing fitting, the newest ends with an "out
+of KV memory" error event (as in the torch engine).
+An explicit plan that does not fit raises MemoryError instead: policies plan with block budgets,
+and nothing is changed behind their back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import TextIO
+
+from tidal.engine.api import (
+    EngineLoad,
+    EngineRequest,
+    FinishReason,
+    RequestClass,
+    SeqSnapshot,
+    StepResult,
+    StepTelemetry,
+    TokenEvent,
+    Tokenizer,
+    check_fits,
+)
+from tidal.engine.preemption import LayerPreemption
+from tidal.engine.scheduler import SeqView
+from tidal.engine.sim.config import SimEngineConfig
+from tidal.engine.sim.migrate import SimMigrateMixin
+from tidal.engine.sim.plan import Item, SimOwnPlanMixin, batch_shape, layer_times, tokens_of
+from tidal.engine.sim.seq import RUNNING, SWAPPED, WAITING, SimSeq
+from tidal.engine.sim.tokens import (
+    SimTokenizer,
+    cut_at_stop,
+    load_sim_tokenizer,
+    output_word_ids,
+    prompt_key,
+    sim_token,
+)
+from tidal.perf.api import StepModel
+from tidal.perf.linear import DEFAULT_SIM_STEP_MODEL, ZERO_STEP_MODEL
+from tidal.plan import EngineCapabilities, MigrationMode, PlanRefused, RefusalReason, StepPlan
+
+__all__ = [
+    "DEFAULT_SIM_STEP_MODEL",
+    "ZERO_STEP_MODEL",
+    "SimEngine",
+    "SimEngineConfig",
+    "SimTokenizer",
+    "sim_token",
+]
+
+
+class SimEngine(SimOwnPlanMixin, SimMigrateMixin):
+    """Implements `tidal.engine.api.ControllableEngine` with emulated step times."""
+
+    name = "sim"
+    is_emulated = True
+
+    def __init__(
+        self, config: SimEngineConfig | None = None, step_model: StepModel | None = None
+    ) -> None:
+        self.config = cfg = config or SimEngineConfig()
+        self.model_name = cfg.model_name
+        self.max_model_len = cfg.max_model_len
+        self.block_size = cfg.block_size
+        self.num_kv_blocks = cfg.num_kv_blocks
+        self.kv_bytes_per_token = float(cfg.kv_bytes_per_token)
+        payload = cfg.kv_payload_bytes_per_token
+        self.kv_payload_bytes_per_token = cfg.kv_bytes_per_token if payload < 0 else payload
+        self.tokenizer: Tokenizer = load_sim_tokenizer(cfg.tokenizer)
+        self.word_ids = output_word_ids(self.tokenizer)  # the ids emitted tokens are drawn from
+        self.step_model: StepModel = step_model or DEFAULT_SIM_STEP_MODEL
+        self.seqs: dict[str, SimSeq] = {}  # insertion order
+        self.num_steps = 0
+        self.num_recompute_preemptions = 0  # by the own planner, for lack of blocks
+        self.last_step_preempted = False
+        self.last_preempt_latency_s: float | None = None
+        self._free_blocks = cfg.num_kv_blocks
+        self._ended = []  # ended out of KV memory by the own planner
+        self.preemption = LayerPreemption()
+        # Realtime only: `time.perf_counter()` at which the next step's work began (set by the
+        # caller before `step`, e.g. the instance loop when it started planning it; used once).
+        # The step then ends at origin + its emulated time, so the caller's own work between
+        # steps is inside the emulated step instead of added to it: a step takes max(emulated
+        # time, actual work), as on an accelerator the host's work overlaps. None: now.
+        self.step_origin: float | None = None
+        self.last_step_end_s = 0.0  # perf_counter() when the last realtime step ended
+        # Realtime only: where each step's wall timings go, one JSON line a step (`trace_step`),
+        # for `tidal bench replay` to say where live time went against the emulated time.
+        self.step_trace: TextIO | None = None
+        self._step_start_s = 0.0  # perf_counter() the running step's emulated time counts from
+        self._init_migration()
+
+    # ---- Engine protocol -------------------------------------------------------------------
+    def add(self, request: EngineRequest) -> None:
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        check_fits(n, request.sampling.max_tokens, self.max_model_len)
+        if request.req_id in self.seqs:
+            raise ValueError(f"request id {request.req_id!r} is already in this engine")
+        prompt = list(request.prompt_token_ids)
+        self.seqs[request.req_id] = SimSeq(request, prompt, prompt_key(prompt))
+        if self.step_trace is not None:
+            self.trace_event("add", request.req_id)
+
+    def abort(self, req_id: str) -> bool:
+        seq = self.seqs.pop(req_id, None)
+        if seq is None:
+            return False
+        self._release(seq)
+        return True
+
+    def has_work(self) -> bool:
+        return any(s.status != SWAPPED for s in self.seqs.values())
+
+    def load(self) -> EngineLoad:
+        seqs = list(self.seqs.values())
+        num_online = sum(s.req.req_class == RequestClass.ONLINE for s in seqs)
+        num_running = sum(s.status == RUNNING for s in seqs)
+        return EngineLoad(
+            num_running=num_running,
+            num_waiting=len(seqs) - num_running,
+            num_kv_blocks_used=self.num_kv_blocks - self._free_blocks,
+            num_kv_blocks_total=self.num_kv_blocks,
+            num_online=num_online,
+            num_offline=len(seqs) - num_online,
+        )
+
+    def step(self, plan: StepPlan | None = None) -> StepResult:
+        """Run `plan` (its prefill and decode; preempt/swap are the executor's business and are
+        ignored; CPU decodes are refused), or the own planner's. ValueError for a plan naming an
+        unknown or swapped request or cutting a forced chunk; MemoryError when its KV does not
+        fit. Either way nothing has changed."""
+        with self.preemption.step():
+            if plan is None:
+                num_tokens = self._own_plan()
+            elif plan.cpu_decode or plan.offload or plan.recall:
+                raise ValueError("the sim engine has no CPU-attention path (offload/cpu_decode)")
+            else:
+                num_tokens = tokens_of(plan)
+            res = self._run(self._prepare(num_tokens))
+            ended, self._ended = self._ended, []
+            if not ended:
+                return res
+            return StepResult(events=[*ended, *res.events], telemetry=res.telemetry)
+
+    # ---- ControllableEngine ----------------------------------------------------------------
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            layer_cut=True,
+            num_layers=self.config.num_layers,
+            migration=MigrationMode.KV,
+            priority=True,  # the own planner runs online requests first
+        )
+
+    def offload(self, req_id: str) -> None:
+        raise PlanRefused(RefusalReason.NO_CPU_ATTENTION, "the sim engine has no CPU attention")
+
+    def recall(self, req_id: str) -> None:
+        raise PlanRefused(RefusalReason.NO_CPU_ATTENTION, "the sim engine has no CPU attention")
+
+    def wake_step(self) -> None:
+        """Nothing to wake: a step here never waits for work."""
+
+    def request_layer_cut(self) -> bool:
+        """Thread-safe: end the running step after its current layer; False if none runs."""
+        return self.preemption.request()
+
+    def recompute(self, req_id: str) -> None:
+        """Preemption by recompute: drop the KV; prompt + output are prefilled again later."""
+        seq = self.seqs[req_id]
+        if seq.status == SWAPPED:
+            raise ValueError(f"{req_id!r} is swapped out; swap it in or abort it")
+        self._release(seq)
+        seq.num_computed = 0
+
+    def swap_out(self, req_id: str) -> None:
+        seq = self.seqs[req_id]
+        if seq.status != RUNNING:
+            raise ValueError(f"{req_id!r} is {seq.status}, only a running request swaps out")
+        host = seq.num_kv_tokens
+        self._release(seq, keep_partial=True)
+        seq.num_host_tokens, seq.status = host, SWAPPED
+
+    def swap_in(self, req_id: str) -> None:
+        seq = self.seqs[req_id]
+        if seq.status != SWAPPED:
+            raise ValueError(f"{req_id!r} is not swapped out")
+        self._place(seq, seq.num_host_tokens)
+        seq.num_host_tokens = 0
+
+    def _num_layers(self) -> int:
+        return self.config.num_layers
+
+    def snapshot(self) -> list[SeqSnapshot]:
+        return [
+            SeqSnapshot(
+                req_id=s.req_id,
+                req_class=s.req.req_class,
+                arrival_s=s.req.arrival_s,
+                num_prompt_tokens=s.num_prompt,
+                max_output_tokens=s.req.sampling.max_tokens,
+                num_computed_tokens=s.num_computed,
+                num_output_tokens=s.num_output,
+                num_blocks=s.num_blocks,
+                status=s.status,
+                forced_tokens=s.partial_tokens,
+            )
+            for s in sorted(self.seqs.values(), key=lambda s: s.req.arrival_s)
+        ]
+
+    def num_free_blocks(self) -> int:
+        return self._free_blocks
+
+    # ---- beyond the protocol ---------------------------------------------------------------
+    def schedulable(self) -> list[SeqView]:
+        """What a planner may schedule (swapped-out requests are not shown)."""
+        return [
+            SeqView(
+                req_id=s.req_id,
+                req_class=s.req.req_class,
+                arrival_s=s.req.arrival_s,
+                num_pending=s.num_pending,
+                is_decode=s.is_decode,
+                has_kv=s.num_blocks > 0,
+                forced_tokens=s.partial_tokens,
+                num_blocks=s.num_blocks,
+            )
+            for s in self.seqs.values()
+            if s.status != SWAPPED
+        ]
+
+    def check_integrity(self) -> None:
+        moving = [*self.exporting.values(), *(seq for seq, _ in self.importing.values())]
+        held = sum(s.num_blocks for s in [*self.seqs.values(), *moving])
+        assert held + self._free_blocks == self.num_kv_blocks, "KV blocks leaked"
+        for s in self.seqs.values():
+            assert s.num_kv_tokens <= len(s.token_ids), f"{s.req_id}: KV past its tokens"
+            if s.status == RUNNING:
+                assert s.num_blocks * self.block_size >= s.num_kv_tokens, f"{s.req_id}: KV"
+            else:
+                assert s.num_blocks == 0, f"{s.req_id}: {s.status} but holds KV blocks"
+            host = s.num_kv_tokens if s.status == SWAPPED else 0
+            assert s.num_host_tokens == host, f"{s.req_id}: host KV"
+
+    # ---- internals -------------------------------------------------------------------------
+    def _blocks_needed(self, seq: SimSeq, n: int) -> int:
+        return max(0, -(-(seq.num_computed + n) // self.block_size) - seq.num_blocks)
+
+    def _place(self, seq: SimSeq, num_tokens: int) -> None:
+        need = -(-num_tokens // self.block_size)
+        if need > self._free_blocks:
+            raise MemoryError(f"{seq.req_id!r} needs {need} KV blocks, {self._free_blocks} free")
+        self._free_blocks -= need
+        seq.num_blocks, seq.status = need, RUNNING
+
+    def _release(self, seq: SimSeq, keep_partial: bool = False) -> None:
+        self._free_blocks += seq.num_blocks
+        seq.num_blocks, seq.num_host_tokens, seq.status = 0, 0, WAITING
+        if not keep_partial:
+            seq.partial_tokens = seq.partial_layer = 0
+
+    def _prepare(self, num_tokens: dict[str, int]) -> list[Item]:
+        """Check the whole plan, then allocate its KV blocks (all or nothing)."""
+        items: list[Item] = []
+        need = 0
+        for rid, n in num_tokens.items():
+            seq = self.seqs.get(rid)
+            if seq is None or seq.status == SWAPPED:
+                raise ValueError(f"plan schedules {rid!r}, which is unknown or swapped out")
+            if n < 1:
+                raise ValueError(f"plan gives {rid!r} {n} tokens; every entry needs >= 1")
+            if seq.partial_tokens and n != seq.partial_tokens:
+                raise ValueError(f"{rid!r} must resume its preempted chunk of {seq.partial_tokens}")
+            n = min(n, seq.num_pending)
+            need += self._blocks_needed(seq, n)
+            items.append((seq, n))
+        if need > self._free_blocks:
+            raise MemoryError(f"the plan needs {need} more KV blocks, {self._free_blocks} free")
+        for seq, n in items:
+            k = self._blocks_needed(seq, n)
+            self._free_blocks -= k
+            seq.num_blocks += k
+            seq.status = RUNNING
+        return items
+
+    def _run(self, items: list[Item]) -> StepResult:
+        num_layers = self.config.num_layers
+        layer_s = layer_times(items, self.step_model, num_layers)
+        first = min((s.partial_layer for s, _ in items), default=num_layers)
+        if self.config.realtime:
+            called = time.perf_counter()
+            done = self._wait_layers(layer_s, first)
+            if self.step_trace is not None:
+                self.trace_step(called, sum(layer_s[first:done]), items)
+        else:
+            done = num_layers  # layers run to the end
+            for layer in range(first, num_layers - 1):
+                if self.preemption.is_set():
+                    done = layer + 1
+                    break
+        step_s = sum(layer_s[first:done])
+        shape = batch_shape(items)
+        tel = StepTelemetry(
+            num_prefill_tokens=shape.num_prefill_tokens,
+            num_decode_tokens=shape.num_decode_reqs,
+            num_context_tokens=sum(s.num_computed + n for s, n in items),
+            num_requests=len(items),
+            step_s=step_s,
+        )
+        self.num_steps += 1
+        self.last_step_preempted = done < num_layers
+        if self.last_step_preempted:
+            self.last_preempt_latency_s = self.preemption.latency_s()
+            # OOCO §3.4.1: every chunk that ran keeps the layers it did (decodes too, as in
+            # the torch engine's runner) and resumes from `done` with the same token count.
+            for seq, n in items:
+                if seq.partial_layer < done:
+                    seq.partial_tokens, seq.partial_layer = n, done
+            return StepResult(events=[], telemetry=tel)
+        events: list[TokenEvent] = []
+        for seq, n in items:
+            seq.num_computed += n
+            seq.partial_tokens = seq.partial_layer = 0
+            if seq.num_computed == len(seq.token_ids):  # the last token's logits: sample one
+                events.append(self._emit(seq))
+        for ev in events:
+            if ev.finish_reason is not None:
+                self._release(self.seqs.pop(ev.req_id))
+        return StepResult(events=events, telemetry=tel)
+
+    def _wait_layers(self, layer_s: list[float], first: int) -> int:
+        """Realtime: block until layers [first, done) have taken their emulated time, counted
+        from the step's origin (`step_origin`, else now), and return `done`: `num_layers`, or
+        the boundary after the layer a preemption request arrived in. One interruptible wait
+        for the whole step (not one per layer: 30 wake-ups a step cost the instance a good
+        part of a core), then a sleep to the end of the layer the request arrived in."""
+        num_layers = len(layer_s)
+        now = time.perf_counter()
+        origin, self.step_origin = self.step_origin, None
+        start = now if origin is None else max(min(origin, now), self.last_step_end_s)
+        self._step_start_s = start
+        ends: list[float] = []  # when each layer from `first` on ends
+        t = start
+        for layer in range(first, num_layers):
+            t += layer_s[layer]
+            ends.append(t)
+        done = num_layers
+        if ends and self.preemption.wait(max(0.0, ends[-1] - now)):
+            at = time.perf_counter()
+            # the layer running when the request came runs out; the step stops after it
+            k = next((i for i, end in enumerate(ends) if end >= at), len(ends) - 1)
+            done = min(num_layers, first + k + 1)
+            time.sleep(max(0.0, ends[k] - time.perf_counter()))
+        # NOTE: a step whose host work ran past its emulated end ended then (`now`), not at the
+        # emulated end: counting the next one from the emulated end would run the following
+        # steps in no time until the timeline caught up (after a 300 ms stall, ~25 decode steps
+        # of 12 ms came out ~8 ms apart), which no accelerator does. Only the sleep's own wake-up
+        # lag (`late_s`) is made up, as it is this emulation's and not the host's.
+        self.last_step_end_s = max(ends[done - first - 1] if done > first else start, start, now)
+        return done
+
+    def trace_step(self, called: float, emulated_s: float, items: list[Item]) -> None:
+        """One line of `step_trace`: `host_s` is the caller's work from the step's start (its
+        origin) to the call (planning, publishing, the thread hop), `wall_s` start to end;
+        `late_s` how far the end fell past max(start + emulated, call) (the wake-up lag)."""
+        end, start = time.perf_counter(), self._step_start_s
+        shape = batch_shape(items)
+        rec = {
+            "unix_s": round(time.time(), 6),
+            "emulated_s": round(emulated_s, 6),
+            "host_s": round(max(0.0, called - start), 6),
+            "wall_s": round(end - start, 6),
+            "late_s": round(end - max(start + emulated_s, called), 6),
+            "num_prefill_tokens": shape.num_prefill_tokens,
+            "num_decode_tokens": shape.num_decode_reqs,
+        }
+        assert self.step_trace is not None
+        self.step_trace.write(json.dumps(rec) + "\n")
+
+    def trace_event(self, event: str, req_id: str) -> None:
+        """One line of `step_trace` for a request: `add` (it joined the engine), `first` (its
+        first output token was made here), at `unix_s`."""
+        assert self.step_trace is not None
+        rec = {"event": event, "req_id": req_id, "unix_s": round(time.time(), 6)}
+        self.step_trace.write(json.dumps(rec) + "\n")
+
+    def _emit(self, seq: SimSeq) -> TokenEvent:
+        sp = seq.req.sampling
+        tok = sim_token(seq.key, seq.num_output, self.word_ids)
+        seq.token_ids.append(tok)
+        if self.step_trace is not None and seq.num_output == 1:
+            self.trace_event("first", seq.req_id)
+        finish: FinishReason | None = None
+        delta = ""
+        if tok in sp.stop_token_ids:
+            finish = FinishReason.STOP  # the stop token itself is not part of the text
+        else:
+            delta, hit = cut_at_stop(seq.text, self.tokenizer.decode([tok]), sp.stop)
+            if hit:
+                finish = FinishReason.STOP
+            elif seq.num_output >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                finish = FinishReason.LENGTH
+        seq.text += delta
+        lps: tuple[float, ...] = ()
+        tops: tuple[tuple[tuple[int, float], ...], ...] = ()
+        if sp.logprobs is not None:
+            # The emulated output draws each token uniformly from `word_ids`: that is its
+            # distribution, so every word has log(1 / len(word_ids)); the chosen one is listed
+            # first among equals.
+            lp = -math.log(len(self.word_ids))
+            alts = [tok] + [w for w in self.word_ids if w != tok]
+            lps, tops = (lp,), (tuple((w, lp) for w in alts[: sp.logprobs]),)
+        return TokenEvent(
+            req_id=seq.req_id,
+            token_ids=(tok,),
+            text=delta,
+            finish_reason=finish,
+            num_prompt_tokens=seq.num_prompt,
+            num_output_tokens=seq.num_output,
+            logprobs=lps,
+            top_logprobs=tops,
+        )

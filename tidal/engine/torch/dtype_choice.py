@@ -1,0 +1,211 @@
+"""The torch engine's dtype on CPU, chosen by measured speed rather than by CPU flag.
+
+A CPU flag says bf16 *can* run natively, not that it is faster for this model: at one row a
+decode step is a chain of GEMVs bound by memory (bf16 moves half the bytes) or by per-call
+overhead (oneDNN's is large at small shapes), and at larger batches by the GEMM kernel each
+dtype gets. So `choose_dtype` times this model's own layer matmuls, laid out and dispatched
+exactly as `LlamaModel` would (`llama.weight_layout` / `llama.linear`, packed weights
+for multi-row calls where `tidal.engine.torch.packed` applies), in fp32 and bf16 at
+batch 1, 8 and 32 on the threads set now, and picks the dtype with the lower geometric mean
+of the time ratios. The weights are random, on enough layers to stream from memory rather than
+cache (up to `CALIBRATION_BYTES` of bf16). The choice is kept in `$TIDAL_CACHE_DIR` per CPU,
+torch version, thread count and model shape, so a restart (or a noisy moment) does not change
+it; `TIDAL_DTYPE` or an explicit dtype overrides it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from tidal import envs
+from tidal.engine.torch import cpu_caps, packed
+from tidal.engine.torch.engine_config import default_dtype
+from tidal.engine.torch.llama import linear, weight_layout
+from tidal.engine.torch.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+CANDIDATES = (torch.float32, torch.bfloat16)
+BATCHES = (1, 8, 32)
+CALIBRATION_BYTES = 96 << 20  # > a server CPU's last-level cache, so weights stream from DRAM
+MAX_CALIBRATED_PARAMS = 2_000_000_000  # above this, a calibration copy costs too much memory
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str  # "float32" | "bfloat16"
+    reason: str
+    # dtype -> batch -> ms of the calibrated layers' matmuls (empty when nothing was measured)
+    matmul_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    # dtype -> why it was not measured here (its matmuls raised on this CPU)
+    skipped: dict[str, str] = field(default_factory=dict)
+    cpu: str = ""  # `CpuCaps.summary()` of the CPU it was measured on ("" when not measured)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dt = getattr(torch, self.dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"unknown dtype {self.dtype!r} ({self.reason})")
+        return dt
+
+
+def _name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) of each fused matmul of one layer."""
+    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
+
+
+def measure_matmuls(
+    cfg: ModelConfig, dtype: torch.dtype, batches: tuple[int, ...] = BATCHES, reps: int = 5
+) -> dict[str, float]:
+    """batch -> median ms of one pass over the calibration layers' matmuls."""
+    dev = torch.device("cpu")
+    transposed, native = weight_layout(dev, dtype)
+    shapes = _layer_shapes(cfg)
+    layer_bytes = 2 * sum(a * b for a, b in shapes)
+    n_layers = max(1, min(cfg.num_hidden_layers, math.ceil(CALIBRATION_BYTES / layer_bytes)))
+    g = torch.Generator().manual_seed(0)
+    layers = [
+        [
+            (torch.rand((a, b) if transposed else (b, a), generator=g) * 0.02).to(dtype)
+            for a, b in shapes
+        ]
+        for _ in range(n_layers)
+    ]
+    # packed copies as `LlamaModel` makes them (multi-row calls run on them)
+    pk = cpu_caps.can_pack(dev, dtype)
+    packs = [[packed.pack(w) if pk else None for w in ws] for ws in layers]
+    out: dict[str, float] = {}
+    for m in batches:
+        xs = [torch.rand(m, a, generator=g).to(dtype) for a, _ in shapes]
+
+        def one_pass(xs: list[torch.Tensor] = xs) -> None:
+            for ws, ps in zip(layers, packs, strict=True):
+                for x, w, p in zip(xs, ws, ps, strict=True):
+                    linear(x, w, None, transposed, native, p)
+
+        one_pass()  # warm-up: first-call kernel setup, page faults
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            one_pass()
+            times.append(time.perf_counter() - t0)
+        out[str(m)] = 1e3 * statistics.median(times)
+    return out
+
+
+def _cache_key(cfg: ModelConfig) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    shape = _layer_shapes(cfg)
+    dev = torch.device("cpu")
+    pk = ",".join(f"{_name(dt)}:{cpu_caps.can_pack(dev, dt)}" for dt in CANDIDATES)
+    caps = cpu_caps.probe().summary()
+    raw = f"{cpu}|{caps}|{torch.__version__}|{torch.get_num_threads()}|{shape}|packed {pk}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _cache_path() -> Path:
+    from tidal.engine.torch.weights import cache_dir
+
+    return cache_dir() / "dtype-choice.json"
+
+
+def decide(matmul_ms: dict[str, dict[str, float]], note: str = "") -> DtypeChoice:
+    """bf16 or fp32 from measured times: the lower geometric mean of bf16/fp32 time ratios
+    (the one measured, if only one was); `note` ends the reason."""
+    if len(matmul_ms) == 1:
+        (pick,) = matmul_ms
+        return DtypeChoice(pick, f"measured: only {pick} runs here{note}", matmul_ms)
+    fp, bf = matmul_ms["float32"], matmul_ms["bfloat16"]
+    ratios = {b: bf[b] / fp[b] for b in fp}
+    gm = math.exp(statistics.fmean(math.log(r) for r in ratios.values()))
+    pick = "bfloat16" if gm < 1 else "float32"
+    per = ", ".join(f"{r:.2f} at batch {b}" for b, r in ratios.items())
+    reason = (
+        f"measured: bf16 takes {per} of fp32's matmul time (geometric mean {gm:.2f}), so {pick}"
+        f"{note}"
+    )
+    return DtypeChoice(pick, reason, matmul_ms)
+
+
+def measure_candidates(cfg: ModelConfig) -> DtypeChoice:
+    """Time every candidate this CPU runs and `decide`; the reason says which path bf16 took."""
+    measured: dict[str, dict[str, float]] = {}
+    skipped: dict[str, str] = {}
+    for dt in CANDIDATES:
+        try:
+            measured[_name(dt)] = measure_matmuls(cfg, dt)
+        except RuntimeError as e:  # e.g. a torch build or CPU without this dtype's kernels
+            if dt == torch.float32:
+                raise
+            why = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+            skipped[_name(dt)] = why
+            log.info("dtype calibration: %s skipped, it cannot run here: %s", _name(dt), why)
+    note = "".join(f"; {k} skipped: {v}" for k, v in skipped.items())
+    bf = torch.bfloat16
+    if _name(bf) in measured and not cpu_caps.can_pack(torch.device("cpu"), bf):
+        why = cpu_caps.pack_refusal(bf) or "oneDNN is off in this process"
+        note += f"; bf16 timed on plain matmuls (oneDNN bf16 packing off: {why})"
+    choice = decide(measured, note)
+    return replace(choice, skipped=skipped, cpu=cpu_caps.probe().summary())
+
+
+def choose_dtype(cfg: ModelConfig, device: torch.device, use_cache: bool = True) -> DtypeChoice:
+    """The dtype the engine should run `cfg` in on `device` (see the module docstring)."""
+    if env := envs.DTYPE.get():
+        return DtypeChoice(env, "TIDAL_DTYPE")
+    if device.type != "cpu":
+        return DtypeChoice(_name(default_dtype(device)), f"{device.type}: bf16")
+    if cfg.num_params() > MAX_CALIBRATED_PARAMS:
+        dt = _name(default_dtype(device))
+        return DtypeChoice(dt, f"model too large to calibrate; {dt} by CPU flag")
+    key = _cache_key(cfg)
+    path = _cache_path()
+    cached: dict[str, dict] = {}
+    if use_cache:
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cached = {}
+        if key in cached:
+            c = cached[key]
+            return DtypeChoice(
+                c["dtype"],
+                c["reason"] + " (cached)",
+                c.get("matmul_ms", {}),
+                c.get("skipped", {}),
+                c.get("cpu", ""),
+            )
+    choice = measure_candidates(cfg)
+    if use_cache:
+        cached[key] = asdict(choice)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(cached, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return choice
