@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from tidal.cluster.backoff import TargetBackoff
 from tidal.cluster.healing import RoleHealer, stand_in
 from tidal.cluster.view import build_cluster_view
+from tidal.config.cluster import InstanceGroup
 from tidal.config.limits import fit_max_tokens
 from tidal.perf.api import StepModel
 from tidal.perf.spec import parse_step_model
@@ -31,7 +32,6 @@ from tidal.policy.base import ClusterActions, Policy, RouteAction
 from tidal.policy.state import ClusterView, InstanceRole, Phase, ReqState, Slo
 from tidal.schemas.enums import RequestClass
 from tidal.schemas.messages import InstanceReport, RouteRequest
-from tidal.sim.config import InstanceGroup
 
 log = logging.getLogger("tidal.scheduler")
 

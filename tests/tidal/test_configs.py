@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tidal.config.cluster import load_config
 from tidal.configs import config_path, shipped
-from tidal.sim.config import load_config
 
 
 def test_shipped_names_resolve_from_any_directory(

@@ -1,9 +1,9 @@
-"""The live stack's configuration: the simulator's YAML (`tidal.sim.config`), read by the
-scheduler and by every instance, so one file describes an experiment in both worlds.
+"""The live stack's view of the cluster config (`tidal.config.cluster`, the simulator's too),
+read by the scheduler and by every instance, so one file describes an experiment in both worlds.
 
 `tidal up --config configs/NAME.yaml --policy NAME`: the instances take their roles and chunk
-sizes from the policy's instance list (`SimConfig.groups_for`), the policy its own section, and
-the online SLO is the default for requests that name none.
+sizes from the policy's instance list (`ClusterConfig.groups_for`), the policy its own section,
+and the online SLO is the default for requests that name none.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from tidal.config.cluster import ClusterConfig, InstanceGroup, load_config
 from tidal.configs import config_path
 from tidal.policy.base import PolicyContext
 from tidal.policy.registry import available_policies
 from tidal.policy.state import InstanceRole
-from tidal.sim.config import InstanceGroup, SimConfig, load_config
 
 DEFAULT_CONFIG = config_path("embedded.yaml")  # shipped in the package (`tidal.configs`)
 CONFIG_DIR = DEFAULT_CONFIG.parent
@@ -23,7 +23,7 @@ CONFIG_DIR = DEFAULT_CONFIG.parent
 
 @dataclass(frozen=True)
 class LiveConfig:
-    cfg: SimConfig
+    cfg: ClusterConfig
     policy: str
     path: str
     roles: tuple[str, ...] = ()  # instead of the config's slots (`tidal up --instances`)

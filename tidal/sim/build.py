@@ -1,4 +1,4 @@
-"""From a `SimConfig` to a finished run: latency models, instances, policy, workload."""
+"""From a `ClusterConfig` to a finished run: latency models, instances, policy, workload."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from tidal.config.cluster import ClusterConfig, StreamConfig
 from tidal.perf.api import StepModel
 from tidal.policy.base import PolicyContext
 from tidal.policy.registry import make_policy
 from tidal.policy.state import CpuPoolState, InstanceRole
-from tidal.sim.config import SimConfig, StreamConfig
 from tidal.sim.core import InstanceSetup, Simulator
 from tidal.sim.models import CpuAttnRoofline
 from tidal.sim.recorder import Recorder
@@ -26,7 +26,7 @@ def _step_model(model: str, hardware: str, tp: int, kind: str, profile: str | No
     return make_step_model(model, hardware, tp=tp, kind=kind, profile=profile)
 
 
-def kv_geometry(cfg: SimConfig) -> tuple[float, int]:
+def kv_geometry(cfg: ClusterConfig) -> tuple[float, int]:
     """(KV bytes per token on one GPU, KV blocks per instance)."""
     from tidal.perf import hardware_spec, kv_bytes_per_token, kv_capacity_tokens, model_spec
 
@@ -42,7 +42,7 @@ def kv_geometry(cfg: SimConfig) -> tuple[float, int]:
 
 
 def instance_setups(
-    cfg: SimConfig, policy: str, step_model: StepModel | None = None
+    cfg: ClusterConfig, policy: str, step_model: StepModel | None = None
 ) -> list[InstanceSetup]:
     """One `InstanceSetup` per instance, for `policy` (its own instance list if it has one)."""
     kvb, blocks = kv_geometry(cfg)
@@ -67,11 +67,11 @@ def instance_setups(
     return out
 
 
-def workload(cfg: SimConfig) -> list[SimRequest]:
+def workload(cfg: ClusterConfig) -> list[SimRequest]:
     return build_workload(cfg.online, cfg.offline, cfg.duration_s, cfg.seed, cfg.slo)
 
 
-def with_offline_rate(cfg: SimConfig, rate: float) -> SimConfig:
+def with_offline_rate(cfg: ClusterConfig, rate: float) -> ClusterConfig:
     """`cfg` with the offline stream at `rate` req/s (uniform QPS unless it says otherwise)."""
     if cfg.offline is None:
         raise ValueError("the config has no offline stream to vary")
@@ -80,7 +80,7 @@ def with_offline_rate(cfg: SimConfig, rate: float) -> SimConfig:
     return replace(cfg, offline=replace(off, arrival=arrival, rate=rate, scale=None))
 
 
-def with_online_rate(cfg: SimConfig, rate: float) -> SimConfig:
+def with_online_rate(cfg: ClusterConfig, rate: float) -> ClusterConfig:
     """`cfg` with the online stream at mean `rate` req/s (trace: OOCO scaling)."""
     if cfg.online is None:
         raise ValueError("the config has no online stream to vary")
@@ -88,7 +88,7 @@ def with_online_rate(cfg: SimConfig, rate: float) -> SimConfig:
 
 
 def simulate(
-    cfg: SimConfig,
+    cfg: ClusterConfig,
     policy: str,
     progress: Callable[[float], None] | None = None,
     step_model: StepModel | None = None,

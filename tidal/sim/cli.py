@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tidal.sim.config import SimConfig, load_config, override_streams
+from tidal.config.cluster import ClusterConfig, load_config, override_streams
 from tidal.sim.search import SearchResult
 
 console = Console(stderr=True)
@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     o.set_defaults(func=cmd_max_online)
 
 
-def _config(args: argparse.Namespace) -> SimConfig:
+def _config(args: argparse.Namespace) -> ClusterConfig:
     cfg = load_config(args.config, tuple(args.set))
     if args.slo:
         cfg = cfg.with_slo(args.slo)
@@ -147,7 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _slo(cfg: SimConfig) -> tuple[float, float]:
+def _slo(cfg: ClusterConfig) -> tuple[float, float]:
     return (cfg.slo.ttft_s, cfg.slo.tpot_s)
 
 
@@ -270,7 +270,7 @@ def _search_cmd(args: argparse.Namespace, kind: str) -> int:
 
 def _search_one(
     kind: str,
-    cfg: SimConfig,
+    cfg: ClusterConfig,
     policy: str,
     params: tuple[float, float, float, int],
     on_probe: Callable[[str, float, dict[str, Any]], None] | None = None,

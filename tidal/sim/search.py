@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tidal.config.cluster import ClusterConfig
 from tidal.sim.build import simulate, with_offline_rate, with_online_rate
-from tidal.sim.config import SimConfig
 from tidal.sim.metrics import summarize
 
 Probe = Callable[[float], dict[str, Any]]  # load -> summary
@@ -75,9 +75,9 @@ def _search(
 
 
 def _prober(
-    cfg: SimConfig,
+    cfg: ClusterConfig,
     policy: str,
-    configure: Callable[[float], SimConfig],
+    configure: Callable[[float], ClusterConfig],
     key: str,
     on_probe: Callable[[str, float, dict[str, Any]], None] | None,
 ) -> Callable[[float], dict[str, Any]]:
@@ -95,7 +95,7 @@ def _prober(
 
 
 def max_offline(
-    cfg: SimConfig,
+    cfg: ClusterConfig,
     policy: str,
     violation_pct: float,
     start_qps: float = 0.25,
@@ -124,7 +124,7 @@ def max_offline(
 
 
 def goodput(
-    cfg: SimConfig,
+    cfg: ClusterConfig,
     policy: str,
     attainment_pct: float,
     start_rps: float = 0.5,
@@ -144,7 +144,7 @@ def goodput(
 
 
 def max_online(
-    cfg: SimConfig,
+    cfg: ClusterConfig,
     policy: str,
     violation_pct: float,
     start_scale: float = 0.25,
@@ -160,7 +160,7 @@ def max_online(
         raise ValueError("the config has no online stream to scale")
     online = cfg.online
 
-    def only_online(scale: float) -> SimConfig:
+    def only_online(scale: float) -> ClusterConfig:
         return replace(cfg, online=replace(online, rate=None, scale=scale), offline=None)
 
     probe = _prober(cfg, policy, only_online, "online_scale", on_probe)

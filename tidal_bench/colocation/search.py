@@ -36,15 +36,15 @@ import yaml
 
 from services.cli import natsd
 from services.common import affinity
+from tidal.config.cluster import ClusterConfig, parse_config, set_path
 from tidal.configs import config_path
 from tidal.sim.build import kv_geometry, with_offline_rate, workload
-from tidal.sim.config import SimConfig, parse_config, set_path
 from tidal.workload.mix import SimRequest
 from tidal_bench.colocation.max_offline import Measurement, Outcome, Point, search_max_offline
 from tidal_bench.kit import metric_samples, pct, prompt_maker, stack
 
 
-def write_config(args: argparse.Namespace, tmp: str) -> tuple[SimConfig, str]:
+def write_config(args: argparse.Namespace, tmp: str) -> tuple[ClusterConfig, str]:
     """The config after `--set`, checked, and a YAML copy of it the live stack reads too (so the
     stack and the simulator run one config)."""
     data = yaml.safe_load(config_path(args.config).read_text()) or {}
@@ -62,7 +62,7 @@ def write_config(args: argparse.Namespace, tmp: str) -> tuple[SimConfig, str]:
     return cfg, str(path)
 
 
-def resources(args: argparse.Namespace, cfg: SimConfig, policy: str, cpu_attn: int) -> dict:
+def resources(args: argparse.Namespace, cfg: ClusterConfig, policy: str, cpu_attn: int) -> dict:
     """What the stack of `policy` is given; the same for every policy but the CPU-attn variant."""
     _, blocks = kv_geometry(cfg)
     usable = cpu_attn if args.engine == "torch" else 0
@@ -78,7 +78,7 @@ def resources(args: argparse.Namespace, cfg: SimConfig, policy: str, cpu_attn: i
         # NOTE: the sim engine has no CPU-attention path: its workers run but take no work
         "cpu_attn_workers_usable": usable,
         # the batch service runs this many lines at once, live and in the simulator
-        # (`SimConfig.batch_max_inflight`); it caps the offline rate at high loads
+        # (`ClusterConfig.batch_max_inflight`); it caps the offline rate at high loads
         "batch_max_inflight": args.batch_max_inflight,
         "host_cores": os.cpu_count(),
         # NOTE: None = unpinned (every process on every core)
@@ -173,7 +173,7 @@ def _batch_counters(base: str) -> dict[str, float]:
 async def measure_window(
     base: str,
     model: str,
-    cfg: SimConfig,
+    cfg: ClusterConfig,
     online: list[SimRequest],
     offline: list[SimRequest],
     warmup_s: float,
@@ -261,7 +261,7 @@ async def measure_window(
     )
 
 
-def streams(cfg: SimConfig, qps: float) -> tuple[list[SimRequest], list[SimRequest]]:
+def streams(cfg: ClusterConfig, qps: float) -> tuple[list[SimRequest], list[SimRequest]]:
     """The window's online requests (the same at every load) and its offline lines at `qps`."""
     online = [
         r for r in workload(dataclasses.replace(cfg, offline=None)) if r.arrival_s < cfg.duration_s
@@ -274,7 +274,7 @@ def streams(cfg: SimConfig, qps: float) -> tuple[list[SimRequest], list[SimReque
 
 def live_search(
     args: argparse.Namespace,
-    cfg: SimConfig,
+    cfg: ClusterConfig,
     base: str,
     model: str,
     on_window: Any,
@@ -302,7 +302,7 @@ def window_bin_s(warmup_s: float, end_s: float) -> float:
     return max(ms, 1) / 1000
 
 
-def sim_window(cfg: SimConfig, policy: str, qps: float, warmup_s: float) -> Measurement:
+def sim_window(cfg: ClusterConfig, policy: str, qps: float, warmup_s: float) -> Measurement:
     """One simulated window, counted as the live one is: online requests arriving after the
     warm-up; offline tokens generated inside the measured part (a line still running or still
     waiting for a batch place at either end counts only what it generated inside); offline
@@ -335,7 +335,7 @@ def sim_window(cfg: SimConfig, policy: str, qps: float, warmup_s: float) -> Meas
     )
 
 
-def simulated(cfg: SimConfig, policy: str, args: argparse.Namespace, workers: int) -> dict:
+def simulated(cfg: ClusterConfig, policy: str, args: argparse.Namespace, workers: int) -> dict:
     """The simulator (emulated) on the same config, window and resources: the same search over
     windows counted as the live ones (deterministic: one run a point), and beside it the
     simulator's own `max_offline` over the whole window (`tidal sim max-offline`)."""
@@ -386,7 +386,12 @@ def point_row(p: Point) -> dict[str, Any]:
 
 
 def run_policy(
-    args: argparse.Namespace, cfg: SimConfig, cfg_path: str, policy: str, cpu_attn: int, prog: Any
+    args: argparse.Namespace,
+    cfg: ClusterConfig,
+    cfg_path: str,
+    policy: str,
+    cpu_attn: int,
+    prog: Any,
 ) -> dict[str, Any]:
     """Search one policy on its own stack; its JSON entry."""
     res = resources(args, cfg, policy, cpu_attn)

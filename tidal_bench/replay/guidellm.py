@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tidal.sim.config import SimConfig
+from tidal.config.cluster import ClusterConfig
 from tidal.workload.mix import SimRequest
 from tidal_bench.kit import pct
 
@@ -79,7 +79,7 @@ def write_trace(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def sentinel_row(rows: list[dict[str, Any]], cfg: SimConfig) -> dict[str, Any]:
+def sentinel_row(rows: list[dict[str, Any]], cfg: ClusterConfig) -> dict[str, Any]:
     """A 1-token request after every row should have finished (arrival + TTFT SLO + output x TPOT
     SLO, + 1 s). guidellm 0.8.1 sometimes leaves the request that completes last out of its report
     (the benchmark closes while it is still streaming); this row is that last one, and is not
@@ -205,7 +205,7 @@ def figures(
     rows: dict[str, list[dict[str, Any]]],
     recs: dict[str, list[Record]],
     failed: dict[str, int],
-    cfg: SimConfig,
+    cfg: ClusterConfig,
 ) -> dict[str, Any]:
     """The replay figures from guidellm's records. `rows`/`recs`/`failed` by class. An online row
     guidellm did not report counts in neither numerator nor denominator (it is shown apart); an
@@ -264,7 +264,7 @@ def shifted(reqs: list[SimRequest], offsets: dict[str, float]) -> list[SimReques
     return sorted(moved, key=lambda r: r.arrival_s)  # the simulator takes arrivals in order
 
 
-def replay(exe: str, base: str, model: str, reqs: list[SimRequest], cfg: SimConfig) -> dict:
+def replay(exe: str, base: str, model: str, reqs: list[SimRequest], cfg: ClusterConfig) -> dict:
     """Both classes' guidellm processes against `base`; returns `figures` (+ the command lines)."""
     with tempfile.TemporaryDirectory(prefix="tidal-guidellm-") as tmp_:
         tmp = Path(tmp_)

@@ -7,7 +7,7 @@ side spends beyond the simulator is then the serving path itself, two figures:
 
 - **dispatch** (TTFT, live - simulated = a + b x prompt tokens): HTTP, the gateway, the bus hops
   to the scheduler and the instance, tokenising the prompt, the first token back to the client.
-  The simulator routes each request that much after its arrival (`SimConfig.dispatch_ms`,
+  The simulator routes each request that much after its arrival (`ClusterConfig.dispatch_ms`,
   `dispatch_us_per_token`).
 - **hand-off** (first token -> second token, live - simulated = c + d x prompt tokens): a push
   migration after prefill (report, scheduler, migrate command, offer, KV on the data plane,
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from tidal.config.cluster import ClusterConfig
 from tidal.schemas.enums import RequestClass
 from tidal.sim.build import instance_setups, simulate
-from tidal.sim.config import SimConfig
 from tidal.workload.mix import SimRequest
 
 PROBE_OUTPUT_TOKENS = 8  # enough for a first gap and a steady decode step after it
@@ -117,7 +117,7 @@ async def send_lone(base: str, model: str, lengths: list[int], gap_s: float) -> 
     return out
 
 
-def simulated_lone(cfg: SimConfig, policy: str, lone: list[Lone]) -> list[Lone]:
+def simulated_lone(cfg: ClusterConfig, policy: str, lone: list[Lone]) -> list[Lone]:
     """The same probe requests through the simulator, at the moments the client sent them."""
     reqs = [
         SimRequest(f"probe-{i}", RequestClass.ONLINE, p.sent_s, p.input_tokens, PROBE_OUTPUT_TOKENS)
@@ -136,7 +136,7 @@ def simulated_lone(cfg: SimConfig, policy: str, lone: list[Lone]) -> list[Lone]:
 
 
 def calibrate(
-    cfg: SimConfig, policy: str, lone: list[Lone], handoff_delays_s: Sequence[float] = ()
+    cfg: ClusterConfig, policy: str, lone: list[Lone], handoff_delays_s: Sequence[float] = ()
 ) -> dict[str, Any]:
     """The serving-path figures from the live probe against the simulator's twin of it;
     `handoff_delays_s`, the probe's pushes' first token -> migrate command (seconds), gives the
@@ -178,7 +178,7 @@ def calibrate(
     }
 
 
-def with_calibration(cfg: SimConfig, cal: dict[str, Any]) -> SimConfig:
+def with_calibration(cfg: ClusterConfig, cal: dict[str, Any]) -> ClusterConfig:
     """`cfg` with the probe's serving path: dispatch delay, and the link the hand-offs had."""
     return dataclasses.replace(
         cfg,

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from services.cli import natsd
+from tidal.config.cluster import ClusterConfig, load_config
 from tidal.sim.build import instance_setups, simulate, workload
-from tidal.sim.config import SimConfig, load_config
 from tidal.sim.metrics import summarize
 from tidal.workload.mix import SimRequest
 from tidal_bench.kit import gateway_metrics, pct, prompt_maker, save_json, stack
@@ -49,7 +49,9 @@ def _stats(ttft: list[float], tpot: list[float]) -> dict[str, float]:
     }
 
 
-async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig) -> dict[str, Any]:
+async def _replay(
+    base: str, model: str, reqs: list[SimRequest], cfg: ClusterConfig
+) -> dict[str, Any]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=3600)
@@ -130,7 +132,7 @@ async def _replay(base: str, model: str, reqs: list[SimRequest], cfg: SimConfig)
     return out
 
 
-def _simulated(cfg: SimConfig, policy: str, reqs: list[SimRequest]) -> dict[str, Any]:
+def _simulated(cfg: ClusterConfig, policy: str, reqs: list[SimRequest]) -> dict[str, Any]:
     s = summarize(simulate(cfg, policy, requests=reqs), cfg.duration_s, policy, "replay")
     on = s["online"]
     return {
@@ -144,7 +146,7 @@ def _simulated(cfg: SimConfig, policy: str, reqs: list[SimRequest]) -> dict[str,
     }
 
 
-def _resources(cfg: SimConfig, policy: str, kv_payload: int) -> dict[str, Any]:
+def _resources(cfg: ClusterConfig, policy: str, kv_payload: int) -> dict[str, Any]:
     """What both sides get, said out loud: the same instances and KV pools, no CPU-attention
     worker (the sim engine has no CPU-attention path, so the simulator is given none either)."""
     setups = instance_setups(cfg, policy)
@@ -157,7 +159,7 @@ def _resources(cfg: SimConfig, policy: str, kv_payload: int) -> dict[str, Any]:
 
 
 def _one(
-    args: argparse.Namespace, cfg: SimConfig, policy: str, reqs: list[SimRequest], exe: str
+    args: argparse.Namespace, cfg: ClusterConfig, policy: str, reqs: list[SimRequest], exe: str
 ) -> dict[str, Any]:
     """One policy, one repeat: a fresh stack, the calibration probe, the window; then the
     simulator on the same window: with the serving path as the window had it (dispatch and KV
@@ -228,7 +230,7 @@ async def _probe(
 
 
 async def _window(
-    base: str, bus: tuple[str, Path] | None, reqs: list[SimRequest], cfg: SimConfig
+    base: str, bus: tuple[str, Path] | None, reqs: list[SimRequest], cfg: ClusterConfig
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The window through the openai client, with the scheduler's migration events beside it
     (none when the stack's bus is not found)."""
@@ -245,7 +247,7 @@ def _gl() -> Any:
     return gl
 
 
-def gl_replay(exe: str, base: str, reqs: list[SimRequest], cfg: SimConfig) -> dict[str, Any]:
+def gl_replay(exe: str, base: str, reqs: list[SimRequest], cfg: ClusterConfig) -> dict[str, Any]:
     out: dict[str, Any] = _gl().replay(exe, base, "tidal-sim", reqs, cfg)
     return out
 

@@ -10,7 +10,7 @@ windows are apart by their settling, seconds with no dispatch); its measured par
 [start + warm-up, start + warm-up + measure], as `tidal bench colocation` counts it. The relaxed
 (prefill) instance is `instance-0`. A hand-out is a held line dispatched after that instance
 had ended its last step: from that step's end to the line joining the engine (`add`) the
-instance waits for it; `SimConfig.handout_ms` models this.
+instance waits for it; `ClusterConfig.handout_ms` models this.
 """
 
 from __future__ import annotations

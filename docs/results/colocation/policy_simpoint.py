@@ -3,7 +3,7 @@ violation, as one `tidal sim max-offline` probe. Usage: python docs/results/colo
 CONFIG QPS CPU_WORKERS [KEY=VALUE ...] (QPS 0: the config's own offline rate)."""
 import json, sys, time, dataclasses
 from tidal.configs import config_path
-from tidal.sim.config import parse_config, set_path
+from tidal.config.cluster import parse_config, set_path
 from tidal.sim.build import simulate, with_offline_rate
 from tidal.sim.metrics import summarize
 import yaml

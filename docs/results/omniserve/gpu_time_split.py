@@ -20,7 +20,7 @@ from tidal.policy.base import StepPlan
 from tidal.policy.batch_shape import add_decode, add_prefill
 from tidal.policy.state import InstanceState
 from tidal.sim.build import simulate
-from tidal.sim.config import load_config
+from tidal.config.cluster import load_config
 
 
 def _shape(inst: InstanceState, plan: StepPlan, be_decode: bool, be_prefill: bool) -> BatchShape:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from tidal.config.cluster import load_config
 from tidal.configs import config_path
 from tidal.perf import make_step_model, model_spec
 from tidal.perf.api import BatchShape
 from tidal.perf.spec import StepModelSpec, parse_spec
 from tidal.sim.build import instance_setups, kv_geometry
-from tidal.sim.config import load_config
 
 SHAPES = [
     BatchShape(num_decode_reqs=1, decode_context_tokens=100),

@@ -1,5 +1,6 @@
 """The Batch API's lines-in-flight cap in the simulator (`Simulator(batch_max_inflight=)`,
-`SimConfig.batch_max_inflight`): offline requests enter the cluster at most N at a time, FIFO."""
+`ClusterConfig.batch_max_inflight`): offline requests enter the cluster at most N at a time,
+FIFO."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import dataclasses
 import pytest
 
 from tests.tidal.sim.test_core import OFF, make_policy_for, make_setup, req
+from tidal.config.cluster import load_config
 from tidal.policy import InstanceRole
 from tidal.policy.state import Phase, ReqState
 from tidal.sim.build import simulate
-from tidal.sim.config import load_config
 from tidal.sim.core import Simulator
 
 AGG = (InstanceRole.AGGREGATED,)

@@ -1,5 +1,5 @@
 """The serving path in front of the scheduler (`Simulator(dispatch_s=, dispatch_s_per_token=)`,
-`SimConfig.dispatch_ms`): a request is routed that long after it arrives, and its TTFT counts
+`ClusterConfig.dispatch_ms`): a request is routed that long after it arrives, and its TTFT counts
 from its arrival."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 
 from tests.tidal.sim.test_core import make_policy_for, make_setup, req
+from tidal.config.cluster import load_config
 from tidal.policy import InstanceRole
 from tidal.sim.build import simulate
-from tidal.sim.config import load_config
 from tidal.sim.core import Simulator
 
 AGG = (InstanceRole.AGGREGATED,)

@@ -1,6 +1,6 @@
 """A push after prefill reaches its source `handoff_delay_s` after the step (the live scheduler's
 report -> tick -> command) and leaves at the source's next step boundary from then
-(`Simulator(handoff_delay_s=)`, `SimConfig.handoff_delay_ms`)."""
+(`Simulator(handoff_delay_s=)`, `ClusterConfig.handoff_delay_ms`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 
 from tests.tidal.sim.test_core import make_policy_for, make_setup, req
+from tidal.config.cluster import load_config
 from tidal.policy import InstanceRole
 from tidal.sim.build import simulate
-from tidal.sim.config import load_config
 from tidal.sim.core import Simulator
 
 PD = (InstanceRole.PREFILL, InstanceRole.DECODE)

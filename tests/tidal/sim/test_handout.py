@@ -1,6 +1,6 @@
 """A held request the tick dispatches to an idle instance starts there `handout_s` later (the
 live hand-out: report, scheduler tick and reply, the Batch API service's submit, the instance's
-next loop; `Simulator(handout_s=)`, `SimConfig.handout_ms`)."""
+next loop; `Simulator(handout_s=)`, `ClusterConfig.handout_ms`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 
 from tests.tidal.sim.test_core import make_policy_for, make_setup, req
+from tidal.config.cluster import load_config
 from tidal.policy import InstanceRole
 from tidal.schemas.enums import RequestClass
 from tidal.sim.build import simulate
-from tidal.sim.config import load_config
 from tidal.sim.core import Simulator
 
 PD = (InstanceRole.PREFILL, InstanceRole.DECODE)

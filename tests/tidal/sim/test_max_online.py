@@ -7,8 +7,8 @@ from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 
+from tidal.config.cluster import load_config
 from tidal.sim.cli import main
-from tidal.sim.config import load_config
 from tidal.sim.search import max_online
 
 CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "ooco.yaml")

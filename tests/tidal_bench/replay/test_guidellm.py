@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from tidal.config.cluster import load_config
 from tidal.schemas.enums import RequestClass
-from tidal.sim.config import load_config
 from tidal.workload.mix import SimRequest
 from tidal_bench.replay import guidellm as gl
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tidal.config.cluster import load_config
 from tidal.schemas.enums import RequestClass
-from tidal.sim.config import load_config
 from tidal.workload.mix import SimRequest
 from tidal_bench.replay import probe
 from tidal_bench.replay import run as replay_run

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tidal.config.cluster import load_config
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import MigrationEvent
-from tidal.sim.config import load_config
 from tidal_bench.replay import probe
 from tidal_bench.replay import trace as trc
 

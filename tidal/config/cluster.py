@@ -1,4 +1,5 @@
-"""Simulator configuration: YAML parsed into frozen dataclasses, every range checked.
+"""The cluster configuration: YAML parsed into frozen dataclasses, every range checked. The
+simulator, the live services (`tidal.config.live`) and the policies all read it.
 
 One file describes a whole experiment: the node (model, accelerator, TP, instances with roles and
 chunk sizes, links, CPU-attention workers), the workload (online and offline streams) and the
@@ -71,8 +72,8 @@ class CpuWorkers:
 
 
 @dataclass(frozen=True)
-class SimConfig:
-    """A whole simulated experiment."""
+class ClusterConfig:
+    """A whole experiment: the cluster, its workload and SLOs (simulated or live)."""
 
     name: str
     model: str  # catalogue name, e.g. qwen2.5-7b (tidal.perf.catalog)
@@ -162,14 +163,14 @@ class SimConfig:
         m = model or self.model
         return str(StepModelSpec(m, self.hardware, self.tp, self.latency_model, self.profile))
 
-    def with_slo(self, variant: str) -> SimConfig:
+    def with_slo(self, variant: str) -> ClusterConfig:
         if variant not in self.slo_variants:
             raise ValueError(f"unknown SLO {variant!r}; config has {sorted(self.slo_variants)}")
         return replace(self, slo=self.slo_variants[variant])
 
 
-def parse_config(data: Mapping[str, Any], where: str = "config") -> SimConfig:
-    """A `SimConfig` from a YAML mapping."""
+def parse_config(data: Mapping[str, Any], where: str = "config") -> ClusterConfig:
+    """A `ClusterConfig` from a YAML mapping."""
     d = dict(data)
     if "instances" not in d or not isinstance(d["instances"], list):
         raise ValueError(f"{where}: 'instances' must be a list of instance groups")
@@ -189,7 +190,7 @@ def parse_config(data: Mapping[str, Any], where: str = "config") -> SimConfig:
     if "cpu_workers" in d:
         d["cpu_workers"] = build(CpuWorkers, d["cpu_workers"] or {}, f"{where}.cpu_workers")
     d["policies"] = {str(k): dict(v or {}) for k, v in (d.get("policies") or {}).items()}
-    return build(SimConfig, d, where)
+    return build(ClusterConfig, d, where)
 
 
 def set_path(data: dict[str, Any], assignment: str) -> None:
@@ -215,7 +216,7 @@ def set_path(data: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: str | Path, overrides: tuple[str, ...] = ()) -> SimConfig:
+def load_config(path: str | Path, overrides: tuple[str, ...] = ()) -> ClusterConfig:
     """Read and check a YAML config file, after ``key=value`` overrides (`set_path`). A path
     that does not exist may name a shipped config (`tidal.configs.config_path`)."""
     p = config_path(path)
@@ -230,12 +231,12 @@ def load_config(path: str | Path, overrides: tuple[str, ...] = ()) -> SimConfig:
 
 
 def override_streams(
-    cfg: SimConfig,
+    cfg: ClusterConfig,
     online_trace: str | None = None,
     offline_lengths: str | None = None,
     seed: int | None = None,
     duration_s: float | None = None,
-) -> SimConfig:
+) -> ClusterConfig:
     """The command-line replacements every `tidal sim` command accepts."""
     if online_trace is not None:
         base = cfg.online or StreamConfig(online_trace)

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from tidal.config.cluster import load_config, override_streams, parse_config
 from tidal.sim.build import instance_setups
-from tidal.sim.config import load_config, override_streams, parse_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 BASE = {
