@@ -229,6 +229,46 @@ class SeqSnapshot:
     status: str  # "waiting" (no KV) | "running" (KV on device) | "swapped" (KV in host memory)
     forced_tokens: int = 0  # > 0: a layer-preempted chunk that must resume with exactly this many
 
+    @classmethod
+    def of(cls, seq: SnapshotSource) -> SeqSnapshot:
+        """The snapshot of one engine's request record (the torch and sim engines share it)."""
+        return cls(
+            req_id=seq.req.req_id,
+            req_class=seq.req.req_class,
+            arrival_s=seq.req.arrival_s,
+            num_prompt_tokens=seq.num_prompt,
+            max_output_tokens=seq.req.sampling.max_tokens,
+            num_computed_tokens=seq.num_computed,
+            num_output_tokens=seq.num_output,
+            num_blocks=seq.num_device_blocks,
+            status=str(seq.status),
+            forced_tokens=seq.forced_tokens,
+        )
+
+
+class SnapshotSource(Protocol):
+    """What an engine's record of a request shows its snapshot (`torch.sequence.Sequence`,
+    `sim.seq.SimSeq`: two records, since one holds tensors, a generator and block ids and the
+    other emulated counters, but one view of them)."""
+
+    req: EngineRequest
+    num_computed: int
+
+    @property
+    def num_prompt(self) -> int: ...
+
+    @property
+    def num_output(self) -> int: ...
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def num_device_blocks(self) -> int: ...
+
+    @property
+    def forced_tokens(self) -> int: ...
+
 
 @runtime_checkable
 class ControllableEngine(Engine, Protocol):

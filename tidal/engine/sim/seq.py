@@ -65,6 +65,14 @@ class SimSeq:
         return self.num_output > 0 and self.num_pending == 1
 
     @property
+    def num_device_blocks(self) -> int:
+        return self.num_blocks
+
+    @property
+    def forced_tokens(self) -> int:
+        return self.partial_tokens
+
+    @property
     def num_kv_tokens(self) -> int:
         """Tokens with KV written for at least one layer (a partial chunk's included)."""
         return self.num_computed + self.partial_tokens

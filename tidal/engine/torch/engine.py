@@ -284,21 +284,7 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin):
 
     def snapshot(self) -> list[SeqSnapshot]:
         self._requeue_lost()  # the policy plans with what the workers still hold
-        return [
-            SeqSnapshot(
-                req_id=s.req_id,
-                req_class=s.req.req_class,
-                arrival_s=s.req.arrival_s,
-                num_prompt_tokens=s.num_prompt,
-                max_output_tokens=s.req.sampling.max_tokens,
-                num_computed_tokens=s.num_computed,
-                num_output_tokens=s.num_output,
-                num_blocks=len(s.block_ids),
-                status=str(s.status),
-                forced_tokens=s.partial.num_tokens if s.partial else 0,
-            )
-            for s in self.seqs.values()
-        ]
+        return [SeqSnapshot.of(s) for s in self.seqs.values()]
 
     def num_free_blocks(self) -> int:
         return self.allocator.num_free

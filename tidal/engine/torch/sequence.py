@@ -65,6 +65,14 @@ class Sequence:
         return self.req.req_id
 
     @property
+    def num_device_blocks(self) -> int:
+        return len(self.block_ids)
+
+    @property
+    def forced_tokens(self) -> int:
+        return self.partial.num_tokens if self.partial else 0
+
+    @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.num_prompt
 
