@@ -26,9 +26,10 @@ from nats.aio.msg import Msg
 
 from services.common.bus import respond
 from services.common.torch_threads import ComputeThread
-from services.instance.chunks import Coalescing, Stream, build_chunk
+from services.instance.chunks import Coalescing, Stream
 from services.instance.intake import to_engine_request
 from services.instance.policy_adapter import PolicyAdapter, ReqMeta
+from services.instance.publish import Publisher
 from tidal.cluster.view import SUBMITTED
 from tidal.engine.api import (
     OUT_OF_KV_ERROR,
@@ -60,7 +61,7 @@ IDLE_PLAN_RETRY_S = 0.02  # the policy left a busy instance idle: ask it again t
 MAX_BAD_PLANS = 3  # plans the engine refused in a row before one step of its own FCFS planner
 
 
-class Instance:
+class Instance(Publisher):
     def __init__(
         self,
         nc: NATS,
@@ -316,53 +317,6 @@ class Instance:
                 self.preempt_latency_s = [*self.preempt_latency_s[-999:], lat]
         await self._publish(result.events)
         return True
-
-    async def _publish(self, events: list[TokenEvent]) -> None:
-        now = time.time()
-        coalesce = self.coalescing.is_on
-        for ev in events:
-            stream = self.streams.get(ev.req_id)
-            if stream is None:
-                continue
-            self.adapter.on_tokens(ev.req_id, now, len(ev.token_ids))  # now, held or not
-            meta = self.adapter.meta.get(ev.req_id)
-            is_online = meta is not None and meta.slo is not None
-            if stream.seq == 0 and ev.token_ids and ev.finish_reason is None:
-                self.placement_due = True  # online or offline: see `placement_due`
-            if ev.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
-                # NOTE: a failed end goes alone, after what is held: a client is sent the
-                # error instead of a failing chunk's text (`gateway.routers.openai`)
-                await self._send(ev.req_id, stream)
-            stream.hold(build_chunk(ev, stream, self.id, self.engine), now)
-            held_back = coalesce and not is_online and ev.finish_reason is None
-            if held_back and not stream.is_due(now, self.coalescing):
-                continue  # an offline request's tokens go out together (`chunks.py`)
-            await self._send(ev.req_id, stream)
-        await self.flush_due(now=now)
-
-    async def _send(self, req_id: str, stream: Stream) -> None:
-        """Publish what `stream` holds as one chunk; a finished request is forgotten here."""
-        chunk = stream.take()
-        if chunk is None:
-            return
-        if chunk.finish_reason is not None:
-            self.streams.pop(req_id, None)
-            self.adapter.meta.pop(req_id, None)
-            self.finished_ids.append(req_id)
-        await self.nc.publish(stream.reply_subject, codec.encode(chunk))
-
-    async def flush(self, req_id: str) -> None:
-        """Publish what `req_id` holds back now (it is about to leave this instance)."""
-        stream = self.streams.get(req_id)
-        if stream is not None:
-            await self._send(req_id, stream)
-
-    async def flush_due(self, everything: bool = False, now: float | None = None) -> None:
-        """Publish the held tokens that have waited long enough (all of them: `everything`)."""
-        now = time.time() if now is None else now
-        for req_id, stream in list(self.streams.items()):
-            if stream.held and (everything or stream.is_due(now, self.coalescing)):
-                await self._send(req_id, stream)
 
     def _submitted(self, req: EngineRequest) -> ReqReport:
         """A request handed over but not yet in the engine (it joins at the next step

@@ -10,7 +10,7 @@ import pytest
 
 from services.common.bus import connect
 from services.instance import main as instance_main
-from services.instance import migration
+from services.instance import migration_in
 from services.instance.dataplane import send_kv
 from services.instance.engines import build_engine
 from tests.services.instance.migration_kit import (
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.nats
 async def test_reservation_of_a_dead_source_expires_and_a_late_commit_is_refused(
     nats_url: str, engine_kind: EngineKind, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(migration, "RESERVATION_TTL_S", 2.0)
+    monkeypatch.setattr(migration_in, "RESERVATION_TTL_S", 2.0)
     async with running(nats_url, "dst", 1, engine_kind):
         nc = await connect(nats_url, "client")
         gw = Gateway()
