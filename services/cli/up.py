@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import importlib.util
 import os
 import secrets
@@ -19,13 +17,12 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.cli import natsd, state
 from services.cli.model_args import check_model_args, instance_model_argv
 from services.cli.up_args import add_up_args, parse_pinning, sglang_args
+from services.cli.up_procs import Child, http_ok, say, terminate, watch
 from services.common import affinity
 from services.gateway.auth import API_KEYS_ENV, keys_from
 from services.gateway.ratelimit import RateLimiter
@@ -33,59 +30,6 @@ from tidal import envs
 from tidal.config import live as live_config
 from tidal.config.live import load_live_config
 from tidal.engine.torch import core_share
-
-BACKOFF_START_S = 0.5
-BACKOFF_MAX_S = 30.0
-STABLE_AFTER_S = 60.0  # a child up this long has its back-off reset
-STOP_GRACE_S = 10.0
-
-
-def _die_with_parent() -> None:
-    """Children get SIGTERM if `tidal up` itself is killed (Linux prctl PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    proc: asyncio.subprocess.Process | None = None
-    started_s: float = 0.0
-    backoff_s: float = BACKOFF_START_S
-    num_restarts: int = 0
-    env: dict[str, str] = field(default_factory=dict)
-    cores: tuple[int, ...] = ()  # pinned here from its first instruction (): unpinned
-
-    async def start(self) -> None:
-        cores = self.cores
-
-        def setup() -> None:
-            _die_with_parent()
-            if cores:
-                os.sched_setaffinity(0, cores)
-
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.argv,
-            env={**os.environ, **self.env},
-            start_new_session=True,
-            preexec_fn=setup,
-            stdin=asyncio.subprocess.DEVNULL,
-        )
-        self.started_s = time.monotonic()
-
-
-def say(msg: str) -> None:
-    print(f"tidal up: {msg}", file=sys.stderr, flush=True)
 
 
 class Supervisor:
@@ -204,7 +148,9 @@ class Supervisor:
             self.services = self.plan()
             for child in self.services:
                 await child.start()
-            watchers = [asyncio.create_task(self._watch(c)) for c in self.services + self.nats]
+            watchers = [
+                asyncio.create_task(watch(c, self.stopping)) for c in self.services + self.nats
+            ]
             api = f"http://{self.args.host}:{self.args.port}/v1"
             ready = asyncio.create_task(self._announce_when_ready(api))
             await self.stopping.wait()
@@ -268,8 +214,8 @@ class Supervisor:
         health = api.removesuffix("/v1") + "/health"
         while not self.stopping.is_set():
             key = self.api_keys[0] if self.api_keys else ""
-            if await asyncio.to_thread(_http_ok, health) and await asyncio.to_thread(
-                _http_ok, api + "/models", require_data=True, api_key=key
+            if await asyncio.to_thread(http_ok, health) and await asyncio.to_thread(
+                http_ok, api + "/models", require_data=True, api_key=key
             ):
                 state.write_state(self.nats_url, api)
                 say(f"ready in {time.monotonic() - t0:.1f}s")
@@ -283,48 +229,11 @@ class Supervisor:
                 return
             await asyncio.sleep(0.2)
 
-    async def _watch(self, child: Child) -> None:
-        while True:
-            assert child.proc is not None
-            code = await child.proc.wait()
-            if self.stopping.is_set():
-                return
-            ran_s = time.monotonic() - child.started_s
-            if ran_s > STABLE_AFTER_S:
-                child.backoff_s = BACKOFF_START_S
-            say(
-                f"{child.name} (pid {child.proc.pid}) {describe_exit(code)} after {ran_s:.1f}s; "
-                f"restarting in {child.backoff_s:.1f}s"
-            )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), timeout=child.backoff_s)
-            if self.stopping.is_set():
-                return
-            child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
-            child.num_restarts += 1
-            await child.start()
-            say(f"{child.name} restarted (pid {child.proc.pid}, restart #{child.num_restarts})")
-
     async def _stop_all(self, watchers: list[asyncio.Task[None]]) -> None:
-        await _terminate([c for c in self.services if c.proc is not None])
-        await _terminate(self.nats)
+        await terminate([c for c in self.services if c.proc is not None])
+        await terminate(self.nats)
         for w in watchers:
             w.cancel()
-
-
-async def _terminate(children: list[Child]) -> None:
-    procs = [c.proc for c in children if c.proc is not None and c.proc.returncode is None]
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError):
-            p.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), STOP_GRACE_S)
-    except TimeoutError:
-        for c in children:
-            if c.proc is not None and c.proc.returncode is None:
-                say(f"{c.name} did not stop in {STOP_GRACE_S:.0f}s; killing it")
-                c.proc.kill()
-        await asyncio.gather(*(p.wait() for p in procs))
 
 
 def parse_roles(spec: str) -> tuple[str, ...]:
@@ -378,18 +287,6 @@ def _run(args: argparse.Namespace) -> int:
         say(str(exc))
         return 2
     return asyncio.run(Supervisor(args).run())
-
-
-def _http_ok(url: str, require_data: bool = False, api_key: str = "") -> bool:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        with urllib.request.urlopen(
-            urllib.request.Request(url, headers=headers), timeout=1
-        ) as resp:
-            body = resp.read()
-            return resp.status == 200 and (not require_data or b'"id"' in body)
-    except (OSError, ValueError):
-        return False
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -20,56 +20,34 @@ policy's `StepPlan` controls here (docs/sglang.md):
 A step hands out whatever tokens the streams brought since the last one, waiting up to
 `poll_s` for the first. Text is detokenised here with Tidal's tokenizer and stop strings are
 cut here (`tidal.engine.torch.sampling.Detokenizer`), so the text is what the torch engine would
-stream for the same tokens, and a recompute never repeats text.
+stream for the same tokens, and a recompute never repeats text. The requests' submissions and
+their streams are kept in `streams.SglangStreams`, this engine's base.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
-from services.instance.sglang.api import RecomputePayload, generate_body, new_rid, parse_chunk
+from services.instance.sglang.api import RecomputePayload
 from services.instance.sglang.client import SglangClient
+from services.instance.sglang.streams import SglangReq, SglangStreams
 from tidal.engine.api import (
     EngineLoad,
     EngineRequest,
-    FinishReason,
     RequestClass,
     SeqSnapshot,
     StepPlan,
     StepResult,
     StepTelemetry,
-    TokenEvent,
     Tokenizer,
     check_fits,
 )
 from tidal.engine.detokenizer import Detokenizer
 from tidal.plan import EngineCapabilities, MigrationMode, PlanRefused, RefusalReason
 
-log = logging.getLogger("tidal.instance.sglang")
 
-MAX_SGLANG_ABORTS = 3  # aborts by SGLang itself (not asked) requeued before the request fails
-
-
-@dataclass
-class _Req:
-    req: EngineRequest
-    detok: Detokenizer
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    rid: str = ""  # the submission in SGLang now; "" while waiting here
-    seen: int = 0  # tokens of the current submission already taken
-    retractions: int = 0  # SGLang's priority retractions of the current submission seen
-    num_sglang_aborts: int = 0
-
-    @property
-    def remaining(self) -> int:
-        return self.req.sampling.max_tokens - len(self.output_ids)
-
-
-class SglangEngine:
+class SglangEngine(SglangStreams):
     """`ControllableEngine` over `SglangClient`; calls come from one thread at a time."""
 
     name = "sglang"
@@ -90,17 +68,13 @@ class SglangEngine:
         kv_bytes_per_token: float = 0.0,
         poll_s: float = 0.02,
     ) -> None:
-        self.client = client
+        super().__init__(client)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_tokens
         self.kv_bytes_per_token = kv_bytes_per_token
         self.poll_s = poll_s
-        self.reqs: dict[str, _Req] = {}  # arrival order
-        self.by_rid: dict[str, str] = {}  # live rid -> req_id
-        self.num_recomputes = 0  # preemptions and migrations by abort + resubmit
-        self.num_sglang_retractions = 0  # SGLang's own preemptions (meta_info.num_retractions)
         self._wake = threading.Event()
 
     # ---- Engine ----
@@ -112,7 +86,7 @@ class SglangEngine:
         check_fits(n, request.sampling.max_tokens, self.max_model_len)
         if request.req_id in self.reqs:
             raise ValueError(f"duplicate request {request.req_id}")
-        self.reqs[request.req_id] = _Req(
+        self.reqs[request.req_id] = SglangReq(
             request, Detokenizer(self.tokenizer, request.sampling.stop)
         )
 
@@ -203,111 +177,6 @@ class SglangEngine:
         self._wake.set()
         return any(r.rid and r.req.req_class is RequestClass.OFFLINE for r in self.reqs.values())
 
-    def _submit(self, r: _Req) -> int:
-        """Send `r` to SGLang with what it generated so far as input (a recompute)."""
-        ids = [*r.req.prompt_token_ids, *r.output_ids]
-        r.rid, r.seen, r.retractions = new_rid(), 0, 0
-        self.by_rid[r.rid] = r.req.req_id
-        body = generate_body(r.rid, ids, r.req.sampling, r.remaining, r.req.req_class)
-        self.client.submit(r.req.req_id, r.rid, body)
-        return len(ids)
-
-    def _stop_submission(self, r: _Req) -> None:
-        if r.rid:
-            self.by_rid.pop(r.rid, None)
-            self.client.abort(r.rid)
-            r.rid, r.seen = "", 0
-
-    def _drain(self) -> list[TokenEvent]:
-        events: list[TokenEvent] = []
-        while True:
-            try:
-                msg = self.client.inbox.get_nowait()
-            except Exception:  # queue.Empty
-                return events
-            req_id = self.by_rid.get(msg.rid)
-            r = self.reqs.get(req_id) if req_id is not None else None
-            if r is None or r.rid != msg.rid:
-                continue  # a submission aborted here (preempt, migration, cancel)
-            ev = self._on_msg(r, msg.obj)
-            if ev is not None:
-                events.append(ev)
-
-    def _on_msg(self, r: _Req, obj: dict | None) -> TokenEvent | None:
-        if obj is None:  # the stream ended without a finish reason
-            return self._sglang_abort(r, "SGLang closed the stream")
-        try:
-            up = parse_chunk(obj, r.seen)
-        except ValueError as exc:
-            log.warning("dropped a chunk for %s: %s", r.req.req_id, exc)
-            return None
-        r.seen = up.completion_tokens
-        if up.num_retractions > r.retractions:  # SGLang's scheduler preempted it (priority)
-            self.num_sglang_retractions += up.num_retractions - r.retractions
-            r.retractions = up.num_retractions
-        new = list(up.token_ids[: max(0, r.remaining)])
-        r.output_ids.extend(new)
-        r.logprobs.extend(up.logprobs[: len(new)])
-        finish = up.finish
-        if finish is FinishReason.ABORT:
-            return self._sglang_abort(r, up.error, new)
-        if finish is None and r.remaining <= 0:
-            finish = FinishReason.LENGTH
-        final = finish is not None
-        # as the torch engine: the EOS / stop token that ended it is output, but not text
-        ends = up.stop_token is not None and r.output_ids[-1:] == [up.stop_token]
-        text, hit_stop = r.detok.update(r.output_ids[:-1] if ends else r.output_ids, final)
-        if hit_stop:
-            finish = FinishReason.STOP
-        # SGLang still runs it only when Tidal ended it (a stop string, max_tokens)
-        still_runs = up.finish is None
-        error = up.error if finish is FinishReason.ERROR else ""
-        return self._event(r, new, text, finish, error, abort=still_runs)
-
-    def _sglang_abort(self, r: _Req, why: str, new: list[int] | None = None) -> TokenEvent | None:
-        """SGLang dropped a submission it was not asked to (its own priority abort when the
-        queue is full, a restart): requeue it here keeping its tokens, a few times."""
-        self.by_rid.pop(r.rid, None)
-        r.rid, r.seen = "", 0
-        r.num_sglang_aborts += 1
-        if r.num_sglang_aborts <= MAX_SGLANG_ABORTS:
-            log.warning("%s: %s; requeued with its %d tokens", r.req.req_id, why, len(r.output_ids))
-            self.num_recomputes += 1
-            if not new:
-                return None
-            text, _ = r.detok.update(r.output_ids, False)
-            return self._event(r, new, text, None)
-        text, _ = r.detok.update(r.output_ids, True)
-        return self._event(r, new or [], text, FinishReason.ERROR, why or "SGLang aborted it")
-
-    def _event(
-        self,
-        r: _Req,
-        new: list[int],
-        text: str,
-        finish: FinishReason | None,
-        error: str = "",
-        abort: bool = True,
-    ) -> TokenEvent:
-        if finish is not None:
-            self.reqs.pop(r.req.req_id, None)
-            if abort:
-                self._stop_submission(r)
-            else:  # SGLang ended it itself: forget the rid, nothing to abort
-                self.by_rid.pop(r.rid, None)
-                r.rid = ""
-        lps = tuple(r.logprobs[len(r.logprobs) - len(new) :]) if r.req.sampling.logprobs else ()
-        return TokenEvent(
-            r.req.req_id,
-            tuple(new),
-            text,
-            finish,
-            num_prompt_tokens=len(r.req.prompt_token_ids),
-            num_output_tokens=len(r.output_ids),
-            logprobs=lps if len(lps) == len(new) else (),
-            error=error,
-        )
-
     # ---- ControllableEngine: recompute in place of KV moves ----
 
     @property
@@ -359,7 +228,9 @@ class SglangEngine:
             raise ValueError(f"payload is for model {p.model!r}, not {self.model_name!r}")
         if p.req.req_id in self.reqs:
             raise ValueError(f"duplicate request {p.req.req_id}")
-        r = _Req(p.req, Detokenizer(self.tokenizer, p.req.sampling.stop), p.output_ids, p.logprobs)
+        r = SglangReq(
+            p.req, Detokenizer(self.tokenizer, p.req.sampling.stop), p.output_ids, p.logprobs
+        )
         r.detok.emitted = p.emitted  # the text the client already has
         self.reqs[p.req.req_id] = r
         # the scheduler placed it here running: into SGLang now, not when a plan names it (a
@@ -396,17 +267,6 @@ class SglangEngine:
 
     def num_free_blocks(self) -> int:
         return max(0, self.num_kv_blocks - self._used())
-
-    def _used(self) -> int:
-        return sum(
-            len(r.req.prompt_token_ids) + len(r.output_ids) for r in self.reqs.values() if r.rid
-        )
-
-    def _get(self, req_id: str) -> _Req:
-        r = self.reqs.get(req_id)
-        if r is None:
-            raise ValueError(f"unknown request {req_id}")
-        return r
 
     def close(self) -> None:
         for r in list(self.reqs.values()):

@@ -15,6 +15,7 @@ import pytest
 
 from services.cli import up
 from services.cli.main import build_parser, main
+from services.cli.up_procs import Child
 from services.common import affinity
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import Heartbeat
@@ -26,13 +27,13 @@ def eight_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(affinity, "allowed_cores", lambda: frozenset(range(8)))
 
 
-def plan(*argv: str) -> dict[str, up.Child]:
+def plan(*argv: str) -> dict[str, Child]:
     args = build_parser().parse_args(["up", "--engine", "sim", *argv])
     assert isinstance(args, argparse.Namespace)
     return {c.name: c for c in up.Supervisor(args).plan()}
 
 
-def flag(child: up.Child, name: str) -> str:
+def flag(child: Child, name: str) -> str:
     return child.argv[child.argv.index(name) + 1]
 
 
