@@ -23,13 +23,14 @@ from tidal_bench.colocation import run as colocation_run
 from tidal_bench.cpu_attn import run as cpu_attn_run
 from tidal_bench.dataplane import migration
 from tidal_bench.dataplane import run as dataplane_run
+from tidal_bench.engine import dtype as engine_dtype
 from tidal_bench.engine import run as engine_run
 from tidal_bench.faults import run as faults_run
 from tidal_bench.kit import pct as _pct
 from tidal_bench.kit import save_json, stack
 from tidal_bench.perf import run as perf_run
 from tidal_bench.replay import run as replay_run
-from tidal_bench.serve import batch, overload, sglang
+from tidal_bench.serve import batch, idle, overload, sglang
 from tidal_bench.serve import run as serve_run
 
 
@@ -133,8 +134,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve_run.register(bench)
     batch.register(bench)
     overload.register(bench)
+    idle.register(bench)
     cpu_attn_run.register(bench)
     sglang.register(bench)
     faults_run.register(bench)
     engine_run.register_bench(bench)
+    engine_dtype.register(bench)
     perf_run.register(bench)

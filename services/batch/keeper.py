@@ -35,6 +35,11 @@ from tidal.batch.objects import Batch, BatchError, Errors, FileObject, RequestCo
 log = logging.getLogger("tidal.batch")
 
 POLL_S = 0.5
+# With no batch validating, running, finalizing or cancelling there is nothing to look at until
+# a batch is created or cancelled, which wakes the keeper at once (its watchers): a listing of
+# the batches every POLL_S cost the idle service most of its CPU (issue 38).
+IDLE_POLL_S = 5.0
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 PUBLISH_WINDOW = 256  # job publishes awaited together
 ENDS_PER_STEP = 4  # batches finalized (completed, cancelled, expired) per keeper step
 _UNRUN = {
@@ -77,14 +82,17 @@ class Keeper:
         try:
             while not stop.is_set():
                 self.kick.clear()
+                idle = False
                 try:
                     await self.step(time.time())
+                    idle = not any(self.by_status.get(st) for st in ACTIVE)
                 except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
                     log.warning("batch keeper: %s; trying again", exc or repr(exc))  # says why
                 # a batch created, cancelled or counted wakes the keeper at once; expiry and
-                # progress are looked at every POLL_S anyway
+                # progress are looked at every POLL_S anyway (IDLE_POLL_S with none under way)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.kick.wait(), timeout=POLL_S)
+                    wait_s = IDLE_POLL_S if idle else POLL_S
+                    await asyncio.wait_for(self.kick.wait(), timeout=wait_s)
         finally:
             for w in watchers:
                 w.cancel()

@@ -199,6 +199,14 @@ class LiveCluster:
                 return f"the scheduler's queue is full ({held} of {self.max_held_tokens} tokens)"
         return ""
 
+    def is_idle(self) -> bool:
+        """Nothing held, routed or on any instance: the policy's tick has nothing to move."""
+        return (
+            not self.held
+            and not self.routed
+            and not any(rep.requests for rep in self.reports.values())
+        )
+
     def max_model_len(self) -> int:
         """The longest context among the instances reporting (0: none said yet): what a
         request without `max_tokens` is planned with, as the instance fits it."""

@@ -49,7 +49,10 @@ log = logging.getLogger("tidal.scheduler")
 OFFLINE_PAUSED_RETRY_S = 30.0
 NO_CAPACITY_RETRY_S = 1.0
 REJECT_RETRY_S = 1.0
-TICK_S = 0.05  # the policy's tick runs at least this often
+TICK_S = 0.05  # the policy's tick runs at least this often while the cluster has work
+# With nothing held, routed or running anywhere, a tick has nothing to decide until a report,
+# a route or a member's change kicks it; this floor keeps role healing and expiry moving.
+IDLE_TICK_S = 0.5
 # A report kicks the tick this much later, so that a burst of reports makes one tick. Short: a
 # push migration waits on it (the report showing a request's first token -> `place_decode`).
 TICK_COALESCE_S = 0.001
@@ -280,7 +283,8 @@ class Scheduler:
             except Exception:  # a policy bug must not stop the scheduler
                 log.exception("tick failed")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.kick.wait(), timeout=TICK_S)
+                idle = self.cluster.is_idle()
+                await asyncio.wait_for(self.kick.wait(), timeout=IDLE_TICK_S if idle else TICK_S)
             await asyncio.sleep(TICK_COALESCE_S)
 
     async def tick_once(self) -> None:

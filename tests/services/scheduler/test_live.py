@@ -234,3 +234,22 @@ def test_a_request_without_max_tokens_is_planned_with_what_the_context_leaves() 
     assert c.new_request(ask, now).max_output_tokens == 8192 - 1000
     given = msgspec.structs.replace(ask, max_tokens_is_default=False)
     assert c.new_request(given, now).max_output_tokens == 16384  # the client's own: kept
+
+
+def test_the_cluster_is_idle_only_with_nothing_held_routed_or_running() -> None:
+    """The scheduler's tick waits out `IDLE_TICK_S` instead of `TICK_S` only then."""
+    c = _cluster()
+    now = time.time()
+    for i in range(2):
+        c.on_report(make_report(f"inst-{i}", i, "aggregated"))
+    assert c.is_idle()
+    ask = RouteRequest(req_id="r", model="m", req_class="online", max_tokens=8,
+                       num_prompt_chars=40)  # fmt: skip
+    c.route(c.new_request(ask, now), now, ask)
+    assert not c.is_idle()  # routed, not yet in a report
+    shown = ReqReport("r", "online", "running", now, 10, 8, 10, 1, 1)
+    c.on_report(make_report("inst-0", 0, "aggregated", seq=2, requests=[shown]))
+    assert not c.is_idle()  # running
+    done = make_report("inst-0", 0, "aggregated", seq=3)
+    c.on_report(msgspec.structs.replace(done, finished_req_ids=["r"]))
+    assert c.is_idle()
