@@ -4,13 +4,15 @@ A CPU flag says bf16 *can* run natively, not that it is faster for this model: a
 decode step is a chain of GEMVs bound by memory (bf16 moves half the bytes) or by per-call
 overhead (oneDNN's is large at small shapes), and at larger batches by the GEMM kernel each
 dtype gets. So `choose_dtype` times this model's own layer matmuls, laid out and dispatched
-exactly as `LlamaModel` would (`llama.weight_layout` / `llama.linear`, packed weights
-for multi-row calls where `tidal.engine.torch.packed` applies), in fp32 and bf16 at
-batch 1, 8 and 32 on the threads set now, and picks the dtype with the lower geometric mean
-of the time ratios. The weights are random, on enough layers to stream from memory rather than
-cache (up to `CALIBRATION_BYTES` of bf16). The choice is kept in `$TIDAL_CACHE_DIR` per CPU,
-torch version, thread count and model shape, so a restart (or a noisy moment) does not change
-it; `TIDAL_DTYPE` or an explicit dtype overrides it.
+exactly as `LlamaModel` would (`llama.weight_layout` / `llama.linear`, packed weights for
+multi-row calls where `tidal.engine.torch.packed` applies), in fp32 and bf16 at batch 1, 8 and
+32 and at a prefill chunk's rows, on the threads set now, and picks the dtype with the lower
+geometric mean of the time ratios. The prefill shape matters where oneDNN cannot pack bf16
+(AVX2-only CPUs): there bf16 wins ~3x at batch 1 (half the bytes) but loses 2-4x in GEMMs, and
+over decode shapes alone the mean sat near 1 and flipped with noise. The weights are random, on
+enough layers to stream from memory rather than cache (up to `CALIBRATION_BYTES` of bf16). The
+choice is kept in `$TIDAL_CACHE_DIR` per CPU, torch version, thread count and model shape, so a
+restart (or a noisy moment) does not change it; `TIDAL_DTYPE` or an explicit dtype overrides it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from tidal.engine.torch.model_config import ModelConfig
 log = logging.getLogger(__name__)
 
 CANDIDATES = (torch.float32, torch.bfloat16)
-BATCHES = (1, 8, 32)
+PREFILL_ROWS = 128  # a prefill chunk's rows (compute-bound, as every larger chunk is)
+BATCHES = (1, 8, 32, PREFILL_ROWS)
 CALIBRATION_BYTES = 96 << 20  # > a server CPU's last-level cache, so weights stream from DRAM
 MAX_CALIBRATED_PARAMS = 2_000_000_000  # above this, a calibration copy costs too much memory
 
@@ -122,7 +125,10 @@ def _cache_key(cfg: ModelConfig) -> str:
     dev = torch.device("cpu")
     pk = ",".join(f"{_name(dt)}:{cpu_caps.can_pack(dev, dt)}" for dt in CANDIDATES)
     caps = cpu_caps.probe().summary()
-    raw = f"{cpu}|{caps}|{torch.__version__}|{torch.get_num_threads()}|{shape}|packed {pk}"
+    raw = (
+        f"{cpu}|{caps}|{torch.__version__}|{torch.get_num_threads()}|{shape}|packed {pk}"
+        f"|rows {BATCHES}"
+    )
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

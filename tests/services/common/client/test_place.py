@@ -14,6 +14,7 @@ import nats.errors
 from services.common.client import bus as bus_client
 from services.common.client.bus import RequestBus
 from services.common.client.stream import RequestHandle
+from tests.services.common.client.test_route_tokens import Reply
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     GenerateAck,
@@ -22,11 +23,6 @@ from tidal.schemas.messages import (
     RouteRequest,
     SamplingSpec,
 )
-
-
-class Reply:
-    def __init__(self, data: bytes) -> None:
-        self.data = data
 
 
 class Nc:
