@@ -90,9 +90,7 @@ class Keeper:
                     log.warning("batch keeper: %s; trying again", exc or repr(exc))  # says why
                 # a batch created, cancelled or counted wakes the keeper at once; expiry and
                 # progress are looked at every POLL_S anyway (IDLE_POLL_S with none under way)
-                with contextlib.suppress(TimeoutError):
-                    wait_s = IDLE_POLL_S if idle else POLL_S
-                    await asyncio.wait_for(self.kick.wait(), timeout=wait_s)
+                await _either(self.kick, stop, IDLE_POLL_S if idle else POLL_S)
         finally:
             for w in watchers:
                 w.cancel()
@@ -325,6 +323,17 @@ class Keeper:
 
         await _follow(stop, "batch results watcher", lambda: self.store.results.watch(">"),
                       on_entry, reset)  # fmt: skip
+
+
+async def _either(a: asyncio.Event, b: asyncio.Event, timeout_s: float) -> None:
+    """Wait until `a` or `b` is set, or `timeout_s` has passed (a stop is not kept waiting)."""
+    waits = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
+    try:
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
 
 
 async def _follow(

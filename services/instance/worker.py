@@ -55,6 +55,7 @@ from tidal.schemas.messages import (
 
 log = logging.getLogger("tidal.instance")
 
+RESEND_KEEP_S = 120.0  # a gateway resends a submit within ~60 s (services/common/client/bus.py)
 REPORT_MIN_INTERVAL_S = 0.05  # at most ~20 state reports a second
 IDLE_REPORT_INTERVAL_S = 0.5  # an idle instance still reports, so the view never goes stale
 IDLE_PLAN_RETRY_S = 0.02  # the policy left a busy instance idle: ask it again this soon
@@ -84,6 +85,9 @@ class Instance(Publisher):
         adapter.inst.num_layers = caps.num_layers if caps.layer_cut else 1  # policies read it
         self.default_slo = default_slo
         self.streams: dict[str, Stream] = {}  # req_id -> where its tokens go
+        # req_id -> (its gateway subject, monotonic time) of each request taken lately: a resend
+        # of one (the gateway heard no ack across a cut link) is acked, never run again
+        self.accepted: dict[str, tuple[str, float]] = {}
         self.pending_add: list[EngineRequest] = []  # handed to the engine between steps
         self.pending_abort: list[str] = []
         self.wake = asyncio.Event()
@@ -130,7 +134,20 @@ class Instance(Publisher):
             code = "context_length_exceeded" if "context" in str(exc) else "invalid_request"
             await respond(msg, GenerateAck(ok=False, error_code=code, message=str(exc)))
             return
-        if (same := self.streams.get(req.req_id)) is not None:  # checked after the await
+        now = time.monotonic()
+        while self.accepted:  # oldest first (insertion order): drop those past keeping
+            rid, (_, at) = next(iter(self.accepted.items()))
+            if now - at <= RESEND_KEEP_S:
+                break
+            del self.accepted[rid]
+        same = self.streams.get(req.req_id)  # checked after the await: no second copy slips in
+        seen = self.accepted.get(req.req_id)
+        if same is None and seen is not None and seen[0] == req.reply_subject:
+            # the same gateway sending again a request that already finished or moved on from
+            # here (its first ack was lost): running it again would stream it twice
+            await respond(msg, self._ack(engine_req, req))
+            return
+        if same is not None:
             if same.reply_subject == req.reply_subject:
                 # the same gateway sending it again (its first ack was lost in a cut link):
                 # it runs here already, once; say so as the first time
@@ -143,6 +160,7 @@ class Instance(Publisher):
         self.streams[req.req_id] = Stream(
             req.reply_subject, req.first_seq, num_prev_output=len(req.resume_token_ids)
         )
+        self.accepted[req.req_id] = (req.reply_subject, now)
         slo = None
         if engine_req.req_class is RequestClass.ONLINE:
             slo = self.default_slo.of_request(req.ttft_slo_ms, req.tpot_slo_ms)

@@ -51,7 +51,7 @@ NO_CAPACITY_RETRY_S = 1.0
 REJECT_RETRY_S = 1.0
 TICK_S = 0.05  # the policy's tick runs at least this often while the cluster has work
 # With nothing held, routed or running anywhere, a tick has nothing to decide until a report,
-# a route or a member's change kicks it; this floor keeps role healing and expiry moving.
+# a held route, a member joining or an instance declared down kicks it; the floor is a backstop.
 IDLE_TICK_S = 0.5
 # A report kicks the tick this much later, so that a burst of reports makes one tick. Short: a
 # push migration waits on it (the report showing a request's first token -> `place_decode`).
@@ -98,6 +98,7 @@ class Scheduler:
             self.models_seen.add(hb.model)
         if self.membership.observe(hb, time.monotonic()):
             log.info("%s %s joined (pid %d)", hb.kind, hb.service_id, hb.pid)
+            self.kick.set()
         if hb.status == "stopped":
             self.membership.forget(hb.kind, hb.service_id)
             log.info("%s %s left", hb.kind, hb.service_id)
@@ -189,6 +190,7 @@ class Scheduler:
         self.cut_off_until_s = now + CUT_OFF_GRACE_S
 
     async def _announce_down(self, instance_id: str, reason: str) -> None:
+        self.kick.set()  # roles heal from the tick: an idle one waits for no floor
         event = InstanceDown(instance_id=instance_id, reason=reason)
         await self.nc.publish(subjects.INSTANCE_DOWN, codec.encode(event))
 

@@ -258,8 +258,10 @@ class RequestBus:
         """Send `req` to `instance_id`, again if it met a link just back (at most
         `MAX_RELINKS` times); raises NATS's no-responders or timeout error when it failed."""
         for relink in range(MAX_RELINKS + 1):
-            # an instance this gateway cannot hear (its link or ours cut) would not hear it
-            await self.silences.until_heard(instance_id, UNTIL_HEARD_S)
+            # an instance this gateway cannot hear (its link or ours cut) would not hear it;
+            # one still unheard after `UNTIL_HEARD_S` failed it (another instance is tried)
+            if not await self.silences.until_heard(instance_id, UNTIL_HEARD_S):
+                raise nats.errors.TimeoutError
             sent_s = time.monotonic()
             try:
                 return await self.nc.request(

@@ -115,9 +115,9 @@ async def test_cancel_stops_the_request_and_frees_it(instance: NATS) -> None:
 
 
 async def test_the_same_request_sent_again_runs_once_and_is_acked_again(instance: NATS) -> None:
-    """A gateway whose first ack was lost in a cut link sends the request again: it runs here
-    already, so the answer is the same ack, and its tokens come once. Another gateway's copy of
-    the same id is refused as a duplicate."""
+    """A gateway whose first ack was lost in a cut link sends the request again: it runs (or
+    ran) here already, so the answer is the same ack, and its tokens come once. Another
+    gateway's copy of the same id is refused as a duplicate."""
     chunks: list[TokenChunk] = []
 
     async def on_chunk(msg) -> None:  # type: ignore[no-untyped-def]
@@ -137,6 +137,10 @@ async def test_the_same_request_sent_again_runs_once_and_is_acked_again(instance
             break
         await asyncio.sleep(0.05)
     assert [c.seq for c in chunks] == list(range(40))
+    late = await submit(instance, make_req("again", max_tokens=40))  # after it finished here
+    assert late.ok
+    await asyncio.sleep(0.5)
+    assert len(chunks) == 40  # acked, not run a second time
 
 
 async def _heartbeat_load(nc: NATS) -> dict:

@@ -95,3 +95,15 @@ def test_a_submit_to_a_silent_instance_waits_for_it_to_be_heard(monkeypatch) -> 
     t0 = time.monotonic()
     assert len(place(nc, silent)) == 1
     assert time.monotonic() - t0 > 0.25 and nc.sent == [subjects.instance_submit("i0")]
+
+
+def test_an_instance_still_unheard_after_the_wait_is_not_sent_to_but_excluded(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(bus_client, "UNTIL_HEARD_S", 0.3)
+
+    def silent(bus: RequestBus) -> None:
+        bus.silences.heard("i0", time.monotonic() - 30.0)  # and never again
+
+    nc = Nc(num_lost=0)
+    asks = place(nc, silent)
+    assert [a.exclude for a in asks] == [[], ["i0"]]
+    assert nc.sent == [subjects.instance_submit("i1")]
