@@ -9,23 +9,30 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from tidal.engine.torch import cpu_caps, dtype_choice
-from tidal.engine.torch.model_config import ModelConfig
-from tidal.engine.torch.weights import embedded_model_path, gguf_to_hf_dir
 from tidal_bench.kit import save_json
+
+if TYPE_CHECKING:
+    from tidal.engine.torch.model_config import ModelConfig
 
 
 def model_config(model: str) -> ModelConfig:
     """The config of an HF directory or GGUF file ("" = the embedded SmolLM2)."""
+    from tidal.engine.torch.model_config import ModelConfig
+    from tidal.engine.torch.weights import embedded_model_path, gguf_to_hf_dir
+
     path = Path(model) if model else embedded_model_path()
     hf = gguf_to_hf_dir(path) if path.is_file() else path
     return ModelConfig.from_hf_dict(json.loads((hf / "config.json").read_text()))
 
 
 def run(args: argparse.Namespace) -> int:
+    # NOTE: torch on demand: `tidal bench --help` and the other benchmarks run without it
+    import torch
+
+    from tidal.engine.torch import cpu_caps, dtype_choice
+
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = model_config(args.model)
