@@ -115,3 +115,83 @@ def prompt_maker() -> Any:
         return "tide" + " tide" * max(0, n - 1 - extra)
 
     return prompt
+
+
+# ---- processes of a stack, and the CPU they use (from /proc) ----
+
+
+def _ticks(path: str) -> list[int]:
+    with open(path) as f:
+        return [int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13]]  # utime, stime
+
+
+class CpuClock:
+    """CPU seconds over a window, from /proc: each named process's (user + system) and each
+    core's busy time (everything but idle and iowait), so a figure says how much of its cores a
+    service actually got on a machine shared with other work."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.hz = os.sysconf("SC_CLK_TCK")
+        self.t0, self.proc0, self.core0 = time.monotonic(), self._procs(), self._cores()
+
+    def _procs(self) -> dict[str, int]:
+        out = {}
+        for name, pid in self.pids.items():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                out[name] = sum(_ticks(f"/proc/{pid}/stat"))
+        return out
+
+    @staticmethod
+    def _cores() -> dict[int, tuple[int, int]]:
+        out = {}
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *vals = line.split()
+                if name.startswith("cpu") and name != "cpu":
+                    v = [int(x) for x in vals]
+                    out[int(name[3:])] = (sum(v) - v[3] - v[4], sum(v))  # busy, all
+        return out
+
+    def read(self) -> dict[str, Any]:
+        """{"window_s", "cpu_s": {name: s}, "core_busy": {core: fraction}}."""
+        procs, cores = self._procs(), self._cores()
+        return {
+            "window_s": round(time.monotonic() - self.t0, 2),
+            "cpu_s": {
+                n: round((procs[n] - self.proc0[n]) / self.hz, 2) for n in procs if n in self.proc0
+            },
+            "core_busy": {
+                c: round((b - self.core0[c][0]) / max(1, a - self.core0[c][1]), 3)
+                for c, (b, a) in cores.items()
+                if c in self.core0
+            },
+        }
+
+
+def children_of(parent: int) -> dict[str, int]:
+    """`--id` of each direct child of `parent` (a `tidal up`) -> its pid."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+            name = argv[argv.index("--id") + 1] if "--id" in argv else Path(argv[0]).name
+            out[name] = int(entry)
+    return out
+
+
+def up_pid(port: int) -> int:
+    """The pid of this process's child `tidal up --port PORT` (tidal_bench.kit.stack's)."""
+    for pid in children_of(os.getpid()).values():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        if "up" in argv and "--port" in argv and argv[argv.index("--port") + 1] == str(port):
+            return pid
+    raise RuntimeError(f"no `tidal up --port {port}` below this process")

@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from tidal_bench import kit
 from tidal_bench.kit import pct, save_json
 
 
@@ -39,3 +43,21 @@ def test_a_stack_that_exits_at_once_is_reported_with_its_log_not_waited_for() ->
         stack(natsd.free_port(), "--engine", "nonsense", start_timeout_s=600),
     ):
         pass
+
+
+def test_cpu_clock_and_children_of_read_proc() -> None:
+    kid = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; time.sleep(30)", "--id", "kid-0"]
+    )
+    try:
+        pids = kit.children_of(os.getpid())
+        assert pids["kid-0"] == kid.pid
+        clock = kit.CpuClock({"me": os.getpid(), "kid-0": kid.pid})
+        sum(i * i for i in range(200_000))  # some CPU time of this process's own
+        got = clock.read()
+        assert set(got["cpu_s"]) == {"me", "kid-0"} and got["cpu_s"]["me"] >= 0
+        assert set(got["core_busy"]) >= os.sched_getaffinity(0)
+        assert all(0.0 <= b <= 1.0 for b in got["core_busy"].values())
+    finally:
+        kid.kill()
+        kid.wait()

@@ -33,8 +33,8 @@ from typing import Any
 
 from services.cli import natsd
 from services.common import affinity
-from tidal_bench.cpu_attn.bound import CpuClock, children_of, live_bound, measure, on_cores
-from tidal_bench.kit import gateway_metrics, pct, save_json, stack
+from tidal_bench.cpu_attn.bound import live_bound, measure, on_cores
+from tidal_bench.kit import CpuClock, children_of, gateway_metrics, pct, save_json, stack, up_pid
 
 WORDS = ["tide", "wave", "shore", "moon", "current", "reef", "harbor", "sail", "drift", "foam"]
 
@@ -148,16 +148,6 @@ async def _phase(base: str, args: argparse.Namespace, pids: dict[str, int]) -> d
     }
 
 
-def _up_pid(port: int) -> int:
-    """The pid of this process's child `tidal up --port PORT` (tidal_bench.kit.stack's)."""
-    for pid in children_of(os.getpid()).values():
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().decode().split("\0")
-        if "up" in argv and "--port" in argv and argv[argv.index("--port") + 1] == str(port):
-            return pid
-    raise RuntimeError(f"no `tidal up --port {port}` below this process")
-
-
 def _shares(cpu: dict[str, Any], cores: dict[str, tuple[int, ...]]) -> dict[str, float]:
     """How much CPU the engine and the workers got in the window (1.0 = one core throughout),
     and how busy their cores were with everything on the machine."""
@@ -215,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         port = natsd.free_port()
         one_chunk_a_token = {"TIDAL_OFFLINE_CHUNK_TOKENS": "1"}  # `_phase` counts chunks
         with stack(port, *up, env=one_chunk_a_token) as base, on_cores(cores["service"]):
-            r = asyncio.run(_phase(base, args, children_of(_up_pid(port))))
+            r = asyncio.run(_phase(base, args, children_of(up_pid(port))))
         r["worker_cores"] = slices
         r |= live_bound(r, bw, args.dtype) | _shares(r["cpu"], cores)
         phases[workers] = r

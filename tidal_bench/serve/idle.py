@@ -12,71 +12,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
-from tidal_bench.kit import save_json, stack
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+from tidal_bench.kit import CpuClock, children_of, save_json, stack, up_pid
 
 
-def _cmdline(pid: int) -> list[str]:
-    with contextlib.suppress(OSError):
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-        return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-    return []
-
-
-def _ppid(pid: int) -> int:
-    with contextlib.suppress(OSError, IndexError, ValueError):
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    return 0
-
-
-def stack_processes(port: int) -> dict[int, str]:
-    """pid -> name (a service's `--id`, `nats-server`, or `tidal up`) of every process of the
-    `tidal up --port PORT` running on this machine."""
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    parent = {p: _ppid(p) for p in pids}
-    roots = [
-        p for p in pids if "up" in (cmd := _cmdline(p)) and str(port) in cmd and "--port" in cmd
-    ]
-    out: dict[int, str] = {}
-    for p in pids:
-        q = p
-        while q and q not in roots:
-            q = parent.get(q, 0)
-        if not q:
-            continue
-        cmd = _cmdline(p)
-        if "--id" in cmd:
-            out[p] = cmd[cmd.index("--id") + 1]
-        elif any(a.endswith("nats-server") for a in cmd):
-            out[p] = "nats-server"
-        else:
-            out[p] = "tidal up"
-    return out
-
-
-def _cpu_s(pid: int) -> float:
-    with contextlib.suppress(OSError, IndexError, ValueError):
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(f[11]) + int(f[12])) / CLK_TCK
-    return 0.0
-
-
-def cpu_shares(procs: dict[int, str], seconds: float) -> dict[str, float]:
-    """name -> % of one core each process used over the next `seconds`."""
-    before = {p: _cpu_s(p) for p in procs}
-    t0 = time.monotonic()
+def cpu_shares(procs: dict[str, int], seconds: float) -> dict[str, float]:
+    """name -> % of one core each of `procs` (name -> pid) used over the next `seconds`, most
+    first."""
+    clock = CpuClock(procs)
     time.sleep(seconds)
-    dt = time.monotonic() - t0
-    shares: dict[str, float] = {}
-    for p, name in procs.items():
-        shares[name] = shares.get(name, 0.0) + 100 * (_cpu_s(p) - before[p]) / dt
+    got = clock.read()
+    window_s = max(got["window_s"], 1e-9)
+    shares = {name: 100 * cpu_s / window_s for name, cpu_s in got["cpu_s"].items()}
     return dict(sorted(shares.items(), key=lambda kv: -kv[1]))
 
 
@@ -92,12 +42,13 @@ def _stream(base: str, model: str, max_tokens: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    up = ["--engine", args.engine, "--cpu-attn", str(args.cpu_attn)]
-    with stack(args.port, *up) as base:
+    up_args = ["--engine", args.engine, "--cpu-attn", str(args.cpu_attn)]
+    with stack(args.port, *up_args) as base:
         with urllib.request.urlopen(base + "/models") as r:
             model = json.loads(r.read())["data"][0]["id"]
         time.sleep(args.settle_s)
-        procs = stack_processes(args.port)
+        up = up_pid(args.port)
+        procs = {**children_of(up), "tidal up": up}
         idle = cpu_shares(procs, args.seconds)
         t = threading.Thread(target=_stream, args=(base, model, args.max_tokens), daemon=True)
         t.start()
