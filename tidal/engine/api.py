@@ -247,7 +247,8 @@ class SeqSnapshot:
 
 
 class SnapshotSource(Protocol):
-    """What an engine's record of a request shows its snapshot (`torch.sequence.Sequence`,
+    """What an engine's record of a request shows its snapshot and its planner's view
+    (`scheduler.SeqView.of`) (`torch.sequence.Sequence`,
     `sim.seq.SimSeq`: two records, since one holds tensors, a generator and block ids and the
     other emulated counters, but one view of them)."""
 
@@ -268,6 +269,12 @@ class SnapshotSource(Protocol):
 
     @property
     def forced_tokens(self) -> int: ...
+
+    @property
+    def num_pending(self) -> int: ...
+
+    @property
+    def is_decode(self) -> bool: ...
 
 
 @runtime_checkable

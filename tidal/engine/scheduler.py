@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from tidal.engine.api import SnapshotSource
 from tidal.plan import StepPlan
 from tidal.schemas.enums import RequestClass
 
@@ -27,6 +28,20 @@ class SeqView:
     has_kv: bool  # holds KV blocks now (running), False while waiting
     forced_tokens: int  # > 0: a preempted partial chunk that must be resumed with exactly this
     num_blocks: int = 0  # KV blocks it holds now (an offline holder's may be taken for online)
+
+    @classmethod
+    def of(cls, seq: SnapshotSource) -> SeqView:
+        """The planner's view of one engine's request record (both engines' own planners)."""
+        return cls(
+            req_id=seq.req.req_id,
+            req_class=seq.req.req_class,
+            arrival_s=seq.req.arrival_s,
+            num_pending=seq.num_pending,
+            is_decode=seq.is_decode,
+            has_kv=seq.num_device_blocks > 0,
+            forced_tokens=seq.forced_tokens,
+            num_blocks=seq.num_device_blocks,
+        )
 
 
 class StepPlanner(Protocol):

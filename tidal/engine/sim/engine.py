@@ -225,20 +225,7 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin, RealtimeMixin):
     # ---- beyond the protocol ---------------------------------------------------------------
     def schedulable(self) -> list[SeqView]:
         """What a planner may schedule (swapped-out requests are not shown)."""
-        return [
-            SeqView(
-                req_id=s.req_id,
-                req_class=s.req.req_class,
-                arrival_s=s.req.arrival_s,
-                num_pending=s.num_pending,
-                is_decode=s.is_decode,
-                has_kv=s.num_blocks > 0,
-                forced_tokens=s.partial_tokens,
-                num_blocks=s.num_blocks,
-            )
-            for s in self.seqs.values()
-            if s.status != SWAPPED
-        ]
+        return [SeqView.of(s) for s in self.seqs.values() if s.status != SWAPPED]
 
     def check_integrity(self) -> None:
         moving = [*self.exporting.values(), *(seq for seq, _ in self.importing.values())]

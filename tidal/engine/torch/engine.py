@@ -268,16 +268,7 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin):
 
     def schedulable(self) -> list[SeqView]:
         return [
-            SeqView(
-                req_id=s.req_id,
-                req_class=s.req.req_class,
-                arrival_s=s.req.arrival_s,
-                num_pending=s.num_pending,
-                is_decode=s.is_decode,
-                has_kv=bool(s.block_ids),
-                forced_tokens=s.partial.num_tokens if s.partial else 0,
-                num_blocks=len(s.block_ids),
-            )
+            SeqView.of(s)
             for s in self.seqs.values()
             if s.status not in (SeqStatus.SWAPPED, SeqStatus.OFFLOADED)
         ]
