@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from services.cli.model_args import add_model_args
 from services.common import affinity
-from services.common.args import add_advertise_host
+from services.common.args import add_advertise_host, add_listen_host
 from services.gateway.ratelimit import add_rate_args
 
 
@@ -107,12 +107,7 @@ def add_up_args(p: argparse.ArgumentParser, model_required: bool) -> None:
         help="fsync every JetStream write (batches survive a machine crash too; slower)",
     )
     p.add_argument("--host", default="127.0.0.1", help="gateway address")
-    p.add_argument(
-        "--data-host",
-        default="",
-        help="address the instances' KV data planes and the CPU-attention workers listen on "
-        "(default: 127.0.0.1 when the bus is on loopback, else 0.0.0.0)",
-    )
+    add_listen_host(p, "the instances' KV data planes and the CPU-attention workers listen")
     add_advertise_host(p)
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument(

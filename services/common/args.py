@@ -1,5 +1,6 @@
 """Command-line flags more than one service takes, declared once: the bus every service joins,
-and the address other hosts reach a data plane on (instances, CPU-attention workers, `tidal up`)."""
+the address a data plane listens on and the one other hosts reach it on (instances,
+CPU-attention workers, `tidal up`)."""
 
 from __future__ import annotations
 
@@ -27,4 +28,15 @@ def add_advertise_host(p: argparse.ArgumentParser) -> None:
         help="address other hosts reach this host's data plane on (also $TIDAL_ADVERTISE_HOST; "
         "default: the address it listens on, or when that is 0.0.0.0 the interface that routes "
         "to NATS; docs/cluster.md)",
+    )
+
+
+def add_listen_host(p: argparse.ArgumentParser, listener: str, flag: str = "--data-host") -> None:
+    """`--data-host` (or `flag`): the address `listener` (e.g. "the KV data plane listens")
+    on."""
+    p.add_argument(
+        flag,
+        default="",
+        help=f"address {listener} on (default: 127.0.0.1 when the bus is on loopback, else "
+        "0.0.0.0)",
     )

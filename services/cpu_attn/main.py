@@ -20,7 +20,7 @@ import time
 import torch
 
 from services.common import affinity, net
-from services.common.args import add_advertise_host, add_bus_args
+from services.common.args import add_advertise_host, add_bus_args, add_listen_host
 from services.common.bus import connect
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
@@ -114,12 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pin this worker to these cores (0 or 0-3,6) with one attention thread each, or "
         "--num-threads (default: unpinned)",
     )
-    p.add_argument(
-        "--host",
-        default="",
-        help="data-plane address to listen on (default: 127.0.0.1 when the bus is on loopback, "
-        "else 0.0.0.0)",
-    )
+    add_listen_host(p, "the worker's data plane listens", "--host")
     p.add_argument("--port", type=int, default=0, help="data-plane port (0: any free one)")
     add_advertise_host(p)
     p.add_argument(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.args import add_advertise_host, add_bus_args
+from services.common.args import add_advertise_host, add_bus_args, add_listen_host
 from services.instance.engines import ENGINES
 from services.instance.sglang.api import DEFAULT_BOOTSTRAP_PORT, DEFAULT_HANDOFF_TIMEOUT_S
 from tidal import envs
@@ -118,12 +118,7 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
         help="torch: offload decode attention to the CPU-attention workers heartbeating on the "
         "bus when the policy says so (OmniServe)",
     )
-    p.add_argument(
-        "--data-host",
-        default="",
-        help="address the KV data plane listens on (default: 127.0.0.1 when the bus is on "
-        "loopback, else 0.0.0.0)",
-    )
+    add_listen_host(p, "the KV data plane listens")
     add_advertise_host(p)
     p.add_argument("--data-port", type=int, default=0, help="KV data plane port (0: any free)")
     p.add_argument(
