@@ -28,6 +28,7 @@ import nats.js.errors
 from services.batch.dispatch import Dispatcher, JobPayload
 from services.common.batch_store import BatchStore, decode_or_none
 from services.common.client.bus import RequestBus
+from services.common.lifecycle import wait_either
 from services.common.protocol import ApiError
 from tidal.batch.lines import Checked, check_lines, error_line, split_lines
 from tidal.batch.objects import Batch, BatchError, Errors, FileObject, RequestCounts, Usage, advance
@@ -90,7 +91,7 @@ class Keeper:
                     log.warning("batch keeper: %s; trying again", exc or repr(exc))  # says why
                 # a batch created, cancelled or counted wakes the keeper at once; expiry and
                 # progress are looked at every POLL_S anyway (IDLE_POLL_S with none under way)
-                await _either(self.kick, stop, IDLE_POLL_S if idle else POLL_S)
+                await wait_either(self.kick, stop, IDLE_POLL_S if idle else POLL_S)
         finally:
             for w in watchers:
                 w.cancel()
@@ -323,17 +324,6 @@ class Keeper:
 
         await _follow(stop, "batch results watcher", lambda: self.store.results.watch(">"),
                       on_entry, reset)  # fmt: skip
-
-
-async def _either(a: asyncio.Event, b: asyncio.Event, timeout_s: float) -> None:
-    """Wait until `a` or `b` is set, or `timeout_s` has passed (a stop is not kept waiting)."""
-    waits = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
-    try:
-        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
 
 
 async def _follow(

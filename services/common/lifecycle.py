@@ -28,6 +28,18 @@ def install_stop_signals(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
 
 
+async def wait_either(a: asyncio.Event, b: asyncio.Event, timeout_s: float) -> None:
+    """Wait until `a` or `b` is set, or `timeout_s` has passed: a service's idle wait for work
+    or its stop (a stop is never kept waiting for the timeout)."""
+    waits = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
+    try:
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
 def run_service(name: str, main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
     """Run `main(stop)` until it returns; exit 1 with a one-line reason if NATS is unreachable."""
     setup_logging(name)

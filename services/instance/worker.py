@@ -25,6 +25,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.common.bus import respond
+from services.common.lifecycle import wait_either
 from services.common.torch_threads import ComputeThread
 from services.instance.chunks import Coalescing, Stream
 from services.instance.intake import to_engine_request
@@ -236,11 +237,7 @@ class Instance(Publisher):
 
     async def _idle(self, stop: asyncio.Event, timeout_s: float) -> None:
         self.wake.clear()
-        waiter = asyncio.ensure_future(self.wake.wait())
-        stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({waiter, stopper}, timeout=timeout_s, return_when="FIRST_COMPLETED")
-        waiter.cancel()
-        stopper.cancel()
+        await wait_either(self.wake, stop, timeout_s)
 
     async def run(self, stop: asyncio.Event) -> None:
         num_bad = 0
