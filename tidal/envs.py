@@ -80,6 +80,11 @@ OFFLINE_CHUNK_S = EnvVar(
     "0.25",
     "instance: ...or once the oldest held token is this many seconds old (0: every step)",
 )
+OVERLAP = EnvVar(
+    "TIDAL_OVERLAP",
+    "1",
+    "instance: plan, publish and report while the engine computes (0: only between steps)",
+)
 
 ALL = (
     NATS_URL,
@@ -97,6 +102,7 @@ ALL = (
     SIM_STEP_TRACE_DIR,
     OFFLINE_CHUNK_TOKENS,
     OFFLINE_CHUNK_S,
+    OVERLAP,
 )
 
 

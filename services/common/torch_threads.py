@@ -48,8 +48,13 @@ class ComputeThread:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self.submit(fn, *args, **kwargs)
+
+    def submit(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> asyncio.Future[T]:
+        """Queue `fn` behind the calls made before it; await the future for its result. The
+        caller goes on meanwhile (the instance plans and publishes while a step computes)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        return loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

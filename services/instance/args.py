@@ -127,6 +127,14 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
         default=5.0,
         help="on SIGTERM, let running requests finish this long before aborting",
     )
+    p.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        default=envs.OVERLAP.get() not in ("0", "false", "no", "off"),
+        help="plan, publish and report only between engine steps, never while one computes "
+        f"(services/instance/overlap.py; ${envs.OVERLAP.name}=0 too)",
+    )
     for env, flag, kind in (
         (envs.OFFLINE_CHUNK_TOKENS, "--offline-chunk-tokens", int),
         (envs.OFFLINE_CHUNK_S, "--offline-chunk-s", float),

@@ -208,7 +208,9 @@ async def _serve(
         engine.attach_cpu_attn(pool)  # type: ignore[attr-defined]
         adapter.cpu_capacity = pool.capacity
     nc: NATS = await connect(args.nats_url, f"instance-{args.id}", args.connect_timeout_s)
-    inst = Instance(nc, args.id, engine, adapter, live.cfg.slo, compute, coalescing(args))
+    inst = Instance(
+        nc, args.id, engine, adapter, live.cfg.slo, compute, coalescing(args), args.overlap
+    )
     migrator = Migrator(inst)
     control = Control(inst, live)
     plane = DataPlaneServer(migrator)

@@ -26,17 +26,34 @@ class Publisher:
     placement_due: bool
 
     async def _publish(self, events: list[TokenEvent]) -> None:
+        self._note(events)
+        await self._send_events(events)
+
+    def _note(self, events: list[TokenEvent], now: float | None = None) -> None:
+        """What the policy must know of `events` before it plans again (each request's token
+        times, and whether a first token calls for a report at once); no I/O. The instance
+        notes a step's events as soon as the step returns and publishes them while the next
+        step computes (`worker.Instance.run`)."""
+        now = time.time() if now is None else now
+        for ev in events:
+            stream = self.streams.get(ev.req_id)
+            if stream is None:
+                continue
+            self.adapter.on_tokens(ev.req_id, now, len(ev.token_ids))  # now, held or not
+            if stream.seq == 0 and ev.token_ids and ev.finish_reason is None:
+                self.placement_due = True  # online or offline: see `placement_due`
+
+    async def _send_events(self, events: list[TokenEvent]) -> None:
+        """Publish noted `events` on their requests' gateway subjects (an offline request's
+        held back while `chunks.Coalescing` allows)."""
         now = time.time()
         coalesce = self.coalescing.is_on
         for ev in events:
             stream = self.streams.get(ev.req_id)
             if stream is None:
                 continue
-            self.adapter.on_tokens(ev.req_id, now, len(ev.token_ids))  # now, held or not
             meta = self.adapter.meta.get(ev.req_id)
             is_online = meta is not None and meta.slo is not None
-            if stream.seq == 0 and ev.token_ids and ev.finish_reason is None:
-                self.placement_due = True  # online or offline: see `placement_due`
             if ev.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
                 # NOTE: a failed end goes alone, after what is held: a client is sent the
                 # error instead of a failing chunk's text (`gateway.routers.openai`)

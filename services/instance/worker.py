@@ -19,17 +19,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 
-from services.common.bus import respond
 from services.common.lifecycle import wait_either
 from services.common.torch_threads import ComputeThread
 from services.instance.chunks import Coalescing, Stream
-from services.instance.intake import to_engine_request
-from services.instance.policy_adapter import PolicyAdapter, ReqMeta
+from services.instance.inbound import Inbound
+from services.instance.overlap import (
+    Boundary,
+    BoundaryLock,
+    Ran,
+    RepeatChain,
+    is_repeatable,
+    run_step,
+)
+from services.instance.policy_adapter import PolicyAdapter
 from services.instance.publish import Publisher
 from tidal.cluster.view import SUBMITTED
 from tidal.engine.api import (
@@ -37,33 +45,28 @@ from tidal.engine.api import (
     ControllableEngine,
     EngineRequest,
     FinishReason,
-    RequestClass,
     StepResult,
     TokenEvent,
 )
-from tidal.engine.executor import execute
-from tidal.plan import PlanRefused, RefusalReason
+from tidal.engine.executor import Execution
+from tidal.plan import Outcome, PlanRefused, RefusalReason
 from tidal.policy.base import StepPlan
 from tidal.policy.state import Slo
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
-    CancelRequest,
-    GenerateAck,
-    GenerateRequest,
     ReqReport,
     TokenChunk,
 )
 
 log = logging.getLogger("tidal.instance")
 
-RESEND_KEEP_S = 120.0  # a gateway resends a submit within ~60 s (services/common/client/bus.py)
 REPORT_MIN_INTERVAL_S = 0.05  # at most ~20 state reports a second
 IDLE_REPORT_INTERVAL_S = 0.5  # an idle instance still reports, so the view never goes stale
 IDLE_PLAN_RETRY_S = 0.02  # the policy left a busy instance idle: ask it again this soon
 MAX_BAD_PLANS = 3  # plans the engine refused in a row before one step of its own FCFS planner
 
 
-class Instance(Publisher):
+class Instance(Inbound, Publisher):
     def __init__(
         self,
         nc: NATS,
@@ -73,6 +76,7 @@ class Instance(Publisher):
         default_slo: Slo,
         compute: ComputeThread | None = None,
         coalescing: Coalescing | None = None,
+        overlap: bool = True,
     ) -> None:
         self.nc = nc
         # how long an offline request's tokens may be held back to go out together (`chunks.py`)
@@ -92,7 +96,14 @@ class Instance(Publisher):
         self.pending_add: list[EngineRequest] = []  # handed to the engine between steps
         self.pending_abort: list[str] = []
         self.wake = asyncio.Event()
-        self.engine_lock = asyncio.Lock()  # held by a step, an export and an import
+        # plan and publish while the engine computes (`overlap.py`); False: one after the other
+        self.overlap = overlap
+        self._self_driven = caps.self_driven
+        self.boundary = Boundary()  # set: whatever waits for the next step boundary
+        # Held by a step (the loop takes `_lock` itself), an export and an import; the others
+        # take it as `engine_lock`, which asks for the next boundary (`overlap.BoundaryLock`).
+        self._lock = asyncio.Lock()
+        self.engine_lock = BoundaryLock(self._lock, self.boundary)
         # requests whose KV is leaving now (`migration.py`): out of the engine's schedule, still
         # here, so reports list them ("migrating") and nobody takes them for lost
         self.moving_out: dict[str, ReqReport] = {}
@@ -113,80 +124,6 @@ class Instance(Publisher):
         # idle prefill instance (`online-priority`) wait on a report that shows it decoding,
         # so the next report goes out at once, not up to REPORT_MIN_INTERVAL_S later.
         self.placement_due = False
-
-    # ---- inbound ----
-
-    async def on_submit(self, req: GenerateRequest, msg: Msg) -> None:
-        if self.draining:
-            await respond(msg, GenerateAck(ok=False, error_code="draining", message="draining"))
-            return
-        if not req.reply_subject.startswith(subjects.PREFIX + ".gw."):
-            ack = GenerateAck(
-                ok=False,
-                error_code="invalid_request",
-                message="reply_subject must be a gateway subject",
-            )
-            await respond(msg, ack)
-            return
-        try:
-            # off the loop: templating and tokenising a 100k-token prompt takes a while
-            engine_req = await asyncio.to_thread(to_engine_request, self.engine, req)
-        except ValueError as exc:
-            code = "context_length_exceeded" if "context" in str(exc) else "invalid_request"
-            await respond(msg, GenerateAck(ok=False, error_code=code, message=str(exc)))
-            return
-        now = time.monotonic()
-        while self.accepted:  # oldest first (insertion order): drop those past keeping
-            rid, (_, at) = next(iter(self.accepted.items()))
-            if now - at <= RESEND_KEEP_S:
-                break
-            del self.accepted[rid]
-        same = self.streams.get(req.req_id)  # checked after the await: no second copy slips in
-        seen = self.accepted.get(req.req_id)
-        if same is None and seen is not None and seen[0] == req.reply_subject:
-            # the same gateway sending again a request that already finished or moved on from
-            # here (its first ack was lost): running it again would stream it twice
-            await respond(msg, self._ack(engine_req, req))
-            return
-        if same is not None:
-            if same.reply_subject == req.reply_subject:
-                # the same gateway sending it again (its first ack was lost in a cut link):
-                # it runs here already, once; say so as the first time
-                await respond(msg, self._ack(engine_req, req))
-                return
-            # not the client's fault: another gateway raced the request still running here
-            ack = GenerateAck(ok=False, error_code="duplicate", message="already running here")
-            await respond(msg, ack)
-            return
-        self.streams[req.req_id] = Stream(
-            req.reply_subject, req.first_seq, num_prev_output=len(req.resume_token_ids)
-        )
-        self.accepted[req.req_id] = (req.reply_subject, now)
-        slo = None
-        if engine_req.req_class is RequestClass.ONLINE:
-            slo = self.default_slo.of_request(req.ttft_slo_ms, req.tpot_slo_ms)
-        self.adapter.meta[req.req_id] = ReqMeta(slo, req.arrival_unix_s or time.time())
-        self.pending_add.append(engine_req)
-        self.wake.set()
-        self.engine.wake_step()  # an engine that waits inside its step (sglang) admits it now
-        if engine_req.req_class is RequestClass.ONLINE:
-            self.cut_offline_step(f"online {req.req_id} arrived")
-        await respond(msg, self._ack(engine_req, req))
-
-    def _ack(self, engine_req: EngineRequest, req: GenerateRequest) -> GenerateAck:
-        return GenerateAck(
-            ok=True,
-            num_prompt_tokens=len(engine_req.prompt_token_ids) - len(req.resume_token_ids),
-            engine=self.engine.name,
-            is_emulated=self.engine.is_emulated,
-        )
-
-    async def on_cancel(self, req: CancelRequest, msg: Msg) -> None:
-        # NOTE: also when it has no stream here (aborting an unknown id is a no-op): a copy the
-        # engine still held without one (a cut link's race) ran on, streaming to no one,
-        # beside its re-run on another instance
-        self.pending_abort.append(req.req_id)
-        self.wake.set()
 
     def cut_offline_step(self, why: str) -> bool:
         """Cut the step in flight at its next layer boundary if its plan allows it
@@ -228,7 +165,7 @@ class Instance(Publisher):
         """Ask the policy for a plan with no work here (once per idle report): what it plans is
         nothing to run, but it may ask for work in its hints, which the report carries (OOCO's
         strict instances pull offline decodes after a `schedule` that found room)."""
-        async with self.engine_lock:
+        async with self._lock:
             now = time.time()
             self.adapter.sync(self.engine.snapshot(), self.engine.num_free_blocks(), now)
             plan = self.adapter.plan(now)
@@ -246,14 +183,19 @@ class Instance(Publisher):
         # counts its step time from here, so this loop's own work (publishing, reporting,
         # planning, the thread hand-off) is inside each emulated step, not added to it.
         origin: float | None = None
+        unsent: list[TokenEvent] = []  # the last step's events: noted, not yet published
         while not stop.is_set():
             origin = time.perf_counter() if origin is None else origin
-            async with self.engine_lock:
+            if unsent and self.pending_abort:  # out before a cancel takes their streams
+                unsent = await self._send_now(unsent)
+            self.boundary.clear()  # what asked for this boundary is taken in now
+            async with self._lock:
                 failed, held = self._apply_pending()
             for subject, chunk in held:
                 await self.nc.publish(subject, codec.encode(chunk))
             await self._publish(failed)  # and what has been held long enough
             if not self.engine.has_work():
+                unsent = await self._send_now(unsent)
                 await self.flush_due(everything=True)  # nothing more is coming to join it
                 # NOTE: going idle with requests just ended reports them now, not when the idle
                 # interval comes round: the scheduler counts them as queued here until it knows.
@@ -266,56 +208,126 @@ class Instance(Publisher):
                 continue
             # The lock spans snapshot -> plan -> step: a migration exporting a request between
             # them would leave the plan naming a request the engine no longer has.
-            async with self.engine_lock:
+            async with self._lock:
                 now = time.time()
                 self.adapter.sync(self.engine.snapshot(), self.engine.num_free_blocks(), now)
                 plan = self.adapter.plan(now)
                 fcfs = num_bad >= MAX_BAD_PLANS
                 # an engine whose requests run by themselves (sglang) steps to collect tokens
                 idle = plan.is_empty and not fcfs and not self.engine.capabilities.self_driven
-                ok = None if idle else await self._step(plan, fcfs, origin)
+                ok = None
+                if not idle:
+                    ok, unsent = await self._steps(plan, fcfs, origin, unsent, stop)
                 if self.placement_due:
                     # NOTE: mirrored while the lock is held: a migration taking the lock next
                     # would leave `report` without a sync, and the first token unreported.
                     snaps, free = self.engine.snapshot(), self.engine.num_free_blocks()
                     self.adapter.sync(snaps, free, time.time())
             if ok is None:
+                unsent = await self._send_now(unsent)
                 await self.report()
                 await self._idle(stop, IDLE_PLAN_RETRY_S)  # the policy idles it for now
                 origin = None
                 continue
             num_bad = 0 if ok else num_bad + 1
             origin = getattr(self.engine, "last_step_end_s", None) if ok else None  # sim only
-            await self.report(force=self.placement_due)
+            if not self.overlap:
+                unsent = await self._send_now(unsent)
+                await self.report(force=self.placement_due)
 
-    async def _step(self, plan: StepPlan, fcfs: bool, origin: float | None = None) -> bool:
+    async def _send_now(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        if events:
+            await self._send_events(events)
+        return []
+
+    async def _steps(
+        self,
+        plan: StepPlan,
+        fcfs: bool,
+        origin: float | None,
+        unsent: list[TokenEvent],
+        stop: asyncio.Event,
+    ) -> tuple[bool, list[TokenEvent]]:
+        """Run `plan` (and, with overlap, its repeats: `overlap.RepeatChain`), publishing what
+        the step before left unsent while each computes. Returns (ran, the last step's events,
+        noted but not yet published). The caller holds the engine lock."""
         self.in_flight = plan
         self.adapter.on_step_start(plan, time.time())
-        if hasattr(self.engine, "step_origin"):
-            self.engine.step_origin = origin
-        result: StepResult | None
-        try:  # NOTE: the caller holds engine_lock
+        chain = None
+        # an engine whose requests run by themselves (sglang) decides its own steps
+        if self.overlap and not fcfs and is_repeatable(plan) and not self._self_driven:
+            chain = RepeatChain(self.engine, plan, self.boundary, self._reserved_or_stop(stop))
+        try:
             if fcfs:
                 log.warning("the policy's plans failed %d times; one FCFS step", MAX_BAD_PLANS)
-                result = await self.compute.run(self.engine.step, None)
+                fut: asyncio.Future[Any] = self.compute.submit(self.engine.step, None)
+            elif chain is not None:
+                fut = self.compute.submit(chain.first, self.adapter.forced, origin)
             else:
-                ex = await self.compute.run(execute, self.engine, plan, self.adapter.forced)
-                result = ex.result
-                why = OUT_OF_KV_ERROR
-                ended = [TokenEvent(r, (), "", FinishReason.ERROR, error=why) for r in ex.aborted]
-                await self._publish(ended)
-        except PlanRefused as exc:
-            self.refused(exc)
-            return False
-        except (ValueError, MemoryError, KeyError) as exc:
-            log.warning("the engine's own planner failed a step: %s", exc)
-            return False
+                fut = self.compute.submit(run_step, self.engine, plan, self.adapter.forced, origin)
+            queued = self._queue_repeat(chain)
+            if self.overlap:  # the step before's outputs go out while this one computes
+                unsent = await self._send_now(unsent)
+                await self.report(force=self.placement_due)
+            ok, events = self._account(await self._outcome(fut), plan, fcfs)
+            while queued is not None:
+                running, queued = queued, self._queue_repeat(chain)
+                events = await self._send_now(events)
+                await self.report(force=self.placement_due)
+                ran = await running
+                if ran is not None:  # else it declined at the boundary: the policy plans next
+                    ok, events = self._account(ran, plan, fcfs)
         finally:
             self.in_flight = None
-            if hasattr(self.engine, "step_origin"):
-                self.engine.step_origin = None  # not used by a step that did not run
+        return ok, events
+
+    def _queue_repeat(self, chain: RepeatChain | None) -> asyncio.Future[Ran | None] | None:
+        if chain is None or not chain.take_one():
+            return None
+        return self.compute.submit(chain.step)
+
+    def _reserved_or_stop(self, stop: asyncio.Event) -> Callable[[], int]:
+        """Blocks held for incoming migrations, for a repeat's room check; a stopping loop
+        asks for the boundary (the repeat declines)."""
+
+        def reserved() -> int:
+            if stop.is_set():
+                self.boundary.ask()
+            return self.adapter.num_reserved_blocks
+
+        return reserved
+
+    async def _outcome(self, fut: asyncio.Future[Any]) -> Any:
+        """What a step's future gave, or the refusal it raised (logged and counted: None)."""
+        try:  # NOTE: the caller holds engine_lock
+            return await fut
+        except PlanRefused as exc:
+            self.refused(exc)
+        except (ValueError, MemoryError, KeyError) as exc:
+            log.warning("the engine's own planner failed a step: %s", exc)
+        return None
+
+    def _account(
+        self, out: Ran | Execution | StepResult | None, plan: StepPlan, fcfs: bool
+    ) -> tuple[bool, list[TokenEvent]]:
+        """A step's outcome counted and its events noted (`Publisher._note`): whether it ran,
+        and the events (not yet published)."""
+        if out is None:
+            return False, []
+        if isinstance(out, Ran):  # mirrored as the engine's thread saw it after the step
+            self.adapter.sync(out.snapshots, out.num_free_blocks, time.time())
+            out = out.execution
+        ended: list[TokenEvent] = []
+        result: StepResult | None
+        if isinstance(out, Outcome):
+            result = out.result
+            why = OUT_OF_KV_ERROR
+            ended = [TokenEvent(r, (), "", FinishReason.ERROR, error=why) for r in out.aborted]
+        else:
+            result = out
+        self._note(ended)
         if result is None:
-            return True
+            return True, ended
         self.num_steps += 1
         self.last_step_ms = result.telemetry.step_s * 1e3
         ran = result.telemetry.num_requests or result.events or plan.cpu_decode
@@ -324,14 +336,14 @@ class Instance(Publisher):
             # room): a plan it can never run would repeat forever, so count it as refused and
             # let the engine's own planner take a step after MAX_BAD_PLANS of them.
             self.refused(PlanRefused(RefusalReason.OUT_OF_KV, "the engine ran none of it", "step"))
-            return False
+            return False, ended
         if getattr(self.engine, "last_step_preempted", False):
             self.num_preemptions += 1
             lat = getattr(self.engine, "last_preempt_latency_s", None)
             if lat is not None:
                 self.preempt_latency_s = [*self.preempt_latency_s[-999:], lat]
-        await self._publish(result.events)
-        return True
+        self._note(result.events)
+        return True, [*ended, *result.events]
 
     def _submitted(self, req: EngineRequest) -> ReqReport:
         """A request handed over but not yet in the engine (it joins at the next step

@@ -9,6 +9,9 @@ Starts `tidal up` (torch engine, the embedded SmolLM2) and sends `--requests` st
 instances threads) and without (threads follow the load, `tidal.engine.torch.core_share`), and
 prints both. The first request of each run is a warm-up, not counted.
 
+`--compare-overlap` starts two stacks, one with the instances' overlap on and one with it off
+(`TIDAL_OVERLAP`, services/instance/overlap.py), and their streams take turns the same way.
+
 `--compare URL` puts any OpenAI-compatible server beside it in the same run (llama.cpp's
 `python -m llama_cpp.server`, see docs/engine.md): requests take turns between the two, same
 client, prompts and lengths, so load from other processes hits both alike.
@@ -17,6 +20,7 @@ client, prompts and lengths, so load from other processes hits both alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import statistics
 import time
@@ -105,17 +109,32 @@ def _outside_extra(args: argparse.Namespace) -> dict[str, Any]:
     return {"logit_bias": {str(args.compare_eos_id): -100}} if args.compare_eos_id >= 0 else {}
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    variants: dict[str, list[str]] = {"threads follow load": []}
+def _variants(args: argparse.Namespace) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """name -> (`tidal up` arguments, environment) of each stack to measure."""
     if args.compare_fixed_threads:
-        variants = {"fixed split": ["--fixed-threads"], "threads follow load": []}
+        return {"fixed split": (["--fixed-threads"], {}), "threads follow load": ([], {})}
+    if args.compare_overlap:
+        return {"overlap": ([], {"TIDAL_OVERLAP": "1"}), "no overlap": ([], {"TIDAL_OVERLAP": "0"})}
+    return {"threads follow load": ([], {})}
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    variants = _variants(args)
     res: dict[str, Any] = {"max_tokens": args.max_tokens, "prompt_words": args.prompt_words}
     if args.compare:
         res["compare_url"] = args.compare
-    for name, extra in variants.items():
-        up = ["--engine", "torch", *extra, *args.up_arg]
-        with stack(natsd.free_port(), *up) as base:
-            servers = {name: (base, TIDAL_EXTRA)}
+    # Overlap on and off run at once and take turns (a burst of load hits both alike); the
+    # thread settings change how a stack uses every core, so those run one after the other.
+    together = args.compare_overlap
+    groups = [list(variants)] if together else [[name] for name in variants]
+    for group in groups:
+        with contextlib.ExitStack() as stacks:
+            servers: dict[str, tuple[str, dict[str, Any]]] = {}
+            for name in group:
+                up_args, env = variants[name]
+                up = ["--engine", "torch", *up_args, *args.up_arg]
+                base = stacks.enter_context(stack(natsd.free_port(), *up, env=env))
+                servers[name] = (base, TIDAL_EXTRA)
             if args.compare:
                 servers[args.compare_name] = (args.compare, _outside_extra(args))
             res |= single_streams(servers, args.requests, args.max_tokens, args.prompt_words)
@@ -129,8 +148,12 @@ def run_serve(args: argparse.Namespace) -> int:
             f"{r['tokens_per_s']:5.1f} tok/s"
         )
     if args.compare:
-        ratio = res[names[-2]]["itl_ms_p50"] / res[args.compare_name]["itl_ms_p50"]
-        print(f"  inter-token p50, Tidal / {args.compare_name} (same run): {ratio:.2f}")
+        for name in variants:
+            ratio = res[name]["itl_ms_p50"] / res[args.compare_name]["itl_ms_p50"]
+            print(f"  inter-token p50, {name} / {args.compare_name} (same run): {ratio:.2f}")
+    if args.compare_overlap:
+        ratio = res["overlap"]["itl_ms_p50"] / res["no overlap"]["itl_ms_p50"]
+        print(f"  inter-token p50, overlap / no overlap (same run): {ratio:.3f}")
     save_json(args.json, res)
     return 0
 
@@ -149,6 +172,11 @@ def register(bench: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--compare-fixed-threads",
         action="store_true",
         help="also run with --fixed-threads and print both",
+    )
+    p.add_argument(
+        "--compare-overlap",
+        action="store_true",
+        help="two stacks at once, the instances' overlap on and off (TIDAL_OVERLAP), taking turns",
     )
     p.add_argument(
         "--compare",

@@ -79,3 +79,16 @@ def test_single_streams_take_turns_and_count_every_gap(
     assert len({r["prompt"] for r in seen_a}) == 4
     for r in res.values():
         assert r["itl_ms_p50"] > 0 and r["itl_ms_p90"] >= r["itl_ms_p50"]
+
+
+def test_compare_overlap_runs_the_stack_with_overlap_on_and_off() -> None:
+    import argparse
+
+    from tidal_bench.serve.run import _variants
+
+    args = argparse.Namespace(compare_fixed_threads=False, compare_overlap=True)
+    variants = _variants(args)
+    assert {name: env["TIDAL_OVERLAP"] for name, (_, env) in variants.items()} == {
+        "overlap": "1",
+        "no overlap": "0",
+    }

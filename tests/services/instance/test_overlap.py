@@ -1,0 +1,131 @@
+"""Overlap changes when the instance's own work happens, never what it decides: the same requests,
+all handed over before the first step, give the same tokens, finish reasons and sequence of
+engine steps with overlap on and off, on the sim engine and the torch engine. With overlap on,
+decode-only plans the policy allows to repeat run without asking it again."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from services.common.bus import connect
+from services.common.torch_threads import ComputeThread
+from services.instance import main as instance_main
+from services.instance.engines import build_engine
+from services.instance.worker import Instance
+from tests.services.instance.migration_kit import EngineKind, instance_args
+from tidal.config.live import load_live_config
+from tidal.policy.base import StepPlan
+from tidal.schemas import codec, subjects
+from tidal.schemas.messages import ChatMessage, GenerateRequest, SamplingSpec, TokenChunk
+
+pytestmark = pytest.mark.nats
+GW = subjects.gateway_tokens("gw-overlap")
+# (req_id, class, max_tokens): offline work of mixed lengths and two online requests, so that
+# requests finish at different steps and batches change shape between repeats
+REQUESTS = (
+    ("off-0", "offline", 30),
+    ("off-1", "offline", 12),
+    ("on-0", "online", 20),
+    ("off-2", "offline", 41),
+    ("on-1", "online", 7),
+    ("off-3", "offline", 25),
+)
+
+
+class _NoReply:
+    reply = ""  # `services.common.bus.respond` sends nothing
+
+
+@dataclass
+class Run:
+    """What one instance run gave: each request's chunks, and each step's plan."""
+
+    chunks: dict[str, list[TokenChunk]] = field(default_factory=dict)
+    steps: list[tuple[dict[str, int], tuple[str, ...]]] = field(default_factory=list)
+    num_plans: int = 0  # times the policy was asked
+
+    def tokens(self) -> dict[str, tuple[list[int], str | None]]:
+        return {
+            rid: ([t for c in cs for t in c.token_ids], cs[-1].finish_reason)
+            for rid, cs in self.chunks.items()
+        }
+
+
+async def _run(nats_url: str, kind: EngineKind, overlap: bool) -> Run:
+    args = instance_main.parse_args(instance_args(nats_url, "inst-ovl", 0, kind))
+    live = load_live_config(args.config, args.policy, args.roles)
+    compute = ComputeThread("engine-test")
+    engine = await compute.run(build_engine, args)
+    adapter = instance_main.build_adapter(args, live, engine)
+    out = Run()
+    step = engine.step
+    plan_of = adapter.plan
+
+    def recording_step(plan: StepPlan | None = None) -> Any:
+        assert plan is not None
+        out.steps.append((dict(plan.prefill), tuple(plan.decode)))
+        return step(plan)
+
+    def counting_plan(now: float) -> StepPlan:
+        out.num_plans += 1
+        return plan_of(now)
+
+    engine.step = recording_step  # type: ignore[method-assign]
+    adapter.plan = counting_plan  # type: ignore[method-assign]
+    nc: NATS = await connect(nats_url, "test-overlap")
+    done = asyncio.Event()
+
+    async def on_chunk(msg: Msg) -> None:
+        chunk = codec.decode(msg.data, TokenChunk)
+        out.chunks.setdefault(chunk.req_id, []).append(chunk)
+        ended = sum(1 for cs in out.chunks.values() if cs[-1].finish_reason)
+        if ended == len(REQUESTS):
+            done.set()
+
+    await nc.subscribe(GW, cb=on_chunk)
+    inst = Instance(nc, "inst-ovl", engine, adapter, live.cfg.slo, compute, overlap=overlap)
+    for rid, cls, n in REQUESTS:  # all handed over before the first step: one plan sequence
+        req = GenerateRequest(
+            req_id=rid,
+            model="m",
+            sampling=SamplingSpec(max_tokens=n, temperature=0.0),
+            reply_subject=GW,
+            req_class=cls,
+            messages=[ChatMessage("user", f"tell me about {rid} " * 3)],
+        )
+        await inst.on_submit(req, _NoReply())  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(inst.run(stop))
+    try:
+        await asyncio.wait_for(done.wait(), 120)
+    finally:
+        stop.set()
+        inst.wake.set()
+        await task
+        await nc.drain()
+        compute.close()
+    return out
+
+
+async def test_overlap_gives_the_same_tokens_and_steps(
+    nats_url: str, engine_kind: EngineKind
+) -> None:
+    plain = await _run(nats_url, engine_kind, overlap=False)
+    overlapped = await _run(nats_url, engine_kind, overlap=True)
+    assert set(plain.chunks) == {rid for rid, _, _ in REQUESTS}
+    for rid, _, n in REQUESTS:
+        ids, finish = plain.tokens()[rid]
+        assert finish == "length" and len(ids) == n  # every request ran to its end
+    assert overlapped.tokens() == plain.tokens()
+    assert overlapped.steps == plain.steps  # the same plan, step after step
+    assert plain.num_plans >= len(plain.steps)  # asked before every step
+    # with overlap the policy's permission to repeat decode-only plans was used
+    assert overlapped.num_plans < len(overlapped.steps)
+    for rid, *_ in REQUESTS:  # chunks numbered once each, in order
+        assert [c.seq for c in overlapped.chunks[rid]] == list(range(len(overlapped.chunks[rid])))
