@@ -234,6 +234,7 @@ class Instance(Inbound, Publisher):
             if not self.overlap:
                 unsent = await self._send_now(unsent)
                 await self.report(force=self.placement_due)
+        await self._send_now(unsent)  # stopping: the last step's tokens still go out
 
     async def _send_now(self, events: list[TokenEvent]) -> list[TokenEvent]:
         if events:
