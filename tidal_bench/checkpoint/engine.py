@@ -3,7 +3,9 @@ prompts decode `decode` tokens, are preempted all at once, resume and decode `af
 ways to preempt: `recompute` (drop the KV; prefill prompt + output again), `swap` (copy all KV
 to host at preemption, back at resume) and `checkpoint` (full blocks copied to host while
 decoding, every step; the preemption frees the blocks with no copy; resume copies the
-checkpoint back and prefills the tail). Every figure is wall time on this machine (measured)."""
+checkpoint back and prefills the tail). Every figure is wall time on this machine (measured);
+the prefix cache is off (see `make_engine`). On a CPU engine the checkpoint copy runs inside the
+plan's checkpoint stage, before the step, not beside it."""
 
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ def make_engine(base: TorchEngine, sc: Scenario, host_bytes: int) -> TorchEngine
         token_budget=max(512, sc.context),
         chunk_size=max(512, sc.context),
         checkpoint_host_bytes=host_bytes,
+        # NOTE: off: blocks a preemption frees go to the work it made room for, so a recompute
+        # cannot find its old KV in the prefix cache (here nothing else would take them)
+        enable_prefix_cache=False,
     )
     tok = cast("TidalTokenizer", base.tokenizer)  # the same weights, tokenizer and name
     return TorchEngine(base.model, tok, base.model_name, cfg)
@@ -81,9 +86,16 @@ def _collect(events: Any, out: dict[str, list[int]]) -> None:
 
 
 def _until_decoding(e: TorchEngine, out: dict[str, list[int]]) -> None:
-    """The engine's own planner (prefill chunks) until every request decodes."""
-    while any(not s.is_decode for s in e.seqs.values()):
-        _collect(e.step().events, out)
+    """Prefill chunks only (no decodes beside them) until every request decodes."""
+    from tidal.plan import StepPlan
+
+    while todo := {r: s.num_pending for r, s in e.seqs.items() if not s.is_decode}:
+        budget, chunks = e.config.token_budget, {}
+        for rid, n in todo.items():
+            if budget > 0:
+                chunks[rid] = min(n, budget)
+                budget -= chunks[rid]
+        _collect(e.step(StepPlan(prefill=chunks)).events, out)
 
 
 def uninterrupted(base: TorchEngine, sc: Scenario) -> dict[str, list[int]]:

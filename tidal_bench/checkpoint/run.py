@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any
 
 from tidal_bench.checkpoint import engine as eng
@@ -55,7 +56,11 @@ def run(args: argparse.Namespace) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         base = load_torch_engine(args.model or None, device=args.device, dtype=args.dtype)
-        where = f"torch engine, {base.model_name} {args.dtype} on {args.device}: measured"
+        load = os.getloadavg()[0]
+        where = (
+            f"torch engine, {base.model_name} {args.dtype} on {args.device}, "
+            f"{torch.get_num_threads()} threads, load average {load:.1f} at start: measured"
+        )
         print(where)
         ref = eng.uninterrupted(base, sc)
         rows = [eng.measure(base, sc, m, ref) for m in eng.MODES]
