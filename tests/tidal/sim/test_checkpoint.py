@@ -4,13 +4,17 @@ a whole run of the `aggregated` policy with `checkpoint_offline` against recompu
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.tidal.sim.test_core import OFF, make_policy_for, make_setup, req
+from tidal.config.cluster import load_config
 from tidal.perf.linear import LinearStepModel
 from tidal.plan import PlanRefused, RefusalReason, StepPlan
 from tidal.policy.state import InstanceRole, InstanceState, Phase, ReqState
 from tidal.sim.apply import start_span
+from tidal.sim.build import simulate
 from tidal.sim.core import Simulator
 from tidal.sim.recorder import Recorder
 from tidal.sim.span import finish_span
@@ -18,6 +22,7 @@ from tidal.sim.span import finish_span
 # step = 0.01 + 0.001 * tokens; 1000 B of KV per token over a 1 MB/s copy: 0.001 s per token
 LINEAR = LinearStepModel(base_s=0.01, per_token_s=0.001, per_ctx_token_s=0.0, per_attn_pair_s=0.0)
 AGG = (InstanceRole.AGGREGATED,)
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def decoding(ckpt_tokens: int) -> tuple[InstanceState, dict[str, ReqState], ReqState]:
@@ -92,3 +97,29 @@ def test_a_run_with_checkpoints_recomputes_only_tails() -> None:
     assert ckpt.num_checkpoint_lost_tokens + ckpt.num_recompute_lost_tokens < (
         base.num_recompute_lost_tokens / 4
     )
+
+
+def ooco_run(checkpoint_gb: float) -> Recorder:
+    on = "true" if checkpoint_gb else "false"
+    cfg = load_config(
+        ROOT / "configs/ooco.yaml",
+        (
+            "duration_s=30",
+            "drain_s=120",
+            "kv_capacity_tokens=8000",  # small: offline decodes are preempted often
+            "offline.rate=2",
+            f"checkpoint_host_gb={checkpoint_gb}",
+            f"policies.aggregated.checkpoint_offline={on}",
+        ),
+    )
+    return simulate(cfg, "aggregated", check=True)
+
+
+def test_a_cluster_config_turns_checkpoints_on() -> None:
+    base, ckpt = ooco_run(0.0), ooco_run(50.0)
+    assert all(r.finish_s is not None for rec in (base, ckpt) for r in rec.requests)
+    assert base.num_releases == 0 and ckpt.num_releases > 0
+    lost = ckpt.num_recompute_lost_tokens + ckpt.num_checkpoint_lost_tokens
+    assert lost < base.num_recompute_lost_tokens / 2
+    with pytest.raises(ValueError, match="checkpoint_host_gb must be >= 0"):
+        load_config(ROOT / "configs/ooco.yaml", ("checkpoint_host_gb=-1",))
