@@ -16,6 +16,7 @@ from tidal.policy.state import InstanceRole, InstanceState, Phase, ReqState
 from tidal.sim.apply import start_span
 from tidal.sim.build import simulate
 from tidal.sim.core import Simulator
+from tidal.sim.metrics import summarize
 from tidal.sim.recorder import Recorder
 from tidal.sim.span import finish_span
 
@@ -121,5 +122,8 @@ def test_a_cluster_config_turns_checkpoints_on() -> None:
     assert base.num_releases == 0 and ckpt.num_releases > 0
     lost = ckpt.num_recompute_lost_tokens + ckpt.num_checkpoint_lost_tokens
     assert lost < base.num_recompute_lost_tokens / 2
+    counters = summarize(ckpt, 30.0, "aggregated", "ooco")["counters"]  # in summary.json
+    assert counters["releases"] == ckpt.num_releases
+    assert counters["checkpoint_lost_tokens"] == ckpt.num_checkpoint_lost_tokens
     with pytest.raises(ValueError, match="checkpoint_host_gb must be >= 0"):
         load_config(ROOT / "configs/ooco.yaml", ("checkpoint_host_gb=-1",))
