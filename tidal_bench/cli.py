@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 
 from services.cli import natsd
+from tidal_bench.checkpoint import run as checkpoint_run
 from tidal_bench.colocation import run as colocation_run
 from tidal_bench.cpu_attn import run as cpu_attn_run
 from tidal_bench.dataplane import migration
@@ -141,3 +142,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     engine_run.register_bench(bench)
     engine_dtype.register(bench)
     perf_run.register(bench)
+    checkpoint_run.register(bench)

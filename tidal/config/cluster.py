@@ -106,6 +106,8 @@ class ClusterConfig:
     # service's submit, the instance's next loop; docs/colocation.md). 0: at once.
     handout_ms: float = 0.0
     pcie_gb_per_s: float = 25.0  # GPU <-> host copies (swap, offload), GB/s
+    checkpoint_host_gb: float = 0.0  # per instance: host memory for offline KV checkpoints
+    # (ConServe; `StepPlan.checkpoint`), GB; 0: none, and plans asking for them are refused
     cpu_workers: CpuWorkers = CpuWorkers()
     # Offline requests are Batch API lines: at most this many in the cluster at once, the rest
     # wait FIFO (the live batch service's `tidal up --batch-max-inflight`); None = no cap.
@@ -124,6 +126,8 @@ class ClusterConfig:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < self.block_size:
             raise ValueError("kv_capacity_tokens must hold at least one block")
+        if self.checkpoint_host_gb < 0:
+            raise ValueError(f"checkpoint_host_gb must be >= 0, got {self.checkpoint_host_gb}")
         if self.link_gb_per_s <= 0 or self.pcie_gb_per_s <= 0 or self.link_latency_ms < 0:
             raise ValueError("link_gb_per_s and pcie_gb_per_s must be > 0, latency >= 0")
         if self.dispatch_ms < 0 or self.dispatch_us_per_token < 0:

@@ -31,6 +31,7 @@ class OffloadRefused(Exception):
 
 __all__ = [
     "OUT_OF_KV_ERROR",
+    "CheckpointingEngine",
     "ControllableEngine",
     "Engine",
     "EngineCapabilities",
@@ -345,3 +346,20 @@ class ControllableEngine(Engine, Protocol):
         ...
 
     def num_free_blocks(self) -> int: ...
+
+
+@runtime_checkable
+class CheckpointingEngine(ControllableEngine, Protocol):
+    """An engine that saves offline KV to host memory block by block while it decodes, so a
+    preemption frees its GPU blocks at once (ConServe; `EngineCapabilities.kv_checkpoint`).
+    `torch` implements it; the others refuse such plans (`RefusalReason.NO_KV_CHECKPOINT`)."""
+
+    def checkpoint(self, req_id: str) -> None:
+        """Copy the full KV blocks of a running request not yet saved to host memory;
+        `PlanRefused(HOST_MEMORY_FULL)` past the checkpoint budget, changing nothing."""
+        ...
+
+    def release(self, req_id: str) -> None:
+        """Free a checkpointed running request's GPU blocks at once; it waits swapped with its
+        checkpoint as its KV (`swap_in` copies it back; the tail past it is prefilled)."""
+        ...

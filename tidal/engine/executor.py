@@ -12,7 +12,12 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from tidal.engine.api import ControllableEngine, OffloadRefused, StepResult
+from tidal.engine.api import (
+    CheckpointingEngine,
+    ControllableEngine,
+    OffloadRefused,
+    StepResult,
+)
 from tidal.plan import EngineCapabilities, Outcome, PlanRefused, RefusalReason, StepPlan, carry_out
 from tidal.schemas.enums import RequestClass
 
@@ -49,8 +54,19 @@ class EngineKernel:
         if not self.engine.abort(req_id):
             raise KeyError(req_id)
 
+    def checkpoint(self, req_id: str) -> None:
+        self._checkpointing().checkpoint(req_id)
+
     def recompute(self, req_id: str) -> None:
         self.engine.recompute(req_id)
+
+    def release(self, req_id: str) -> None:
+        self._checkpointing().release(req_id)
+
+    def _checkpointing(self) -> CheckpointingEngine:
+        if not isinstance(self.engine, CheckpointingEngine):  # its capabilities said otherwise
+            raise PlanRefused(RefusalReason.NO_KV_CHECKPOINT, f"{self.engine.name} cannot")
+        return self.engine
 
     def swap_out(self, req_id: str) -> None:
         self.engine.swap_out(req_id)

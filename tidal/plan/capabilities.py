@@ -29,6 +29,8 @@ class EngineCapabilities:
     priority: bool = False  # the engine itself runs online before offline work and retracts
     # offline work for online arrivals (SGLang's priority scheduling)
     self_driven: bool = False  # requests progress on their own: step even with an empty plan
+    kv_checkpoint: bool = False  # `StepPlan.checkpoint` / `release`: offline KV saved to host
+    # memory block by block while it decodes, so a preemption frees at once (ConServe)
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:

@@ -17,10 +17,11 @@ class RefusalReason(enum.StrEnum):
     DUPLICATE = "duplicate"  # one request in two lists of one plan
     ONLINE_EVICTION = "online_eviction"  # recompute/swap_out/offload of an online request
     OUT_OF_KV = "out_of_kv"  # the plan's KV does not fit the free blocks
-    HOST_MEMORY_FULL = "host_memory_full"  # swap/offload past the host's KV room
+    HOST_MEMORY_FULL = "host_memory_full"  # swap/offload/checkpoint past the host's KV room
     NO_CPU_ATTENTION = "no_cpu_attention"  # offload/recall/cpu_decode on an engine without it
     CPU_WORKERS_BUSY = "cpu_workers_busy"  # CPU-attention workers refused or are still busy
     NO_LAYER_CUT = "no_layer_cut"  # layer_cut on an engine that cannot stop between layers
+    NO_KV_CHECKPOINT = "no_kv_checkpoint"  # checkpoint/release on an engine that cannot
     BAD_CHUNK = "bad_chunk"  # a prefill of < 1 token, past the prompt, or cutting a forced chunk
     ENGINE_FAILURE = "engine_failure"  # the engine raised something else while carrying it out
 

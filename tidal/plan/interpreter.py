@@ -24,7 +24,17 @@ R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
 
 # The stages in the order they run; the compute stage ("step") is last.
-STAGES = ("abort_no_kv", "recompute", "swap_out", "offload", "swap_in", "recall", "step")
+STAGES = (
+    "abort_no_kv",
+    "checkpoint",
+    "recompute",
+    "release",
+    "swap_out",
+    "offload",
+    "swap_in",
+    "recall",
+    "step",
+)
 
 
 class PlanKernel(Protocol[R_co]):
@@ -42,7 +52,15 @@ class PlanKernel(Protocol[R_co]):
         """End the request: it cannot get KV memory (`StepPlan.abort_no_kv`)."""
         ...
 
+    def checkpoint(self, req_id: str) -> None:
+        """Copy the request's full KV blocks not yet saved to host memory (`kv_checkpoint`)."""
+        ...
+
     def recompute(self, req_id: str) -> None: ...
+
+    def release(self, req_id: str) -> None:
+        """Free a checkpointed request's GPU blocks; it waits swapped (`kv_checkpoint`)."""
+        ...
 
     def swap_out(self, req_id: str) -> None: ...
 
@@ -64,6 +82,8 @@ class Outcome(Generic[R]):
     result: R | None  # the compute stage's result; None when the plan computes nothing
     aborted: list[str] = field(default_factory=list)  # ended for lack of KV memory
     num_recomputed: int = 0  # evicted by recompute (swaps of a `swap_is_recompute` engine too)
+    num_checkpointed: int = 0  # requests whose new full blocks were saved to host memory
+    num_released: int = 0  # checkpointed requests whose GPU blocks were freed
     num_swapped_out: int = 0
     num_swapped_in: int = 0
     num_offloaded: int = 0
@@ -78,11 +98,19 @@ def check_plan(plan: StepPlan, caps: EngineCapabilities, is_online: Callable[[st
             RefusalReason.NO_CPU_ATTENTION,
             f"offload/recall/cpu_decode of {_names(cpu)}: no CPU-attention workers here",
         )
+    if (plan.checkpoint or plan.release) and not caps.kv_checkpoint:
+        raise PlanRefused(
+            RefusalReason.NO_KV_CHECKPOINT,
+            f"checkpoint/release of {_names([*plan.checkpoint, *plan.release])}: "
+            "this engine cannot checkpoint KV to host memory",
+        )
     if plan.layer_cut and not caps.layer_cut:
         raise PlanRefused(RefusalReason.NO_LAYER_CUT, "this engine cannot cut a step at a layer")
     moves = [
         *plan.abort_no_kv,
+        *plan.checkpoint,
         *plan.recompute,
+        *plan.release,
         *plan.swap_out,
         *plan.offload,
         *plan.swap_in,
@@ -104,6 +132,16 @@ def check_plan(plan: StepPlan, caps: EngineCapabilities, is_online: Callable[[st
                 RefusalReason.ONLINE_EVICTION,
                 f"{rid} is online: online work is never recomputed, swapped or offloaded",
             )
+    for rid in plan.checkpoint:
+        try:
+            online = is_online(rid)
+        except KeyError:
+            raise PlanRefused(RefusalReason.UNKNOWN_REQUEST, f"{rid} is not here") from None
+        if online:
+            raise PlanRefused(
+                RefusalReason.ONLINE_EVICTION,
+                f"{rid} is online: only offline work is checkpointed (and then released)",
+            )
     for rid, n in plan.prefill.items():
         if n < 1:
             raise PlanRefused(RefusalReason.BAD_CHUNK, f"prefill of {n} tokens for {rid}")
@@ -122,10 +160,19 @@ def carry_out(kernel: PlanKernel[R], plan: StepPlan) -> Outcome[R]:
         for rid in plan.abort_no_kv:  # NOTE: no undo: an ended request stays ended
             kernel.abort_no_kv(rid)
             out.aborted.append(rid)
+        stage = "checkpoint"
+        for rid in plan.checkpoint:  # NOTE: no undo: a copy to host changes nothing on the GPU
+            kernel.checkpoint(rid)
+            out.num_checkpointed += 1
         stage = "recompute"
         for rid in plan.recompute:
             kernel.recompute(rid)
             out.num_recomputed += 1
+        stage = "release"
+        for rid in plan.release:  # undone by swap_in: the checkpoint back, its tail recomputed
+            kernel.release(rid)
+            out.num_released += 1
+            undo.append((kernel.swap_in, rid))
         stage = "swap_out"
         for rid in plan.swap_out:
             kernel.swap_out(rid)

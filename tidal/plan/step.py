@@ -14,20 +14,29 @@ Stages run in this order; a request may appear in at most one list of a plan:
 0. ``abort_no_kv`` req_ids (online ones included) that cannot get KV memory while no offline
                    work is left to evict: they end with finish_reason "error" and the message
                    "out of KV memory" (simulator: rejected, reason "out_of_kv").  all engines
+0b. ``checkpoint`` running offline req_ids: copy to host memory the full KV blocks not yet
+                   saved (ConServe's incremental checkpoint); the request keeps running. Refused
+                   `host_memory_full` past the engine's checkpoint budget.  `kv_checkpoint` only
 1. ``recompute``   running/offloaded req_ids lose their KV, wait at the head of the queue and
                    prefill prompt + output again later.                       all engines
+1b. ``release``    running offline req_ids holding a checkpoint: their GPU blocks are freed at
+                   once, with no copy; they wait swapped with the checkpointed blocks as their KV.
+                   The tokens past the last checkpointed block are lost and prefilled again after
+                   ``swap_in`` (which, for them, copies back the checkpoint).  `kv_checkpoint` only
 2. ``swap_out``    running req_ids: KV to host memory, paused (an engine that cannot move KV
                    declares ``swap_is_recompute`` and recomputes instead).     all engines
 3. ``offload``     running, decoding req_ids: KV to host, decode attention on CPU workers
                    (OmniServe §3.2).                                     `cpu_attention` only
-4. ``swap_in``     swapped req_ids: KV back to the GPU.                        all engines
+4. ``swap_in``     swapped req_ids: KV back to the GPU (a released request: its checkpointed
+                   blocks, the restore; its lost tail is then prefilled).      all engines
 5. ``recall``      offloaded req_ids: KV back to the GPU.                 `cpu_attention` only
 6. one step over ``prefill`` (req_id -> tokens), ``decode`` (one token each, GPU attention)
    and ``cpu_decode`` (one token each, attention on CPU workers; `cpu_attention` only),
    repeated up to ``max_repeat`` times when the plan is decode-only, and cut at a layer
    boundary when ``layer_cut`` is set and an online request arrives.
 
-Eviction by class: ``recompute``, ``swap_out`` and ``offload`` may name offline requests only;
+Eviction by class: ``recompute``, ``release``, ``swap_out`` and ``offload`` may name offline
+requests only (``checkpoint`` too);
 a plan that evicts an online request is refused (`RefusalReason.ONLINE_EVICTION`). When KV runs
 out for an online request and no offline work is left to evict, the online request waits for
 memory or, when nothing can free any, ends with `finish_reason` "error" and a message saying
@@ -55,7 +64,11 @@ class StepPlan:
     cpu_decode: tuple[str, ...] = ()  # offloaded req_ids decoding one token, attention on CPU
     abort_no_kv: tuple[str, ...] = ()  # req_ids that cannot get KV memory and that nothing else
     # can free it for: end them now with finish_reason "error" and a message saying so
+    checkpoint: tuple[str, ...] = ()  # running offline req_ids: copy their full KV blocks not
+    # yet saved to host memory (incremental; `EngineCapabilities.kv_checkpoint`)
     recompute: tuple[str, ...] = ()  # offline req_ids: drop KV, requeue at head, recompute later
+    release: tuple[str, ...] = ()  # checkpointed offline running req_ids: free their GPU blocks
+    # now (no copy), swapped with the checkpoint as their KV; the tail past it is recomputed
     swap_out: tuple[str, ...] = ()  # offline running req_ids: KV to host memory, paused
     swap_in: tuple[str, ...] = ()  # swapped req_ids: KV back to the GPU
     offload: tuple[str, ...] = ()  # offline decoding req_ids: KV to host, decode on CPU workers
@@ -82,8 +95,8 @@ class StepPlan:
 
     @property
     def evicts(self) -> tuple[str, ...]:
-        """req_ids this plan takes KV away from (recompute, swap out, offload)."""
-        return (*self.recompute, *self.swap_out, *self.offload)
+        """req_ids this plan takes KV away from (recompute, release, swap out, offload)."""
+        return (*self.recompute, *self.release, *self.swap_out, *self.offload)
 
     @property
     def is_empty(self) -> bool:
@@ -92,7 +105,9 @@ class StepPlan:
             or self.prefill
             or self.decode
             or self.cpu_decode
+            or self.checkpoint
             or self.recompute
+            or self.release
             or self.swap_out
             or self.swap_in
             or self.offload

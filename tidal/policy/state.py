@@ -89,6 +89,9 @@ class ReqState:
     queued_s: float = 0.0  # when it entered its current queue, seconds
     num_preemptions: int = 0
     num_migrations: int = 0
+    num_checkpointed_tokens: int = 0  # tokens whose KV is checkpointed in host memory (whole
+    # blocks; `StepPlan.checkpoint`); kept while it lives on its instance
+    is_released: bool = False  # SWAPPED by `StepPlan.release`: its checkpoint is its KV
     # NOTE: a field, not a property: read for every request of every step.
     is_online: bool = field(init=False)
 
@@ -175,6 +178,9 @@ class InstanceState:
     num_waiting_tokens: int = 0  # sum of `num_prefill_left` over `waiting` (kept by the caller)
     num_incoming: int = 0  # requests migrating here right now (blocks already reserved)
     busy_until_s: float = 0.0  # end of the step in flight
+    ckpt_capacity_tokens: int = 0  # host memory for offline KV checkpoints, tokens (0: none:
+    # `StepPlan.checkpoint`/`release` are refused)
+    ckpt_tokens: int = 0  # KV tokens checkpointed in host memory now
     # What the instance half of a policy leaves for its cluster half (name -> value). It is the
     # only state the halves share: it travels in the instance's `InstanceReport`, and the
     # simulator passes it through the same report, so both halves can run in different processes.

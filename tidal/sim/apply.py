@@ -2,7 +2,11 @@
 plan interpreter (`tidal.plan.carry_out`), KV block accounting, step time, tokens.
 
 `start_span` carries the plan out: its moves here (`SimKernel`), then its step (blocks, step
-times: `tidal.sim.span`); `finish_span` (`tidal.sim.span`) credits the tokens at the end. A plan
+times: `tidal.sim.span`); `finish_span` (`tidal.sim.span`) credits the tokens at the end.
+Checkpoints (ConServe): `checkpoint` copies an offline request's new full blocks to host
+memory beside the step (the step lasts the longer of the two); `release` frees its GPU blocks
+at once and parks it swapped with its checkpointed tokens, the rest lost; `swap_in` copies the
+checkpoint back before the step, and the lost tail is prefilled again. A plan
 that cannot be carried out raises `PlanRefused` (a `PolicyError`: the plan asked for something
 the instance cannot do) and leaves the instance as it was.
 """
@@ -19,14 +23,31 @@ from tidal.plan import (
 )
 from tidal.policy.state import InstanceState, Phase, ReqState
 from tidal.sim.recorder import Recorder
-from tidal.sim.span import Span, alloc_blocks, compute_span, release_blocks, require
+from tidal.sim.span import (
+    Span,
+    alloc_blocks,
+    compute_span,
+    drop_checkpoint,
+    release_blocks,
+    require,
+)
 
 
 class SimKernel:
     """Each stage of a plan on the simulator's records (`tidal.plan.PlanKernel`). Moves keep
     the instance's lists in step at once, so an undo (`tidal.plan.carry_out`) restores them."""
 
-    __slots__ = ("capabilities", "copy_tokens", "head", "inst", "now", "num_aborted", "rec", "reqs")
+    __slots__ = (
+        "bg_copy_tokens",
+        "capabilities",
+        "copy_tokens",
+        "head",
+        "inst",
+        "now",
+        "num_aborted",
+        "rec",
+        "reqs",
+    )
 
     def __init__(
         self, inst: InstanceState, reqs: dict[str, ReqState], now: float, rec: Recorder
@@ -36,6 +57,7 @@ class SimKernel:
         self.now = now
         self.rec = rec
         self.copy_tokens = 0  # KV tokens crossing PCIe before the step
+        self.bg_copy_tokens = 0  # KV tokens checkpointed to host beside the step
         self.head = 0  # where the next recomputed request goes in the waiting queue
         self.num_aborted = 0
         self.capabilities = EngineCapabilities(
@@ -44,6 +66,7 @@ class SimKernel:
             migration=MigrationMode.KV,
             cpu_attention=inst.cpu is not None,
             priority=True,
+            kv_checkpoint=inst.ckpt_capacity_tokens > 0,
         )
 
     def is_online(self, req_id: str) -> bool:
@@ -59,9 +82,12 @@ class SimKernel:
                 lst.remove(r)
         if r.phase is Phase.WAITING:
             inst.num_waiting_tokens -= r.num_prefill_left
-        if r.phase in (Phase.SWAPPED, Phase.OFFLOADED) and inst.cpu is not None:
+        parked = r.phase in (Phase.SWAPPED, Phase.OFFLOADED) and not r.is_released
+        if parked and inst.cpu is not None:
             inst.cpu.host_kv_tokens -= r.num_computed_tokens
         release_blocks(inst, r)
+        drop_checkpoint(inst, r)
+        r.is_released = False
         r.phase = Phase.REJECTED
         r.finish_s = self.now
         self.rec.rejections["out_of_kv"] += 1
@@ -78,6 +104,8 @@ class SimKernel:
             r = require(self.reqs, req_id, inst, Phase.RUNNING)
             inst.running.remove(r)
         release_blocks(inst, r)
+        drop_checkpoint(inst, r)
+        self.rec.num_recompute_lost_tokens += r.num_computed_tokens
         r.num_computed_tokens = 0
         r.phase = Phase.WAITING
         r.queued_s = self.now
@@ -121,8 +149,55 @@ class SimKernel:
         r.phase = Phase.RUNNING
         inst.running.append(r)
         self.copy_tokens += r.num_computed_tokens
-        if cpu is not None:
+        if r.is_released:  # the restore: its checkpoint back; it stays in host memory
+            r.is_released = False
+            self.rec.num_restored_tokens += r.num_computed_tokens
+        elif cpu is not None:
             cpu.host_kv_tokens -= r.num_computed_tokens
+
+    def checkpoint(self, req_id: str) -> None:
+        """The request's full blocks not yet saved, copied to host memory beside the step."""
+        inst = self.inst
+        r = self._offline_running(req_id)
+        full = r.num_computed_tokens // inst.block_size * inst.block_size
+        new = full - r.num_checkpointed_tokens
+        if new <= 0:
+            return
+        if inst.ckpt_tokens + new > inst.ckpt_capacity_tokens:
+            raise PlanRefused(
+                RefusalReason.HOST_MEMORY_FULL,
+                f"checkpoint of {req_id}: {new} tokens more, {inst.ckpt_tokens} of "
+                f"{inst.ckpt_capacity_tokens} held",
+            )
+        inst.ckpt_tokens += new
+        r.num_checkpointed_tokens = full
+        self.bg_copy_tokens += new
+        self.rec.num_checkpoint_tokens += new
+
+    def release(self, req_id: str) -> None:
+        """Free a checkpointed request's GPU blocks now; it waits swapped with its checkpoint,
+        the tokens past it lost (prefilled again after `swap_in`)."""
+        inst = self.inst
+        r = self._offline_running(req_id)
+        if not r.num_checkpointed_tokens:
+            raise PlanRefused(
+                RefusalReason.WRONG_STATE, f"{req_id} holds no checkpoint: recompute it instead"
+            )
+        self.rec.num_checkpoint_lost_tokens += r.num_computed_tokens - r.num_checkpointed_tokens
+        release_blocks(inst, r)
+        inst.running.remove(r)
+        r.num_computed_tokens = r.num_checkpointed_tokens
+        r.phase = Phase.SWAPPED
+        r.is_released = True
+        r.num_preemptions += 1
+        inst.swapped.append(r)
+        self.rec.num_releases += 1
+
+    def _offline_running(self, req_id: str) -> ReqState:
+        r = require(self.reqs, req_id, self.inst, Phase.RUNNING)
+        if r.is_online:
+            raise PlanRefused(RefusalReason.ONLINE_EVICTION, f"{req_id} is online")
+        return r
 
     def swap_out(self, req_id: str) -> None:
         self._park(req_id, Phase.SWAPPED)
@@ -137,7 +212,9 @@ class SimKernel:
         self._unpark(req_id, Phase.OFFLOADED)
 
     def run(self, plan: StepPlan) -> Span:
-        return compute_span(self.inst, plan, self.reqs, self.now, self.copy_tokens)
+        return compute_span(
+            self.inst, plan, self.reqs, self.now, self.copy_tokens, self.bg_copy_tokens
+        )
 
 
 def start_span(
@@ -150,6 +227,6 @@ def start_span(
     out = carry_out(kernel, plan)
     span = out.result
     if span is None:  # moves only: an empty step, plus the PCIe copies
-        span = compute_span(inst, StepPlan(), reqs, now, kernel.copy_tokens)
+        span = compute_span(inst, StepPlan(), reqs, now, kernel.copy_tokens, kernel.bg_copy_tokens)
     span.num_aborted = kernel.num_aborted
     return span

@@ -62,6 +62,7 @@ def instance_setups(
                     block_size=cfg.block_size,
                     max_batch_reqs=g.max_batch_reqs,
                     pcie_bytes_per_s=cfg.pcie_gb_per_s * _GB,
+                    ckpt_capacity_tokens=int(cfg.checkpoint_host_gb * _GB / (kvb * cfg.tp)),
                 )
             )
     return out

@@ -48,6 +48,11 @@ def check_invariants(
             f"{reserved[i]} reserved != {inst.num_blocks}"
         )
         assert inst.num_waiting_tokens == sum(r.num_prefill_left for r in inst.waiting)
+        ckpt = sum(r.num_checkpointed_tokens for lst in (inst.running, inst.swapped) for r in lst)
+        assert ckpt == inst.ckpt_tokens <= max(inst.ckpt_capacity_tokens, 0), (
+            f"instance {i}: {ckpt} checkpointed tokens, {inst.ckpt_tokens} counted, "
+            f"capacity {inst.ckpt_capacity_tokens}"
+        )
     for r in queue:
         put(r, "held")
     for r in reqs.values():

@@ -137,6 +137,11 @@ def summarize(rec: Recorder, duration_s: float, policy: str, config: str) -> dic
             "layer_preemptions": rec.num_layer_preemptions,
             "swaps": rec.num_swaps,
             "offloads": rec.num_offloads,
+            "recompute_lost_tokens": rec.num_recompute_lost_tokens,  # KV tokens to compute again
+            "releases": rec.num_releases,  # checkpointed requests freed (`StepPlan.release`)
+            "checkpoint_tokens": rec.num_checkpoint_tokens,  # KV tokens copied to host
+            "checkpoint_lost_tokens": rec.num_checkpoint_lost_tokens,  # past a checkpoint
+            "restored_tokens": rec.num_restored_tokens,  # copied back from checkpoints
             "migrations": rec.num_migrations,
             "migrations_refused": rec.num_migrations_refused,
             "kv_transfers": rec.num_kv_transfers,

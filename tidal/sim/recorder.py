@@ -20,6 +20,11 @@ class Recorder:
         self.num_preemptions = 0
         self.num_layer_preemptions = 0  # steps cut at a layer boundary (OOCO §3.4.1)
         self.num_swaps = 0
+        self.num_recompute_lost_tokens = 0  # KV tokens recompute preemptions dropped
+        self.num_releases = 0  # checkpointed offline requests whose GPU blocks were freed
+        self.num_checkpoint_tokens = 0  # KV tokens copied to host by checkpoints
+        self.num_checkpoint_lost_tokens = 0  # tokens past a checkpoint released (recomputed)
+        self.num_restored_tokens = 0  # tokens copied back from checkpoints
         self.num_offloads = 0
         self.num_migrations = 0
         self.num_migrations_refused = 0

@@ -110,10 +110,23 @@ def release_blocks(inst: InstanceState, r: ReqState) -> None:
     r.num_blocks = 0
 
 
+def drop_checkpoint(inst: InstanceState, r: ReqState) -> None:
+    """Free `r`'s host checkpoint (it ended, was recomputed or leaves the instance)."""
+    inst.ckpt_tokens -= r.num_checkpointed_tokens
+    r.num_checkpointed_tokens = 0
+
+
 def compute_span(
-    inst: InstanceState, plan: StepPlan, reqs: dict[str, ReqState], now: float, copy_tokens: int
+    inst: InstanceState,
+    plan: StepPlan,
+    reqs: dict[str, ReqState],
+    now: float,
+    copy_tokens: int,
+    bg_copy_tokens: int = 0,
 ) -> Span:
-    """The compute stage: every check first, then the blocks, so a refusal changes nothing."""
+    """The compute stage: every check first, then the blocks, so a refusal changes nothing.
+    `copy_tokens` cross PCIe before the step (swaps, restores); `bg_copy_tokens` (checkpoints)
+    beside it, on the copy engine: the step lasts the longer of the two."""
     iid = inst.instance_id
     cpu = inst.cpu
     bs = inst.block_size
@@ -215,7 +228,11 @@ def compute_span(
     # but not their attention: they add tokens, not context.
     shape = BatchShape(p_tok, len(prefill), p_pairs, n + len(cpu_reqs), ctx, prefill_sq_tokens=p_sq)
     model = inst.step_model
-    t = now + model.step_s(shape) + copy_tokens * inst.kv_bytes_per_token / inst.pcie_bytes_per_s
+    bw = inst.pcie_bytes_per_s
+    step_s = model.step_s(shape)
+    if bg_copy_tokens:  # ConServe: the checkpoint copy overlaps the step
+        step_s = max(step_s, bg_copy_tokens * inst.kv_bytes_per_token / bw)
+    t = now + step_s + copy_tokens * inst.kv_bytes_per_token / bw
     bounds = [t]
     for j in range(1, k):
         t += model.step_s(BatchShape(0, 0, 0, n, ctx + j * n))
@@ -301,6 +318,8 @@ def finish_span(
         r.phase = Phase.FINISHED
         r.finish_s = r.last_token_s
         release_blocks(inst, r)
+        if r.num_checkpointed_tokens:
+            drop_checkpoint(inst, r)
         if r in span.cpu and inst.cpu is not None:
             inst.cpu.host_kv_tokens -= r.num_computed_tokens
     if done:

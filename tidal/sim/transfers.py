@@ -16,6 +16,7 @@ from tidal.policy.base import PolicyError
 from tidal.policy.state import ClusterView, InstanceState, Phase, ReqState
 from tidal.sim.link import Flow, SharedLink
 from tidal.sim.recorder import Recorder
+from tidal.sim.span import drop_checkpoint
 
 At = Callable[[float, object], None]  # have the event loop call back at a time, with a payload
 
@@ -123,6 +124,7 @@ class Transfers:
         self.reserved[dst_id] += need
         src.num_free_blocks += r.num_blocks
         r.num_blocks = 0
+        drop_checkpoint(src, r)
         src.running.remove(r)
         r.phase = Phase.MIGRATING
         # The fixed part (offer, reservation, commit) runs at once; then the bytes share the link.

@@ -52,7 +52,9 @@ def test_a_failure_at_each_stage_leaves_every_request_as_before(stage: str) -> N
 def test_every_stage_is_named() -> None:
     assert STAGES == (
         "abort_no_kv",
+        "checkpoint",
         "recompute",
+        "release",
         "swap_out",
         "offload",
         "swap_in",
@@ -68,4 +70,14 @@ def test_an_online_request_is_never_evicted_by_a_plan() -> None:
         with pytest.raises(PlanRefused) as err:
             execute(eng, plan)
         assert err.value.reason is RefusalReason.ONLINE_EVICTION
+    assert eng.snapshot() == before
+
+
+def test_an_engine_without_checkpoints_refuses_them_typed() -> None:
+    eng = make_engine()  # the sim engine declares no `kv_checkpoint`
+    before = eng.snapshot()
+    for plan in (StepPlan(checkpoint=("r0",)), StepPlan(release=("r0",), decode=("r3",))):
+        with pytest.raises(PlanRefused) as err:
+            execute(eng, plan)
+        assert err.value.reason is RefusalReason.NO_KV_CHECKPOINT and err.value.stage == ""
     assert eng.snapshot() == before

@@ -85,6 +85,38 @@ def test_out_of_blocks_preempts_the_latest_offline() -> None:
     assert plan.recompute == ("b",) and plan.decode == ("a",)
 
 
+def test_with_checkpoints_a_checkpointed_victim_is_released_and_decodes_checkpointed() -> None:
+    inst = make_instance(blocks=5)
+    inst.ckpt_capacity_tokens = 64
+    make_request("a", inst, done=48, out=17)  # online: 3 blocks, full; needs a 4th
+    b = make_request("b", inst, done=32, out=1, online=False)  # 2 blocks, full
+    b.num_checkpointed_tokens = inst.ckpt_tokens = 16
+    plan = chunked_plan(inst, checkpoint=True)
+    assert plan.release == ("b",) and not plan.recompute and plan.decode == ("a",)
+    assert chunked_plan(inst).recompute == ("b",)  # not asked: recompute, as before
+
+    inst = make_instance(blocks=20)
+    inst.ckpt_capacity_tokens = 48
+    make_request("c", inst, done=32, out=1, online=False)  # 32 new full tokens: fit
+    make_request("d", inst, done=40, out=1, online=False)  # 32 more: past the 16 left
+    make_request("e", inst, done=40, out=1)  # online: never checkpointed
+    plan = chunked_plan(inst, checkpoint=True)
+    assert plan.checkpoint == ("c",) and set(plan.decode) == {"c", "d", "e"}
+    assert plan.max_repeat == 16  # at least once a block
+
+
+def test_a_released_request_swaps_in_to_prefill_its_lost_tail() -> None:
+    inst = make_instance(blocks=20)
+    inst.ckpt_capacity_tokens = 64
+    r = ReqState("r", RequestClass.OFFLINE, 0.0, 40, 100, instance_id=0, phase=Phase.SWAPPED)
+    r.num_output_tokens, r.num_computed_tokens = 5, 32  # released at 44: 12 lost
+    r.num_checkpointed_tokens = inst.ckpt_tokens = 32
+    r.is_released = True
+    inst.swapped.append(r)
+    plan = chunked_plan(inst, checkpoint=True)
+    assert plan.swap_in == ("r",) and plan.prefill == {"r": 12} and not plan.decode
+
+
 def test_out_of_blocks_with_only_online_work_ends_the_newest_never_evicts_it() -> None:
     inst = make_instance(blocks=5)
     make_request("a", inst, done=48, out=17)  # 3 blocks, full: the next token needs a 4th

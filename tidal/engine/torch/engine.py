@@ -17,6 +17,9 @@ instance service may call:
   request's tokens, sampling state (RNG included) and KV of all layers, chunk by chunk, so
   another engine continues it with identical output (push/pull migration).
 - `swap_out(req_id)` / `swap_in(req_id)` — move a request's KV to host memory and back.
+- `checkpoint(req_id)` / `release(req_id)` (`tidal.engine.torch.checkpoint`, with
+  `EngineConfig.checkpoint_host_bytes`) — offline KV saved to host memory block by block, and a
+  preemption that frees the GPU blocks at once; `swap_in` restores a released request.
 - `free_kv_tokens()`, `check_integrity()`.
 
 Per-step `StepTelemetry` is in every `StepResult`; with `EngineConfig.step_log` each completed
@@ -48,6 +51,7 @@ from tidal.engine.preemption import LayerPreemption
 from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView, StepPlanner
 from tidal.engine.tokenizer import TidalTokenizer
 from tidal.engine.torch import kv_transfer as kvt
+from tidal.engine.torch.checkpoint import TorchCheckpointMixin
 from tidal.engine.torch.core_share import CoreShare
 from tidal.engine.torch.cpu_offload import CpuOffloadMixin
 from tidal.engine.torch.dtype_choice import DtypeChoice
@@ -67,7 +71,7 @@ __all__ = ["EngineConfig", "TorchEngine", "default_dtype"]
 _DECODING = (SeqStatus.RUNNING, SeqStatus.OFFLOADED)  # counted as running in `load()`
 
 
-class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin):
+class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin, TorchCheckpointMixin):
     name = "torch"
     is_emulated = False
 
@@ -129,6 +133,7 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin):
         self.num_recompute_preemptions = 0  # requests that lost their KV to memory pressure
         self._last_step_s = 0.0
         self._init_migration()
+        self._init_checkpoints()
         self._log: TextIO | None = None
         if cfg.step_log:
             Path(cfg.step_log).parent.mkdir(parents=True, exist_ok=True)
@@ -248,12 +253,14 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin):
     # ---- control beyond the protocol -------------------------------------------------------
     @property
     def capabilities(self) -> EngineCapabilities:
+        cfg_ckpt = self.config.checkpoint_host_bytes
         return EngineCapabilities(
             layer_cut=True,
             num_layers=self.model.config.num_hidden_layers,
             migration=MigrationMode.KV,
             cpu_attention=self.cpu_link is not None,
             priority=True,  # the own planner runs online requests first
+            kv_checkpoint=cfg_ckpt > 0,
         )
 
     def wake_step(self) -> None:
@@ -291,6 +298,7 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin):
             self.num_recompute_preemptions += 1
         if seq.block_ids:
             self._preempt_recompute(seq)
+        self._drop_checkpoint(seq)
 
     def free_kv_tokens(self) -> int:
         return self.allocator.num_free * self.block_size
@@ -304,8 +312,13 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin):
             held = self._kv_tokens(s)
             if s.status == SeqStatus.RUNNING:
                 assert len(s.block_ids) * self.block_size >= held, f"{s.req_id}: KV past blocks"
-            if s.status == SeqStatus.SWAPPED:
+            if s.status == SeqStatus.SWAPPED and s.swapped_kv is None:  # released
+                assert s.num_ckpt_tokens == held, f"{s.req_id}: released past its checkpoint"
+            elif s.status == SeqStatus.SWAPPED:
                 assert s.swapped_kv is not None and s.swapped_kv.shape[2] == held
+            assert sum(c.shape[2] for c in s.ckpt) == s.num_ckpt_tokens <= s.num_computed
+        ckpt = sum(int(s.num_ckpt_tokens * self.kv_bytes_per_token) for s in self.seqs.values())
+        assert ckpt == self.num_checkpoint_bytes <= self.config.checkpoint_host_bytes
 
     # ---- KV movement -----------------------------------------------------------------------
     def swap_out(self, req_id: str) -> None:
@@ -321,8 +334,11 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin):
 
     def swap_in(self, req_id: str) -> None:
         seq = self.seqs[req_id]
-        if seq.status != SeqStatus.SWAPPED or seq.swapped_kv is None:
+        if seq.status != SeqStatus.SWAPPED:
             raise ValueError(f"{req_id!r} is not swapped out")
+        if seq.swapped_kv is None:  # released to its checkpoint
+            self._restore(seq)
+            return
         self._place_kv(seq, seq.swapped_kv)
         seq.swapped_kv = None
         if seq.partial is not None:
@@ -355,6 +371,7 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin):
 
     def _free(self, seq: Sequence) -> None:
         self._drop_offloaded(seq)
+        self._drop_checkpoint(seq)
         if seq.block_ids:
             self._release_blocks(seq)
         seq.swapped_kv = None

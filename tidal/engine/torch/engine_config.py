@@ -20,10 +20,17 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     profile_modules: bool = False  # fill StepTelemetry.module_s (adds a sync per module on CUDA)
     step_log: str | None = None  # append each step's telemetry as a JSON line to this path
+    checkpoint_host_bytes: int = 0  # host memory for offline KV checkpoints (ConServe), bytes;
+    # 0: none, and plans with `checkpoint`/`release` are refused (`no_kv_checkpoint`)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_cache_tokens < self.block_size:
             raise ValueError("block_size must be >= 1 and kv_cache_tokens >= block_size")
+        if self.checkpoint_host_bytes < 0:
+            raise ValueError(
+                f"checkpoint_host_bytes must be >= 0 (0: no checkpoints), "
+                f"got {self.checkpoint_host_bytes}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 

@@ -6,6 +6,8 @@ with an "out of KV memory" error event (`api.OUT_OF_KV_ERROR`), never a silent "
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tidal.engine.api import RequestClass
 from tidal.engine.torch.kv_cache import BlockAllocator, block_hashes
 from tidal.engine.torch.sequence import SeqStatus, Sequence
@@ -24,6 +26,10 @@ class TorchKvMixin:
 
     def _free(self, seq: Sequence) -> None:
         raise NotImplementedError
+
+    if TYPE_CHECKING:
+
+        def _drop_checkpoint(self, seq: Sequence) -> None: ...
 
     def _prepare(self, plan: StepPlan) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
         """Check the plan, admit and allocate KV. When blocks run out, offline requests give
@@ -127,6 +133,7 @@ class TorchKvMixin:
     def _preempt_recompute(self, seq: Sequence) -> None:
         self.num_recompute_preemptions += 1
         self._release_blocks(seq)
+        self._drop_checkpoint(seq)  # NOTE: it could restore from it instead; a release does
         seq.num_computed = 0
         seq.partial = None
         seq.hashes = []

@@ -57,6 +57,10 @@ class Sequence:
     num_registered: int = 0  # leading blocks registered in the prefix cache
     partial: PartialChunk | None = None
     swapped_kv: torch.Tensor | None = None  # (L, 2, T, Hk, D) on the host while SWAPPED
+    # (None for a request released to its checkpoint: `ckpt` is its KV then)
+    ckpt: list[torch.Tensor] = field(default_factory=list)  # host copies of its first
+    # `num_ckpt_tokens` tokens' KV, (L, 2, T_i, Hk, D) each, in order (`torch.checkpoint`)
+    num_ckpt_tokens: int = 0  # tokens checkpointed: whole blocks, <= num_computed
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     cpu: CpuProgress | None = None  # while OFFLOADED: its worker and its token's progress
 

@@ -16,6 +16,8 @@ class AggregatedConfig:
 
     online_first: bool = False  # HyGen's Sarathi++: online first, offline preempted first
     watermark: float = 0.01  # fraction of KV blocks kept free when admitting new requests
+    checkpoint_offline: bool = False  # ConServe: checkpoint offline decodes' KV to host memory
+    # (`checkpoint_host_gb`) and release preempted ones instead of recomputing them
 
     def __post_init__(self) -> None:
         if not 0 <= self.watermark < 1:
@@ -40,6 +42,7 @@ class AggregatedPolicy(Policy):
             online_first=self.cfg.online_first,
             swap_victims=False,
             watermark=self.cfg.watermark,
+            checkpoint=self.cfg.checkpoint_offline,
         )
 
 

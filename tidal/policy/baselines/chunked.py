@@ -4,6 +4,11 @@ baselines: decodes first, then partial prefills, then new requests, within a tok
 With ``online_first`` the batch is built online-first and offline requests are the preemption
 victims (HyGen's *Sarathi++* §6, OOCO's *online priority* §5.1.4); without it every request is
 treated alike in arrival order (Sarathi-Serve; OOCO's *base P/D*).
+
+With ``checkpoint`` (and an instance that has checkpoint memory, ConServe) every offline decode
+has its newly full KV blocks checkpointed to host memory while the budget lasts, a victim with a
+checkpoint is released (its GPU blocks freed at once) instead of recomputed, and a released
+request comes back by ``swap_in``, prefilling only the tail its checkpoint lacked.
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ def chunked_plan(
     swap_victims: bool = False,
     admit_offline: bool = True,
     watermark: float = 0.01,
+    checkpoint: bool = False,
 ) -> StepPlan:
     """One step for `inst`. `offline_decode_cap` caps the decode batch for offline requests
     (online decodes always go first); `swap_victims` swaps victims to host instead of dropping
-    their KV; `watermark` is the fraction of blocks kept free when admitting new requests."""
+    their KV; `watermark` is the fraction of blocks kept free when admitting new requests;
+    `checkpoint` checkpoints offline decodes and releases victims that hold a checkpoint."""
     if stuck := stuck_online(inst):
         return StepPlan(abort_no_kv=stuck)
     bb = BlockBudget(inst)
@@ -83,22 +90,32 @@ def chunked_plan(
             slots -= 1
             tokens -= 1
     pre = [r for r in running if r.req_id in dropped]
-    evict = tuple(r.req_id for r in pre)
+    ckpt_on = checkpoint and inst.ckpt_capacity_tokens > 0
+    release = tuple(r.req_id for r in pre if ckpt_on and r.num_checkpointed_tokens)
+    evict = tuple(r.req_id for r in pre if r.req_id not in release)
     swap_out = evict if swap_victims else ()
     preempt = () if swap_victims else evict
 
     swap_in: list[str] = []
+    pf: dict[str, int] = {}
     if decode and not dropped and not inst.pending_in:
         for r in inst.swapped:
             if slots <= 0 or tokens <= 0 or bb.cost(r, 1) > bb.free - reserve:
                 break
-            bb.take(r, 1)
+            left = r.num_prefill_left  # a released request: the tail its checkpoint lacked
+            n = min(left, tokens)
+            if left and not bb.take(r, n):
+                break
+            if not left:
+                bb.take(r, 1)
             swap_in.append(r.req_id)
-            dec.append(r.req_id)
+            if left:
+                pf[r.req_id] = n
+            else:
+                dec.append(r.req_id)
             slots -= 1
-            tokens -= 1
+            tokens -= n if left else 1
 
-    pf: dict[str, int] = {}
     if prefill and not dropped:
         for r in running:
             if tokens <= 0 or slots <= 0:
@@ -124,12 +141,33 @@ def chunked_plan(
             pf[r.req_id] = n
             tokens -= n
             slots -= 1
-    repeat = MAX_REPEAT if dec and not pf and not evict and not swap_in else 1
+    ckpt = _checkpoints(inst, running, set(dec)) if ckpt_on else ()
+    repeat = MAX_REPEAT if dec and not pf and not pre and not swap_in else 1
+    if ckpt_on and repeat > 1:  # checkpoint again at least once a block, so a release loses
+        repeat = bs  # under two blocks of what an offline decode computed
     return StepPlan(
         prefill=pf,
         decode=tuple(dec),
+        checkpoint=ckpt,
         recompute=preempt,
+        release=release,
         swap_out=swap_out,
         swap_in=tuple(swap_in),
         max_repeat=repeat,
     )
+
+
+def _checkpoints(inst: InstanceState, running: list[ReqState], dec: set[str]) -> tuple[str, ...]:
+    """Offline decodes of this step whose new full blocks fit the checkpoint budget, oldest
+    first (ConServe: checkpoint incrementally while decoding)."""
+    room = inst.ckpt_capacity_tokens - inst.ckpt_tokens
+    bs = inst.block_size
+    out: list[str] = []
+    for r in running:
+        if r.is_online or r.req_id not in dec:
+            continue
+        new = r.num_computed_tokens // bs * bs - r.num_checkpointed_tokens
+        if 0 < new <= room:
+            out.append(r.req_id)
+            room -= new
+    return tuple(out)

@@ -1,0 +1,50 @@
+"""`tidal bench checkpoint`: the three ways to preempt, on the torch engine (a tiny random Llama
+here) and in the simulator, with the figures each must show: no copy and a short recompute with
+checkpoints, everything copied at the preemption with swap, everything recomputed without."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from tidal_bench.checkpoint import run as bench
+
+
+def args(tmp_path: Path, model: str, **kw: object) -> argparse.Namespace:
+    base = dict(
+        requests=2, context=40, decode=20, after=3, model=model, device="cpu",
+        dtype="float32", threads=1, skip_engine=False, sim_model="qwen2.5-7b",
+        sim_hardware="a100-80gb", pcie_gb_per_s=25.0, json=str(tmp_path / "ckpt.json"),
+    )  # fmt: skip
+    return argparse.Namespace(**(base | kw))
+
+
+def test_checkpoints_free_without_copying_and_recompute_only_tails(
+    tiny_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert bench.run(args(tmp_path, str(tiny_dirs["llama"]))) == 0
+    text = capsys.readouterr().out
+    assert "measured" in text and "simulated" in text and "same tokens NO" not in text
+    report = json.loads((tmp_path / "ckpt.json").read_text())
+    for side in ("engine", "simulator"):
+        by = {m["mode"]: m for m in report[side]["modes"]}
+        # 2 requests of 40 + 20 decoded: 60 tokens of KV each when preempted
+        assert by["recompute"]["tokens_recomputed"] == 2 * 60
+        assert by["swap"]["tokens_recomputed"] == 0 and by["swap"]["host_bytes"] > 0
+        # checkpointed through the last full block (48 of 60): 12 recomputed each
+        assert by["checkpoint"]["tokens_recomputed"] == 2 * 12
+        assert by["checkpoint"]["host_bytes"] == by["swap"]["host_bytes"] * 48 // 60
+        assert by["recompute"]["host_bytes"] == 0
+    sim = {m["mode"]: m for m in report["simulator"]["modes"]}
+    assert sim["checkpoint"]["free_ms"] == pytest.approx(0, abs=1e-9)  # no copy
+    assert sim["swap"]["free_ms"] > 0.1  # 120 tokens of a 7B model's KV at 25 GB/s
+    assert sim["checkpoint"]["resume_ms"] < sim["recompute"]["resume_ms"]
+    assert all(m["equal_to_uninterrupted"] for m in report["engine"]["modes"])
+
+
+def test_bad_sizes_are_refused_with_a_message(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--context must be >= 1"):
+        bench.run(args(tmp_path, "", context=0, skip_engine=True))

@@ -1,0 +1,99 @@
+"""`tidal bench checkpoint`: preemption cost of offline decodes with and without KV checkpoints
+(ConServe; issue 39 item 3), on the torch engine (measured, wall time on this machine) and in
+the simulator (simulated: roofline step times, copies at --pcie-gb-per-s).
+
+    tidal bench checkpoint [--requests 4] [--context 1024] [--decode 40] [--after 8]
+                           [--model ""] [--sim-model qwen2.5-7b] [--sim-hardware a100-80gb]
+                           [--skip-engine] [--json PATH]
+
+N offline requests with `--context`-token prompts decode `--decode` tokens, are preempted all at
+once, resume, and decode `--after` more; three ways to preempt:
+  recompute   drop the KV; prompt + output prefilled again on resume
+  swap        all KV copied to host at the preemption, back on resume
+  checkpoint  full blocks copied to host every decode step (the step's cost includes it); the
+              preemption frees the blocks with no copy; resume copies the checkpoint back and
+              prefills the tail past its last full block
+Per mode: a decode step before the preemption, the time from preemption to every block free,
+from resume to every request decoding again, KV tokens recomputed, host bytes held, and (engine)
+whether the greedy tokens equal an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+from tidal_bench.checkpoint import engine as eng
+from tidal_bench.checkpoint import sim
+from tidal_bench.kit import save_json
+
+
+def _row(f: Any, label: str) -> str:
+    eq = getattr(f, "equal_to_uninterrupted", None)
+    same = "" if eq is None else f"  same tokens {'yes' if eq else 'NO'}"
+    return (
+        f"  {f.mode:10s} decode step {f.decode_step_ms:8.2f} ms  free {f.free_ms:8.3f} ms  "
+        f"resume {f.resume_ms:9.2f} ms  recomputed {f.tokens_recomputed:6d} tok  "
+        f"host {f.host_bytes / 2**20:8.2f} MiB{same}  ({label})"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("requests", "context", "decode", "after"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
+    sc = eng.Scenario(args.requests, args.context, args.decode, args.after)
+    report: dict[str, Any] = {"scenario": dataclasses.asdict(sc)}
+    print(f"{sc.num_requests} offline requests, {sc.context}-token prompts, preempted after "
+          f"{sc.decode} decoded tokens, {sc.after} more after resuming")  # fmt: skip
+    if not args.skip_engine:
+        import torch
+
+        from tidal.engine.torch.loader import load_torch_engine
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        base = load_torch_engine(args.model or None, device=args.device, dtype=args.dtype)
+        load = os.getloadavg()[0]
+        where = (
+            f"torch engine, {base.model_name} {args.dtype} on {args.device}, "
+            f"{torch.get_num_threads()} threads, load average {load:.1f} at start: measured"
+        )
+        print(where)
+        ref = eng.uninterrupted(base, sc)
+        rows = [eng.measure(base, sc, m, ref) for m in eng.MODES]
+        for f in rows:
+            print(_row(f, "measured"))
+        report["engine"] = {"where": where, "modes": [dataclasses.asdict(f) for f in rows]}
+    where = f"simulator, {args.sim_model} on {args.sim_hardware}, PCIe {args.pcie_gb_per_s} GB/s"
+    print(where + ": simulated")
+    srows = [
+        sim.measure(sc, m, args.sim_model, args.sim_hardware, args.pcie_gb_per_s) for m in eng.MODES
+    ]
+    for s in srows:
+        print(_row(s, "simulated"))
+    report["simulator"] = {"where": where, "modes": [dataclasses.asdict(s) for s in srows]}
+    save_json(args.json, report)
+    return 0
+
+
+def register(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("checkpoint", help="preemption cost with and without KV checkpoints",
+                         description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--requests", type=int, default=4, help="offline decodes preempted at once")
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens of each")
+    p.add_argument("--decode", type=int, default=40, help="tokens decoded before the preemption")
+    p.add_argument("--after", type=int, default=8, help="tokens decoded after resuming")
+    p.add_argument("--model", default="", help="HF directory or GGUF (default: embedded SmolLM2)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="the engine's dtype (greedy equality)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
+    p.add_argument("--skip-engine", action="store_true", help="the simulator only")
+    p.add_argument("--sim-model", default="qwen2.5-7b", help="catalogue model (simulator)")
+    p.add_argument("--sim-hardware", default="a100-80gb", help="catalogue GPU (simulator)")
+    p.add_argument("--pcie-gb-per-s", type=float, default=25.0, help="host copies (simulator)")
+    p.add_argument("--json", default="", help="also write the figures here as JSON")
+    p.set_defaults(func=run)
