@@ -1,4 +1,4 @@
-"""A baseline at its best setting: `--best-of POLICY.PARAM=V1,V2,...` (issue 36).
+"""A baseline at its best setting: `--best-of POLICY.PARAM=V1,V2,...`.
 
 A baseline's figure depends on its knobs (online-priority's decode batch cap, say); compared at
 one arbitrary setting it can look worse than it is. Each spec names one of a policy's params

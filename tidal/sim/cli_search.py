@@ -222,7 +222,7 @@ def _limits(
         "num_offline_in_mix": first.num_offline,
         "mix_offline_qps": rate,
         "violation_pct_forgiven": violation_pct,
-        "method": "docs/colocation.md#the-offline-limit",
+        "method": "docs/policies.md#how-far-from-the-hardware-the-offline-limit-simulated",
     }
 
 

@@ -1,5 +1,5 @@
 """The most offline work any schedule could add beside an online load: an upper bound from the
-roofline step model, against which `tidal sim max-offline` reports each policy (issue 36).
+roofline step model, against which `tidal sim max-offline` reports each policy.
 
 OOCO §5.2 measures a policy's *maximum effective offline throughput*; this module says how far
 that figure is from what the hardware allows. The bound is a fluid (GPU-seconds) argument:
