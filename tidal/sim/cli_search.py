@@ -17,7 +17,9 @@ from typing import Any
 from rich.console import Console
 
 from tidal.config.cluster import ClusterConfig
+from tidal.policy.registry import make_policy
 from tidal.sim.best_of import Setting, label, parse_best_of, pick_best, with_setting
+from tidal.sim.build import policy_context
 from tidal.sim.search import SearchResult
 
 Task = tuple[str, str, ClusterConfig]  # (policy, setting label or "", its config)
@@ -42,7 +44,9 @@ def search_cmd(
     tasks: list[Task] = []
     for pol in policies:
         for st in settings.get(pol, [()]):
-            tasks.append((pol, label(st), with_setting(cfg, pol, st) if st else cfg))
+            c = with_setting(cfg, pol, st) if st else cfg
+            make_policy(pol, policy_context(c, pol))  # a bad name or param fails before any run
+            tasks.append((pol, label(st), c))
     t0 = time.perf_counter()
     params = (
         (args.violation, args.start_qps, args.max_qps, args.iters)

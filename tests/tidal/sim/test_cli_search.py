@@ -51,3 +51,13 @@ def test_best_of_a_policy_not_searched_is_a_clear_error(
     argv += ["--policies", "tidal", "--best-of", "online-priority.max_decode_batch=8"]
     assert main(argv) == 2
     assert "not in --policies" in capsys.readouterr().err
+
+
+def test_best_of_an_unknown_param_fails_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["sim", "max-offline", "--config", CONFIG, "--out", str(tmp_path / "o")]
+    argv += ["--policies", "online-priority", "--best-of", "online-priority.bogus=1,2"]
+    assert main(argv) == 2
+    assert "unknown key(s) ['bogus']" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "summary.json").exists()
