@@ -88,6 +88,21 @@ def with_online_rate(cfg: ClusterConfig, rate: float) -> ClusterConfig:
     return replace(cfg, online=replace(cfg.online, rate=rate, scale=None))
 
 
+def policy_context(
+    cfg: ClusterConfig, policy: str, setups: Sequence[InstanceSetup] | None = None
+) -> PolicyContext:
+    """What `policy` is built with on `cfg`'s cluster; `make_policy(policy, ctx)` checks its
+    params (a clear error before any run)."""
+    setups = instance_setups(cfg, policy) if setups is None else setups
+    return PolicyContext(
+        num_instances=len(setups),
+        roles=tuple(s.role for s in setups),
+        online_slo=cfg.slo,
+        params=cfg.policy_params(policy),
+        seed=cfg.seed,
+    )
+
+
 def simulate(
     cfg: ClusterConfig,
     policy: str,
@@ -109,14 +124,7 @@ def simulate(
             ),
             host_kv_capacity_tokens=int(cw.host_kv_gb * _GB / (kvb * cfg.tp)),
         )
-    ctx = PolicyContext(
-        num_instances=len(setups),
-        roles=tuple(s.role for s in setups),
-        online_slo=cfg.slo,
-        params=cfg.policy_params(policy),
-        seed=cfg.seed,
-    )
-    pol = make_policy(policy, ctx)
+    pol = make_policy(policy, policy_context(cfg, policy, setups))
     sim = Simulator(
         setups,
         pol,

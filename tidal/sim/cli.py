@@ -7,7 +7,6 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tidal.config.cluster import ClusterConfig, load_config, override_streams
-from tidal.sim.search import SearchResult
 
 console = Console(stderr=True)
 
@@ -54,6 +52,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     m.add_argument("--start-qps", type=float, default=0.25, help="first offline QPS probed")
     m.add_argument("--max-qps", type=float, default=256.0, help="stop growing the load here")
     m.add_argument("--iters", type=int, default=5, help="bisection steps")
+    m.add_argument(
+        "--best-of",
+        action="append",
+        default=[],
+        metavar="POLICY.PARAM=V1,V2,...",
+        help="search POLICY at each setting of PARAM and keep the one with the most offline "
+        "tokens/s (repeat for a grid), e.g. online-priority.max_decode_batch=32,64,128,256",
+    )
     m.set_defaults(func=cmd_max_offline)
     g = sp.add_parser("goodput", help="TaiChi §4.1: max online rate at the SLO attainment")
     _common(g)
@@ -138,7 +144,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     (out / "requests.csv").write_text("\n".join(lines) + "\n")
     on, off = s["online"], s["offline"]
     console.print(
-        f"[simulated] {cfg.name}/{policy}: online SLO attainment {on['slo_attainment_pct']:.2f}% "
+        f"\\[simulated] {cfg.name}/{policy}: online SLO attainment {on['slo_attainment_pct']:.2f}% "
         f"(TTFT viol {on['ttft_violation_pct']:.2f}%, TPOT viol {on['tpot_violation_pct']:.2f}%), "
         f"goodput {on['goodput_rps']:.2f} req/s, offline {off['tokens_per_s']:.0f} tok/s "
         f"{off['requests_per_s']:.2f} req/s; {len(rec.requests)} requests in {wall:.1f} s wall"
@@ -151,166 +157,25 @@ def _slo(cfg: ClusterConfig) -> tuple[float, float]:
     return (cfg.slo.ttft_s, cfg.slo.tpot_s)
 
 
-def _search_cmd(args: argparse.Namespace, kind: str) -> int:
-    from tidal.sim.plots import search_plot
-
-    cfg = _config(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    per_policy: dict[str, Any] = {}
-    curves: dict[str, list[tuple[float, float, float]]] = {}
-    best: dict[str, float] = {}
-    t0 = time.perf_counter()
-    params = (
-        (args.violation, args.start_qps, args.max_qps, args.iters)
-        if kind == "max-offline"
-        else (args.attainment, args.start_rps, args.max_rps, args.iters)
-    )
-    results: dict[str, SearchResult] = {}
-    with _progress(search=True) as prog:
-        if args.jobs > 1 and len(policies) > 1:
-            # One process per policy: runs are independent and deterministic.
-            with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-                tasks = {pol: prog.add_task(f"{pol} search", total=1) for pol in policies}
-                futs = {pool.submit(_search_one, kind, cfg, pol, params): pol for pol in policies}
-                for fut in as_completed(futs):
-                    pol = futs[fut]
-                    results[pol] = fut.result()
-                    prog.update(tasks[pol], completed=1, description=f"{pol} done")
-        else:
-            for pol in policies:
-                task = prog.add_task(f"{pol} probes", total=None)
-
-                def on_probe(p: str, x: float, s: dict[str, Any], task: Any = task) -> None:
-                    prog.update(task, advance=1, description=f"{p} probes (last load {x:g})")
-
-                results[pol] = _search_one(kind, cfg, pol, params, on_probe)
-    for pol in policies:
-        res = results[pol]
-        b = res.best or {}
-        if kind == "max-offline":
-            # Saturated: the offered load kept growing but completions did not; the
-            # sustained rate is what completed, not what was offered.
-            done_qps = b.get("offline", {}).get("requests_per_s", 0.0)
-            per_policy[pol] = {
-                "max_offline_qps": min(res.best_rate, done_qps) if res.saturated else res.best_rate,
-                "offered_offline_qps": res.best_rate,
-                "max_offline_tokens_per_s": b.get("offline", {}).get("tokens_per_s", 0.0),
-                "max_offline_requests_per_s": done_qps,
-                "online_violation_pct": b.get("online", {}).get("violation_pct"),
-                "saturated": res.saturated,
-                "probes": [_probe_row(x, s) for x, s in res.probes],
-            }
-            curves[pol] = [
-                (x, s["online"]["violation_pct"], s["offline"]["tokens_per_s"])
-                for x, s in res.probes
-            ]
-        else:
-            per_policy[pol] = {
-                "goodput_rps": res.best_rate,
-                "slo_attainment_pct": b.get("online", {}).get("slo_attainment_pct"),
-                "probes": [_probe_row(x, s) for x, s in res.probes],
-            }
-            curves[pol] = [
-                (x, s["online"]["slo_attainment_pct"], s["online"]["goodput_rps"])
-                for x, s in res.probes
-            ]
-        best[pol] = per_policy[pol].get("max_offline_qps", res.best_rate)
-    if kind == "max-offline":
-        plot = search_plot(
-            curves,
-            out,
-            f"{cfg.name}: online SLO violation vs offline load (OOCO Fig. 6)",
-            "offline QPS offered (uniform)",
-            "online SLO violation (%)",
-            args.violation,
-            best,
-            "max_offline.png",
-            "offline tokens/s generated",
-        )
-    else:
-        plot = search_plot(
-            curves,
-            out,
-            f"{cfg.name}: SLO attainment vs online rate (TaiChi §4.1)",
-            "online request rate (req/s)",
-            "SLO attainment (%)",
-            args.attainment,
-            best,
-            "goodput.png",
-            "goodput (SLO-attaining req/s)",
-        )
-    summary = {
-        "label": "simulated",
-        "config": cfg.name,
-        "method": kind,
-        "slo": {"ttft_s": cfg.slo.ttft_s, "tpot_s": cfg.slo.tpot_s},
-        "threshold": args.violation if kind == "max-offline" else args.attainment,
-        "duration_s": cfg.duration_s,
-        "seed": cfg.seed,
-        "wall_s": time.perf_counter() - t0,
-        "policies": per_policy,
-        "plots": [plot],
-    }
-    _write(out, summary)
-    for pol, v in per_policy.items():
-        if kind == "max-offline":
-            console.print(
-                f"[simulated] {pol}: max offline {v['max_offline_qps']:.3g} QPS, "
-                f"{v['max_offline_tokens_per_s']:.0f} tok/s at "
-                f"{v['online_violation_pct']:.2f}% online violation"
-                + (" (offline throughput saturated)" if v["saturated"] else "")
-            )
-        else:
-            console.print(f"[simulated] {pol}: goodput {v['goodput_rps']:.3g} req/s")
-    console.print(f"wrote {out / 'summary.json'}")
-    return 0
-
-
-def _search_one(
-    kind: str,
-    cfg: ClusterConfig,
-    policy: str,
-    params: tuple[float, float, float, int],
-    on_probe: Callable[[str, float, dict[str, Any]], None] | None = None,
-) -> SearchResult:
-    from tidal.sim.search import goodput, max_offline
-
-    thr, start, stop, iters = params
-    if kind == "max-offline":
-        return max_offline(cfg, policy, thr, start, stop, int(iters), on_probe)
-    return goodput(cfg, policy, thr, start, stop, int(iters), on_probe)
-
-
-def _probe_row(x: float, s: dict[str, Any]) -> dict[str, float]:
-    return {
-        "load": x,
-        "violation_pct": s["online"]["violation_pct"],
-        "slo_attainment_pct": s["online"]["slo_attainment_pct"],
-        "offline_tokens_per_s": s["offline"]["tokens_per_s"],
-        "offline_requests_per_s": s["offline"]["requests_per_s"],
-        "goodput_rps": s["online"]["goodput_rps"],
-        # Throughput in tokens processed (prompt + output of finished requests): HyGen §5.2's
-        # "total throughput" against pure online serving.
-        "online_total_tokens_per_s": s["online"]["total_tokens_per_s"],
-        "offline_total_tokens_per_s": s["offline"]["total_tokens_per_s"],
-        "online_tokens_per_s": s["online"]["tokens_per_s"],
-        "tbt_mean_s": s["online"]["tbt_s"]["mean"],
-        "ttft_p99_s": s["online"]["ttft_s"]["p99"],
-    }
-
-
 def cmd_max_offline(args: argparse.Namespace) -> int:
-    return _search_cmd(args, "max-offline")
+    from tidal.sim.cli_search import search_cmd
+
+    return search_cmd(args, "max-offline", _config(args), console, _search_progress, _write)
 
 
 def cmd_goodput(args: argparse.Namespace) -> int:
-    return _search_cmd(args, "goodput")
+    from tidal.sim.cli_search import search_cmd
+
+    return search_cmd(args, "goodput", _config(args), console, _search_progress, _write)
+
+
+def _search_progress() -> Any:
+    return _progress(search=True)
 
 
 def cmd_max_online(args: argparse.Namespace) -> int:
     """OOCO §5.2: calibrate the online trace scale on pure online serving."""
+    from tidal.sim.cli_search import probe_row
     from tidal.sim.search import max_online
 
     cfg = _config(args)
@@ -339,11 +204,11 @@ def cmd_max_online(args: argparse.Namespace) -> int:
         "max_online_scale": res.best_rate,
         "online_requests_per_s": b.get("online", {}).get("num_requests", 0) / cfg.duration_s,
         "online_violation_pct": b.get("online", {}).get("violation_pct"),
-        "probes": [_probe_row(x, s) for x, s in res.probes],
+        "probes": [probe_row(x, s) for x, s in res.probes],
     }
     _write(out, summary)
     console.print(
-        f"[simulated] {args.policy}: online scale {res.best_rate:.4g} "
+        f"\\[simulated] {args.policy}: online scale {res.best_rate:.4g} "
         f"({summary['online_requests_per_s']:.3g} req/s) at "
         f"{summary['online_violation_pct'] or 0.0:.2f}% online violation, no offline load"
     )
