@@ -66,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = args.func(args)
     except KeyboardInterrupt:
         return 130
+    except (ValueError, FileNotFoundError) as exc:  # bad input: say what, not a traceback
+        print(f"tidal {argv[0] if argv else ''}: error: {exc}", file=sys.stderr)
+        return 2
     return int(code or 0)
 
 
