@@ -24,6 +24,14 @@ class Publisher:
     streams: dict[str, Stream]  # req_id -> where its tokens go
     finished_ids: list[str]  # ended since the last report
     placement_due: bool
+    # The last step's events, noted but not yet published: with overlap they go out while the
+    # next step computes (`overlap.py`); whatever takes a request away flushes its own first.
+    unsent: list[TokenEvent]
+
+    async def _send_unsent(self) -> None:
+        events, self.unsent = self.unsent, []
+        if events:
+            await self._send_events(events)
 
     async def _publish(self, events: list[TokenEvent]) -> None:
         self._note(events)
@@ -77,7 +85,12 @@ class Publisher:
         await self.nc.publish(stream.reply_subject, codec.encode(chunk))
 
     async def flush(self, req_id: str) -> None:
-        """Publish what `req_id` holds back now (it is about to leave this instance)."""
+        """Publish what `req_id` holds back now, its unsent tokens included (it is about to
+        leave this instance)."""
+        mine = [ev for ev in self.unsent if ev.req_id == req_id]
+        if mine:
+            self.unsent = [ev for ev in self.unsent if ev.req_id != req_id]
+            await self._send_events(mine)
         stream = self.streams.get(req_id)
         if stream is not None:
             await self._send(req_id, stream)

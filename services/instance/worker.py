@@ -118,6 +118,7 @@ class Instance(Inbound, Publisher):
         self.plan_refusals: dict[str, int] = {}  # RefusalReason -> plans refused since start
         self.report_seq = 0
         self.finished_ids: list[str] = []  # ended since the last report
+        self.unsent: list[TokenEvent] = []  # the last step's events, not yet published
         self.last_report_s = 0.0
         # A request gave its first token since the last report: the scheduler's `place_decode`
         # (push migration) and, for an offline one, the policy's next hand-out to this now
@@ -183,11 +184,10 @@ class Instance(Inbound, Publisher):
         # counts its step time from here, so this loop's own work (publishing, reporting,
         # planning, the thread hand-off) is inside each emulated step, not added to it.
         origin: float | None = None
-        unsent: list[TokenEvent] = []  # the last step's events: noted, not yet published
         while not stop.is_set():
             origin = time.perf_counter() if origin is None else origin
-            if unsent and self.pending_abort:  # out before a cancel takes their streams
-                unsent = await self._send_now(unsent)
+            if self.pending_abort:  # out before a cancel takes their streams
+                await self._send_unsent()
             self.boundary.clear()  # what asked for this boundary is taken in now
             async with self._lock:
                 failed, held = self._apply_pending()
@@ -195,7 +195,7 @@ class Instance(Inbound, Publisher):
                 await self.nc.publish(subject, codec.encode(chunk))
             await self._publish(failed)  # and what has been held long enough
             if not self.engine.has_work():
-                unsent = await self._send_now(unsent)
+                await self._send_unsent()
                 await self.flush_due(everything=True)  # nothing more is coming to join it
                 # NOTE: going idle with requests just ended reports them now, not when the idle
                 # interval comes round: the scheduler counts them as queued here until it knows.
@@ -217,14 +217,14 @@ class Instance(Inbound, Publisher):
                 idle = plan.is_empty and not fcfs and not self.engine.capabilities.self_driven
                 ok = None
                 if not idle:
-                    ok, unsent = await self._steps(plan, fcfs, origin, unsent, stop)
+                    ok = await self._steps(plan, fcfs, origin, stop)
                 if self.placement_due:
                     # NOTE: mirrored while the lock is held: a migration taking the lock next
                     # would leave `report` without a sync, and the first token unreported.
                     snaps, free = self.engine.snapshot(), self.engine.num_free_blocks()
                     self.adapter.sync(snaps, free, time.time())
             if ok is None:
-                unsent = await self._send_now(unsent)
+                await self._send_unsent()
                 await self.report()
                 await self._idle(stop, IDLE_PLAN_RETRY_S)  # the policy idles it for now
                 origin = None
@@ -232,26 +232,21 @@ class Instance(Inbound, Publisher):
             num_bad = 0 if ok else num_bad + 1
             origin = getattr(self.engine, "last_step_end_s", None) if ok else None  # sim only
             if not self.overlap:
-                unsent = await self._send_now(unsent)
+                await self._send_unsent()
                 await self.report(force=self.placement_due)
-        await self._send_now(unsent)  # stopping: the last step's tokens still go out
-
-    async def _send_now(self, events: list[TokenEvent]) -> list[TokenEvent]:
-        if events:
-            await self._send_events(events)
-        return []
+        await self._send_unsent()  # stopping: the last step's tokens still go out
 
     async def _steps(
         self,
         plan: StepPlan,
         fcfs: bool,
         origin: float | None,
-        unsent: list[TokenEvent],
         stop: asyncio.Event,
-    ) -> tuple[bool, list[TokenEvent]]:
+    ) -> bool:
         """Run `plan` (and, with overlap, its repeats: `overlap.RepeatChain`), publishing what
-        the step before left unsent while each computes. Returns (ran, the last step's events,
-        noted but not yet published). The caller holds the engine lock."""
+        the step before left unsent while each computes; whether it ran. The last step's
+        events are left in `unsent`, noted but not yet published. The caller holds the engine
+        lock."""
         self.in_flight = plan
         self.adapter.on_step_start(plan, time.time())
         chain = None
@@ -268,19 +263,19 @@ class Instance(Inbound, Publisher):
                 fut = self.compute.submit(run_step, self.engine, plan, self.adapter.forced, origin)
             queued = self._queue_repeat(chain)
             if self.overlap:  # the step before's outputs go out while this one computes
-                unsent = await self._send_now(unsent)
+                await self._send_unsent()
                 await self.report(force=self.placement_due)
-            ok, events = self._account(await self._outcome(fut), plan, fcfs)
+            ok = self._account(await self._outcome(fut), plan, fcfs)
             while queued is not None:
                 running, queued = queued, self._queue_repeat(chain)
-                events = await self._send_now(events)
+                await self._send_unsent()
                 await self.report(force=self.placement_due)
                 ran = await running
                 if ran is not None:  # else it declined at the boundary: the policy plans next
-                    ok, events = self._account(ran, plan, fcfs)
+                    ok = self._account(ran, plan, fcfs)
         finally:
             self.in_flight = None
-        return ok, events
+        return ok
 
     def _queue_repeat(self, chain: RepeatChain | None) -> asyncio.Future[Ran | None] | None:
         if chain is None or not chain.take_one():
@@ -310,11 +305,11 @@ class Instance(Inbound, Publisher):
 
     def _account(
         self, out: Ran | Execution | StepResult | None, plan: StepPlan, fcfs: bool
-    ) -> tuple[bool, list[TokenEvent]]:
-        """A step's outcome counted and its events noted (`Publisher._note`): whether it ran,
-        and the events (not yet published)."""
+    ) -> bool:
+        """A step's outcome counted and its events noted (`Publisher._note`) and left in
+        `unsent`: whether it ran."""
         if out is None:
-            return False, []
+            return False
         if isinstance(out, Ran):  # mirrored as the engine's thread saw it after the step
             self.adapter.sync(out.snapshots, out.num_free_blocks, time.time())
             out = out.execution
@@ -327,8 +322,9 @@ class Instance(Inbound, Publisher):
         else:
             result = out
         self._note(ended)
+        self.unsent += ended
         if result is None:
-            return True, ended
+            return True
         self.num_steps += 1
         self.last_step_ms = result.telemetry.step_s * 1e3
         ran = result.telemetry.num_requests or result.events or plan.cpu_decode
@@ -337,14 +333,15 @@ class Instance(Inbound, Publisher):
             # room): a plan it can never run would repeat forever, so count it as refused and
             # let the engine's own planner take a step after MAX_BAD_PLANS of them.
             self.refused(PlanRefused(RefusalReason.OUT_OF_KV, "the engine ran none of it", "step"))
-            return False, ended
+            return False
         if getattr(self.engine, "last_step_preempted", False):
             self.num_preemptions += 1
             lat = getattr(self.engine, "last_preempt_latency_s", None)
             if lat is not None:
                 self.preempt_latency_s = [*self.preempt_latency_s[-999:], lat]
         self._note(result.events)
-        return True, [*ended, *result.events]
+        self.unsent += result.events
+        return True
 
     def _submitted(self, req: EngineRequest) -> ReqReport:
         """A request handed over but not yet in the engine (it joins at the next step

@@ -158,3 +158,45 @@ async def test_a_loop_stopped_mid_stream_still_publishes_its_last_step(nats_url:
         sent = sum(c.num_tokens for c in got.chunks.get(rid, []))
         assert sent + got.held.get(rid, 0) == n, (rid, sent, n)
     assert any(sum(c.num_tokens for c in got.chunks.get(rid, [])) for rid in got.made)
+
+
+class _Published:
+    """A NATS client that keeps what is published."""
+
+    def __init__(self) -> None:
+        self.chunks: list[TokenChunk] = []
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        self.chunks.append(codec.decode(data, TokenChunk))
+
+
+async def test_a_request_leaving_takes_its_unsent_tokens_first(nats_url: str) -> None:
+    """A migration flushes the request before it moves (`Publisher.flush`): the tokens of the
+    step just run, noted but not yet published (overlap sends them during the next step), go
+    out then too, before the chunk that says where it went."""
+    from tests.services.instance.migration_kit import sim_kind
+    from tidal.engine.api import TokenEvent
+
+    args = instance_main.parse_args(instance_args(nats_url, "inst-flush", 0, sim_kind()))
+    live = load_live_config(args.config, args.policy, args.roles)
+    engine = build_engine(args)
+    adapter = instance_main.build_adapter(args, live, engine)
+    nc = _Published()
+    inst = Instance(nc, "inst-flush", engine, adapter, live.cfg.slo)  # type: ignore[arg-type]
+    for rid, cls in (("a", "online"), ("b", "offline")):
+        req = GenerateRequest(
+            req_id=rid,
+            model="m",
+            sampling=SamplingSpec(max_tokens=8),
+            reply_subject=GW,
+            req_class=cls,
+            messages=[ChatMessage("user", "hi")],
+        )
+        await inst.on_submit(req, _NoReply())  # type: ignore[arg-type]
+    inst.unsent = [TokenEvent("a", (5, 6), "xy"), TokenEvent("b", (7,), "z")]
+    await inst.flush("b")
+    assert [(c.req_id, c.token_ids) for c in nc.chunks] == [("b", [7])]
+    assert [ev.req_id for ev in inst.unsent] == ["a"]  # the other request's wait their turn
+    await inst.flush("a")
+    assert [(c.req_id, c.token_ids) for c in nc.chunks][1:] == [("a", [5, 6])]
+    assert inst.unsent == []
