@@ -89,6 +89,9 @@ class ReqState:
     queued_s: float = 0.0  # when it entered its current queue, seconds
     num_preemptions: int = 0
     num_migrations: int = 0
+    priority: int = 0  # its request class's priority: higher is served first where a policy
+    # picks among waiting work by it (`tidal.config.classes`; the held queue, docs/classes.md)
+    class_name: str = ""  # its request class ("": the kind's name)
     # NOTE: a field, not a property: read for every request of every step.
     is_online: bool = field(init=False)
 

@@ -59,6 +59,10 @@ class RouteRequest(msgspec.Struct, frozen=True):
     ttft_slo_ms: float | None = None  # online only; None: the scheduler's default SLO
     tpot_slo_ms: float | None = None
     max_tokens_is_default: bool = False  # the client set none (`SamplingSpec`'s)
+    # Its request class (`tidal.config.classes`): its name and priority (higher is served
+    # first). "" / 0 from a peer that predates classes: the kind alone (`req_class`) counts.
+    class_name: str = ""
+    priority: int = 0
 
 
 class RouteReply(msgspec.Struct, frozen=True):
@@ -118,6 +122,8 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     # streamed again; `seq` of the first new chunk continues from `first_seq`.
     resume_token_ids: list[int] = []
     first_seq: int = 0
+    class_name: str = ""  # its request class's name ("": the kind, `req_class`)
+    priority: int = 0  # its request class's priority (higher is served first)
 
 
 class GenerateAck(msgspec.Struct, frozen=True):
