@@ -111,9 +111,10 @@ def test_overload_interactive_keeps_slo_standard_demoted_batch_loses_nothing(
         assert time.monotonic() < deadline, batch
         time.sleep(0.5)
         batch = c.batches.retrieve(batch.id)
-    assert batch.status == "completed" and batch.request_counts.completed == 12
+    assert batch.status == "completed" and batch.output_file_id is not None
+    assert batch.request_counts is not None and batch.request_counts.completed == 12
     out = [json.loads(x) for x in c.files.content(batch.output_file_id).text.splitlines()]
-    assert sorted(o["custom_id"] for o in out) == sorted(r["custom_id"] for r in rows)
+    assert sorted(o["custom_id"] for o in out) == sorted(f"line-{i}" for i in range(12))
     assert {o["response"]["body"]["tidal"]["request_class"] for o in out} == {"batch"}
 
 
