@@ -66,13 +66,14 @@ class LiveCounts:
     demoted: Counter[str]  # class asked -> requests that ran looser
     rejected: Counter[str]  # class asked -> 429s
     errors: Counter[str]  # class asked -> any other failure
+    error_samples: list[str]  # "class: status message" of the first few of them
 
 
 async def _drive(base: str, load: list[Arrival], prompt: str, max_tokens: int) -> LiveCounts:
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=600)
-    counts = LiveCounts(Counter(), Counter(), Counter(), Counter(), Counter())
+    counts = LiveCounts(Counter(), Counter(), Counter(), Counter(), Counter(), [])
     t0 = time.monotonic()
 
     async def one(a: Arrival) -> None:
@@ -89,8 +90,11 @@ async def _drive(base: str, load: list[Arrival], prompt: str, max_tokens: int) -
         except openai.RateLimitError:
             counts.rejected[a.class_name] += 1
             return
-        except openai.APIError:
+        except openai.APIError as exc:
             counts.errors[a.class_name] += 1
+            if len(counts.error_samples) < 5:
+                status = getattr(exc, "status_code", "no status")
+                counts.error_samples.append(f"{a.class_name}: {status} {exc.message}")
             return
         counts.served_in[raw.headers["x-tidal-class"]] += 1
         if raw.headers.get("x-tidal-demoted-from"):
@@ -149,7 +153,8 @@ def run_live(args: argparse.Namespace, load: list[Arrival]) -> dict[str, Any]:
         attained = _attainment(base)
     rc = batch.request_counts
     return {
-        "counts": {k: dict(v) for k, v in vars(counts).items()},
+        "counts": {k: dict(v) for k, v in vars(counts).items() if isinstance(v, Counter)},
+        "error_samples": counts.error_samples,
         "attained": attained,
         "batch": {"status": batch.status, "completed": rc.completed if rc else 0,
                   "failed": rc.failed if rc else 0, "lines": args.batch_lines},
@@ -213,6 +218,9 @@ def report(cfg: ClusterConfig, live: dict[str, Any], sim: dict[str, Any]) -> lis
             f"{n:12s} | {cells[0]:>13s} | {cells[1]:>13s} | {cells[2]:>27s} | {cells[3]:>9s} | "
             f"{cells[4]:>14s}"
         )
+    errors = sum(c.get("errors", {}).values())
+    if errors:
+        out.append(f"other errors (live): {errors}: " + "; ".join(live.get("error_samples", [])))
     lb, sb = live["batch"], sim["batch"]
     out.append(
         f"Batch API lines ({cfg.classes.lowest.name}): live {lb['completed']} of {lb['lines']} "
