@@ -100,6 +100,14 @@ class GatewayMetrics:
             ["from_class", "to_class"],
             registry=self.registry,
         )
+        self.class_preemptions = Counter(
+            "tidal_class_preemptions",
+            "This gateway's requests evicted from GPU KV to be recomputed later, by the class "
+            "they run in, as their instances' reports show it (one that finishes before its "
+            "next report is not seen)",
+            ["req_class"],
+            registry=self.registry,
+        )
         self.class_rejections = Counter(
             "tidal_class_rejections",
             "Requests turned away with a 429 because no class of their demotion chain could "

@@ -93,6 +93,7 @@ class ClassRow:
     num_demoted: int  # requests that named it and ran in a looser class
     num_rejected: int  # requests that named it and that no class took (a 429 live)
     has_slo: bool
+    num_preemptions: int = 0  # evictions (recompute preemptions) of the requests it ran
 
     @property
     def attainment(self) -> float | None:
@@ -107,7 +108,10 @@ def class_rows(gate: ClassGate, reqs: list[ReqState]) -> list[ClassRow]:
     asked = Counter(gate.asked.values())
     served: Counter[str] = Counter()
     met: Counter[str] = Counter()
+    evicted: Counter[str] = Counter()
     for r in reqs:
+        if r.class_name and r.req_id in gate.asked:
+            evicted[r.class_name] += r.num_preemptions
         if r.class_name and r.phase is Phase.FINISHED and r.req_id in gate.asked:
             served[r.class_name] += 1
             if r.slo is not None and all(slo_flags(r)):
@@ -121,6 +125,7 @@ def class_rows(gate: ClassGate, reqs: list[ReqState]) -> list[ClassRow]:
             gate.demotions[c.name],
             gate.rejections[c.name],
             not c.best_effort,
+            evicted[c.name],
         )
         for c in gate.table.classes
     ]

@@ -5,8 +5,9 @@ interactive, standard, batch; emulated step times), submits a `--batch-lines`-li
 the Batch API, then sends each class's requests at its Poisson `--rate CLASS=R` for
 `--duration-s` with the official openai client (`X-Tidal-Class`, non-streamed,
 `--prompt-tokens` / `--max-tokens` each, EOS ignored). Per class it counts what was asked,
-where it ran (`X-Tidal-Class`, `X-Tidal-Demoted-From`), the 429s, and the gateway's SLO
-attainment (`tidal_slo_requests_total`), and waits for the batch. Then the simulator runs the
+where it ran (`X-Tidal-Class`, `X-Tidal-Demoted-From`), the 429s, the gateway's SLO
+attainment (`tidal_slo_requests_total`) and evictions (`tidal_class_preemptions_total`), and
+waits for the batch. Then the simulator runs the
 same arrivals, class table, step model and policy (`tidal.sim.classes`) and the two tables are
 printed side by side. Live figures are the sim engine's (emulated step times, real serving
 path); the simulator's are simulated.
@@ -151,11 +152,17 @@ def run_live(args: argparse.Namespace, load: list[Arrival]) -> dict[str, Any]:
             time.sleep(0.5)
             batch = client.batches.retrieve(batch.id)
         attained = _attainment(base)
+        evicted = {
+            labels["req_class"]: int(value)
+            for name, labels, value in metric_samples(base)
+            if name == "tidal_class_preemptions_total"
+        }
     rc = batch.request_counts
     return {
         "counts": {k: dict(v) for k, v in vars(counts).items() if isinstance(v, Counter)},
         "error_samples": counts.error_samples,
         "attained": attained,
+        "preemptions": evicted,
         "batch": {"status": batch.status, "completed": rc.completed if rc else 0,
                   "failed": rc.failed if rc else 0, "lines": args.batch_lines},
     }  # fmt: skip
@@ -197,9 +204,9 @@ def report(cfg: ClusterConfig, live: dict[str, Any], sim: dict[str, Any]) -> lis
     rows = {r["name"]: r for r in sim["rows"]}
     out = [
         f"{'class':12s} | {'asked':>13s} | {'served in it':>13s} | {'attained':>27s} | "
-        f"{'demoted':>9s} | {'rejected (429)':>14s}",
+        f"{'demoted':>9s} | {'rejected (429)':>14s} | {'preempted':>9s}",
         "-" * 12 + "-|-" + "-" * 13 + "-|-" + "-" * 13 + "-|-" + "-" * 27 + "-|-" + "-" * 9
-        + "-|-" + "-" * 14,
+        + "-|-" + "-" * 14 + "-|-" + "-" * 9,
     ]  # fmt: skip
     for spec in cfg.classes.classes:
         n = spec.name
@@ -213,10 +220,11 @@ def report(cfg: ClusterConfig, live: dict[str, Any], sim: dict[str, Any]) -> lis
             f"{_fmt_att(met, missed)} / {_fmt_att(sim_met, sim_missed)}",
             f"{c['demoted'].get(n, 0)} / {s['num_demoted']}",
             f"{c['rejected'].get(n, 0)} / {s['num_rejected']}",
+            f"{live.get('preemptions', {}).get(n, 0)} / {s['num_preemptions']}",
         ]
         out.append(
             f"{n:12s} | {cells[0]:>13s} | {cells[1]:>13s} | {cells[2]:>27s} | {cells[3]:>9s} | "
-            f"{cells[4]:>14s}"
+            f"{cells[4]:>14s} | {cells[5]:>9s}"
         )
     errors = sum(c.get("errors", {}).values())
     if errors:
