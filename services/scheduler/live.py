@@ -233,6 +233,7 @@ class LiveCluster:
             queued_s=now,
             priority=r.priority,
             class_name=r.class_name,
+            slo_admission=r.slo_admission,
         )
 
     def route(

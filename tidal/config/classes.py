@@ -16,6 +16,9 @@ as the engine's `online` kind with that SLO; a `best_effort` class runs as `offl
 the policy finds slack). Without a `classes:` section the built-in pair is the table: `online`
 (priority 1, the config's SLO) and `offline` (priority 0, best effort).
 
+A class's `admission` is `slo` (the policy's admission control may refuse a request whose TTFT
+it cannot meet) or `queue` (never refused for its SLO: it waits, and may miss it).
+
 Demote, then reject (Niyama / BROS): a request its class cannot take — the class's queue bound
 is full, or the scheduler refuses it (the policy's SLO admission, a full held queue) — is offered
 to the next looser class when its class has `demote: true`, and on down while each class it
@@ -33,6 +36,7 @@ from typing import Any
 from tidal.schemas.enums import RequestClass
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+ADMISSIONS = ("slo", "queue")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class RequestClassSpec:
     queue_bound: int | None = None  # most of its requests in flight at one gateway (None: no
     # bound); past it a request is demoted (with `demote`) or turned away with a 429
     demote: bool = False  # a request this class cannot take may run in the next looser class
+    # "slo": the policy's admission control may refuse a request whose SLO it cannot meet
+    # (then: demote or 429); "queue": never refused for its SLO, it waits (and may miss it)
+    admission: str = "slo"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -60,10 +67,19 @@ class RequestClassSpec:
                 raise ValueError(f"class {self.name}: {what} must be in (0, 86400000] ms")
         if self.best_effort and (self.ttft_ms is not None or self.tpot_ms is not None):
             raise ValueError(f"class {self.name}: a best_effort class has no ttft_ms/tpot_ms")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"class {self.name}: admission must be one of {ADMISSIONS}")
+        if self.best_effort and self.admission != "slo":
+            raise ValueError(f"class {self.name}: a best_effort class has no SLO admission")
         if self.queue_bound is not None and (
             not isinstance(self.queue_bound, int) or self.queue_bound < 1
         ):
             raise ValueError(f"class {self.name}: queue_bound must be an integer >= 1")
+
+    @property
+    def slo_admission(self) -> bool:
+        """Whether the policy's admission control may refuse its requests for their SLO."""
+        return self.admission == "slo"
 
     @property
     def kind(self) -> RequestClass:

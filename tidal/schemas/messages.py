@@ -63,6 +63,7 @@ class RouteRequest(msgspec.Struct, frozen=True):
     # first). "" / 0 from a peer that predates classes: the kind alone (`req_class`) counts.
     class_name: str = ""
     priority: int = 0
+    slo_admission: bool = True  # False: the policy's admission control never refuses it
 
 
 class RouteReply(msgspec.Struct, frozen=True):
@@ -124,6 +125,7 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     first_seq: int = 0
     class_name: str = ""  # its request class's name ("": the kind, `req_class`)
     priority: int = 0  # its request class's priority (higher is served first)
+    slo_admission: bool = True  # its class's admission: False, never refused for its SLO
 
 
 class GenerateAck(msgspec.Struct, frozen=True):

@@ -40,6 +40,7 @@ def assign(r: ReqState, spec: RequestClassSpec, default_slo: Slo) -> None:
         r.slo = default_slo.of_request(spec.ttft_ms, spec.tpot_ms)
     r.priority = spec.priority
     r.class_name = spec.name
+    r.slo_admission = spec.slo_admission
 
 
 class ClassGate:

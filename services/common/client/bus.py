@@ -308,6 +308,7 @@ class RequestBus:
             num_prompt_tokens=num_prompt_tokens,
             class_name=req.class_name,
             priority=req.priority,
+            slo_admission=req.slo_admission,
         )
         msg = await self._ask_route(ask, envs.max_hold_s() + HOLD_MARGIN_S)
         route = codec.decode(msg.data, RouteReply)

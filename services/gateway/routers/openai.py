@@ -140,6 +140,7 @@ async def _submit(
             arrival_unix_s=time.time(),
             class_name=spec.name,
             priority=spec.priority,
+            slo_admission=spec.slo_admission,
         )
         for i in range(body.n)
     ]

@@ -29,6 +29,9 @@ def test_three_classes_order_kinds_and_chain() -> None:
     assert [c.name for c in t.chain(inter)] == ["interactive"]  # demote: false
     assert t.has_room(std, 3) and not t.has_room(std, 4)
     assert t.has_room(t.get("batch"), 10**6)  # no bound
+    assert all(c.slo_admission for c in t.classes)  # the default: the policy may refuse
+    patient = RequestClassSpec("patient", 5, ttft_ms=10, admission="queue")
+    assert not patient.slo_admission
 
 
 def test_chain_goes_on_while_each_class_demotes() -> None:
@@ -90,6 +93,8 @@ def test_default_pair_without_a_section() -> None:
         ([{"name": "a", "priority": "hi", "best_effort": True}], "priority"),
         ([{"name": "a", "priority": 0, "ttft_ms": -1}], "ttft_ms"),
         ("online", "a list of classes"),
+        ([{"name": "a", "priority": 0, "ttft_ms": 5, "admission": "maybe"}], "admission"),
+        ([{"name": "a", "priority": 0, "best_effort": True, "admission": "queue"}], "no SLO adm"),
     ],
 )
 def test_bad_sections_say_what_is_wrong(raw: object, fragment: str) -> None:

@@ -107,3 +107,25 @@ def test_held_queue_orders_by_priority_fifo_within() -> None:
         r.priority = prio
         hold(held, r)
     assert [r.req_id for r in held] == ["c", "e", "a", "b", "d"]
+
+
+def test_admission_queue_is_never_refused_for_its_slo_admission_slo_is() -> None:
+    table = parse_classes(
+        [
+            {"name": "instant", "priority": 3, "ttft_ms": 1},  # 1 ms: no prefill meets it
+            {"name": "patient", "priority": 2, "ttft_ms": 1, "admission": "queue"},
+            {"name": "batch", "priority": 0, "best_effort": True},
+        ]
+    )
+    for name in ("omniserve", "tidal"):
+        roles = AGG if name == "omniserve" else (InstanceRole.RELAXED, InstanceRole.STRICT)
+        gate = ClassGate(table, SLO)
+        policy = make_policy(name, PolicyContext(len(roles), roles, SLO, {}))
+        rec = Simulator([setup() for _ in roles], policy, classes=gate, check=True).run(
+            [asks("instant", "a"), asks("patient", "b")]
+        )
+        by = {r.req_id: r for r in rec.requests}
+        assert by["a"].phase is Phase.REJECTED, name  # the policy's SLO admission refused it
+        assert by["b"].phase is Phase.FINISHED and not by["b"].slo_admission, name
+        rows = {row.name: row for row in class_rows(gate, rec.requests)}
+        assert rows["patient"].attainment == 0.0  # served, late: it waited instead
