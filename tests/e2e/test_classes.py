@@ -1,7 +1,8 @@
 """Request classes on the live stack (`tidal up --config` with four classes, sim engine) as a user
 meets them, with the official openai client: under overload the interactive class keeps its SLO,
 the standard class is demoted to batch rather than rejected, the Batch API loses nothing; a
-class the scheduler refuses is demoted; a class that may not demote gets a 429 past its bound;
+class the scheduler refuses is demoted, one with `admission: queue` is served late instead; a
+class that may not demote gets a 429 past its bound;
 API keys pin and cap classes."""
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.nats]
 MODEL = "tidal-sim"
 ADMIN, ETL, TEAM = "sk-admin", "sk-etl", "sk-team"
 CLASSES = [
+    # the same 1 ms target, but never refused for it: it waits its turn and misses it
+    {"name": "patient", "priority": 4, "ttft_ms": 1, "admission": "queue"},
     # 1 ms to the first token: the policy's admission control refuses every one of these
     {"name": "instant", "priority": 3, "ttft_ms": 1, "tpot_ms": 100, "demote": True},
     {"name": "interactive", "priority": 2, "ttft_ms": 2000, "tpot_ms": 200, "queue_bound": 6},
@@ -127,6 +130,10 @@ def test_refused_class_demoted_bound_without_demotion_429_and_key_rules(stack: S
     assert metric(stack, "tidal_class_demotions_total", from_class="instant",
                   to_class="interactive") == 1  # fmt: skip
 
+    status, (h, body) = ask(stack, "patient")
+    assert status == 200 and h["x-tidal-class"] == "patient" and "x-tidal-demoted-from" not in h
+    assert metric(stack, "tidal_slo_requests_total", req_class="patient", attained="false") == 1
+
     # interactive may not demote: past its bound of 6 in flight, 429 at once
     with ThreadPoolExecutor(10) as pool:
         got = list(pool.map(lambda _: ask(stack, "interactive", 300), range(10)))
@@ -147,5 +154,5 @@ def test_refused_class_demoted_bound_without_demotion_429_and_key_rules(stack: S
     status, err = ask(stack, "interactive", key=TEAM)
     assert status == 400 and "'standard' or looser" in err.message
     status, err = ask(stack, "gold")
-    assert status == 400 and "instant, interactive, standard, batch" in err.message
+    assert status == 400 and "patient, instant, interactive, standard, batch" in err.message
     assert err.body["param"] == "request_class"
