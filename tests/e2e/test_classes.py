@@ -1,9 +1,8 @@
-"""Request classes on the live stack (`tidal up --config` with four classes, sim engine) as a user
+"""Request classes on the live stack (`tidal up --config` with five classes, sim engine) as a user
 meets them, with the official openai client: under overload the interactive class keeps its SLO,
 the standard class is demoted to batch rather than rejected, the Batch API loses nothing; a
 class the scheduler refuses is demoted, one with `admission: queue` is served late instead; a
-class that may not demote gets a 429 past its bound;
-API keys pin and cap classes."""
+class that may not demote gets a 429 past its bound; API keys pin and cap classes."""
 
 from __future__ import annotations
 
