@@ -31,7 +31,7 @@ from tidal_bench.kit import pct as _pct
 from tidal_bench.kit import save_json, stack
 from tidal_bench.perf import run as perf_run
 from tidal_bench.replay import run as replay_run
-from tidal_bench.serve import batch, idle, overload, sglang
+from tidal_bench.serve import batch, classes, idle, overload, sglang
 from tidal_bench.serve import run as serve_run
 
 
@@ -135,6 +135,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve_run.register(bench)
     batch.register(bench)
     overload.register(bench)
+    classes.register(bench)
     idle.register(bench)
     cpu_attn_run.register(bench)
     sglang.register(bench)

@@ -46,6 +46,7 @@ from services.common.batch_store import (
 from services.common.client.bus import RequestBus
 from services.common.client.stream import RequestHandle
 from tidal.batch.lines import error_line, response_line
+from tidal.config.classes import RequestClassSpec, default_table
 
 log = logging.getLogger("tidal.batch")
 
@@ -77,6 +78,7 @@ class Dispatcher:
     store: BatchStore
     bus: RequestBus
     max_inflight: int
+    lane: RequestClassSpec = field(default_factory=lambda: default_table().lowest)  # lines' class
     counters: Counters = field(default_factory=Counters)
     tasks: dict[str, dict[str, asyncio.Task[None]]] = field(
         default_factory=lambda: defaultdict(dict)
@@ -214,7 +216,7 @@ class Dispatcher:
         delay = RETRY_DELAY_S
         while True:
             out: Outcome = await run_line(
-                self.bus, job.endpoint, job.body, self.handles, key, self._generated
+                self.bus, job.endpoint, job.body, self.handles, key, self._generated, self.lane
             )
             if not out.retry:
                 break

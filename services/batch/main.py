@@ -33,6 +33,7 @@ from services.common.client.bus import RequestBus
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
 from tidal import envs
+from tidal.config.cluster import load_config
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import BatchStats, Heartbeat
 
@@ -125,7 +126,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         beats = asyncio.create_task(heartbeat_loop(nc, beat, stop, envs.heartbeat_s()))
         store = await _open_store(nc, stop)
         if store is not None:
-            dispatcher = Dispatcher(store, bus, args.max_inflight)
+            dispatcher = Dispatcher(store, bus, args.max_inflight, args.lane)
             keeper = Keeper(store, bus, dispatcher, max_backlog=args.max_backlog)
             log.info(
                 "batch service %s ready (%d lines in flight at most)", args.id, args.max_inflight
@@ -155,11 +156,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="lines queued over all batches past which a new batch fails (0: no bound)",
     )
+    p.add_argument(
+        "--config",
+        default="",
+        help="cluster config YAML: its lowest request class takes the lines (docs/classes.md; "
+        "default: configs/embedded.yaml, class offline)",
+    )
     args = p.parse_args(argv)
     if args.max_backlog < 0:
         p.error("--max-backlog must be >= 0")
     if args.max_inflight < 1:
         p.error("--max-inflight must be at least 1")
+    try:
+        args.lane = load_config(args.config or "embedded.yaml").classes.lowest
+    except (OSError, ValueError) as exc:
+        p.error(f"--config: {exc}")
     return args
 
 

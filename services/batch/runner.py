@@ -21,6 +21,7 @@ import pydantic
 from services.common.client.bus import RequestBus
 from services.common.client.stream import RequestHandle
 from services.common.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from tidal.config.classes import RequestClassSpec
 from tidal.schemas.messages import GenerateRequest, TokenChunk
 
 _FAILED = ("error", "abort")
@@ -40,8 +41,12 @@ class Outcome:
     output_tokens: int = 0
 
 
-def build_request(endpoint: str, body: dict[str, Any], reply_subject: str) -> GenerateRequest:
-    """The offline `GenerateRequest` for a line's body; ApiError(400) when the body is invalid."""
+def build_request(
+    endpoint: str, body: dict[str, Any], reply_subject: str, lane: RequestClassSpec | None = None
+) -> GenerateRequest:
+    """The offline `GenerateRequest` for a line's body, in request class `lane` (the lowest
+    class, best effort; default the built-in `offline`); ApiError(400) when the body is
+    invalid."""
     model_type = ChatCompletionRequest if endpoint == "/v1/chat/completions" else CompletionRequest
     try:
         req: ChatCompletionRequest | CompletionRequest = model_type.model_validate(body)
@@ -69,6 +74,8 @@ def build_request(endpoint: str, body: dict[str, Any], reply_subject: str) -> Ge
         prompt=req.prompt_text() if isinstance(req, CompletionRequest) else None,
         messages=req.chat_messages() if isinstance(req, ChatCompletionRequest) else None,
         arrival_unix_s=time.time(),
+        class_name=lane.name if lane is not None else "offline",
+        priority=lane.priority if lane is not None else 0,
     )
 
 
@@ -122,7 +129,7 @@ def response_body(endpoint: str, handle: RequestHandle, chunks: list[TokenChunk]
             "total_tokens": prompt + num_output,
         },
         "tidal": {
-            "request_class": "offline",
+            "request_class": req.class_name or "offline",
             "instance": handle.instance_id,
             "engine": handle.ack.engine,
             "emulated": handle.ack.is_emulated,
@@ -137,11 +144,12 @@ async def run_line(
     handles: dict[str, RequestHandle],
     key: str,
     on_tokens: Callable[[int], None] | None = None,
+    lane: RequestClassSpec | None = None,
 ) -> Outcome:
     """Run one line to its end. `handles[key]` holds the live request while it runs (so that a
     cancel can abort it)."""
     try:
-        gen = build_request(endpoint, body, bus.reply_subject)
+        gen = build_request(endpoint, body, bus.reply_subject, lane)
     except ApiError as exc:
         return Outcome(exc.status, error_body(exc), "")
     try:

@@ -126,8 +126,10 @@ class Supervisor:
             )
         backlog = ["--max-backlog", str(a.max_offline_backlog)] if a.max_offline_backlog else []
         inflight = ["--max-inflight", str(a.batch_max_inflight)]
-        children.append(self._service("batch-0", "services.batch", *backlog, *inflight))
+        lane = ["--config", a.config] if a.config else []  # its lowest class takes the lines
+        children.append(self._service("batch-0", "services.batch", *backlog, *inflight, *lane))
         gateway = ["--host", a.host, "--port", str(a.port)]
+        gateway += ["--config", a.config] if a.config else []  # its request classes
         if a.rate_limit:
             gateway += ["--rate-limit", str(a.rate_limit), "--rate-burst", str(a.rate_burst)]
         children.append(self._service("gateway-0", "services.gateway", *gateway))

@@ -43,8 +43,8 @@ def add_up_args(p: argparse.ArgumentParser, model_required: bool) -> None:
     p.add_argument(
         "--config",
         default="",
-        help="cluster config YAML: instance roles, chunk sizes, SLO, policy params "
-        "(default: configs/embedded.yaml)",
+        help="cluster config YAML: instance roles, chunk sizes, SLO, policy params, request "
+        "classes (default: configs/embedded.yaml)",
     )
     p.add_argument(
         "--policy",

@@ -1,7 +1,7 @@
 """OpenAI-compatible request bodies, plus Tidal's request class and SLO fields.
 
 Tidal's extensions (body field, or the equivalent header; the body wins when both are given):
-  request_class  / X-Tidal-Class     "online" (default) or "offline"
+  request_class  / X-Tidal-Class     a class of the cluster config (built in: online, offline)
   slo_ttft_ms    / X-Tidal-TTFT-Ms   this request's time-to-first-token target, ms
   slo_tpot_ms    / X-Tidal-TPOT-Ms   this request's time-per-output-token target, ms
   top_k, ignore_eos                  sampling extensions, as in vLLM
@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tidal.config.classes import ClassError, ClassTable, RequestClassSpec, default_table
 from tidal.schemas.messages import ChatMessage, SamplingSpec
 
 DEFAULT_CHAT_MAX_TOKENS = 512  # when the client sets none: clipped to the context left
@@ -125,7 +126,9 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     ignore_eos: bool = False
-    request_class: Literal["online", "offline"] | None = None
+    request_class: str | None = Field(
+        None, max_length=64, description="a request class of the cluster config (docs/classes.md)"
+    )
     slo_ttft_ms: _SloMs | None = None
     slo_tpot_ms: _SloMs | None = None
 
@@ -240,17 +243,28 @@ class CompletionRequest(_Common):
         )
 
 
+def asked_class(body: _Common, headers: dict[str, str]) -> str | None:
+    """The request class the request names (body, else header), lower-cased; None: none."""
+    asked = body.request_class or headers.get("x-tidal-class", "")
+    return asked.strip().lower() or None
+
+
 def resolve_class_and_slo(
-    body: _Common, headers: dict[str, str]
-) -> tuple[str, float | None, float | None]:
-    """The request class and SLO targets from the body, else the X-Tidal-* headers."""
-    req_class = body.request_class or headers.get("x-tidal-class", "online").strip().lower()
-    if req_class not in ("online", "offline"):
+    body: _Common,
+    headers: dict[str, str],
+    classes: ClassTable | None = None,
+    key: str | None = None,
+) -> tuple[RequestClassSpec, float | None, float | None]:
+    """The request class (from the body, else the X-Tidal-Class header, as the API `key`'s
+    rule allows; default: the built-in pair) and its own SLO targets, else the X-Tidal-*
+    headers'. ApiError 400 naming the classes for a class it may not have."""
+    table = classes or default_table()
+    try:
+        spec = table.resolve(asked_class(body, headers), key)
+    except ClassError as exc:
         raise ApiError(
-            400,
-            f"X-Tidal-Class must be online or offline, got {req_class!r}",
-            param="request_class",
-        )
+            400, f"X-Tidal-Class / request_class: {exc}", param="request_class"
+        ) from None
     slos: list[float | None] = []
     for field, header in (("slo_ttft_ms", "x-tidal-ttft-ms"), ("slo_tpot_ms", "x-tidal-tpot-ms")):
         value: float | None = getattr(body, field)
@@ -266,4 +280,4 @@ def resolve_class_and_slo(
                     param=field,
                 )
         slos.append(value)
-    return req_class, slos[0], slos[1]
+    return spec, slos[0], slos[1]

@@ -14,10 +14,12 @@ its token bucket (`services/gateway/ratelimit.py`); past it, 429 with `Retry-Aft
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
 import os
+import re
 import time
 from collections.abc import Iterable
 
@@ -25,11 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.ratelimit import RateLimiter, retry_after_header
+from tidal.config.classes import ClassTable
 
 API_KEYS_ENV = "TIDAL_API_KEYS"
 MAX_JSON_BODY_BYTES = 16 * 1024 * 1024  # a chat request with a long context fits easily
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024 + 64 * 1024  # OpenAI's batch file limit, plus form framing
 _OPEN_PATHS = ("/health", "/ready")
+_OWNER_ID = re.compile(r"^key-[0-9a-f]{16}$")
 
 
 def keys_from(flags: Iterable[str], env: str | None = None) -> list[str]:
@@ -45,6 +49,13 @@ def keys_from(flags: Iterable[str], env: str | None = None) -> list[str]:
 def owner_of(key: str) -> str:
     """A stable id for what a key owns; the key itself is never stored."""
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def keyed_by_owner(table: ClassTable) -> ClassTable:
+    """`table` with its `class_keys` keyed by owner id (`owner_of`), as requests carry it; a
+    config may give the key itself or its owner id (`key-...`, which holds no secret)."""
+    keys = {k if _OWNER_ID.match(k) else owner_of(k): rule for k, rule in table.keys.items()}
+    return dataclasses.replace(table, keys=keys)
 
 
 def _error(status: int, message: str, type_: str, code: str) -> tuple[int, bytes]:

@@ -11,6 +11,7 @@ from nats.aio.msg import Msg
 
 from services.common.bus import subscribe
 from services.common.client.bus import RequestBus
+from services.common.client.stream import RequestHandle
 from services.gateway.metrics import GatewayMetrics
 from tidal.schemas import subjects
 from tidal.schemas.messages import BatchStats, Heartbeat, InstanceReport, MigrationEvent
@@ -22,6 +23,7 @@ class GatewayBus(RequestBus):
     ) -> None:
         super().__init__(nc, gateway_id, max_inflight)
         self.metrics = metrics
+        self._evicted: dict[str, int] = {}  # req_id -> its evictions its reports showed so far
 
     async def start(self) -> None:
         await super().start()
@@ -65,8 +67,21 @@ class GatewayBus(RequestBus):
     # ---- metrics ----
 
     def saw_report(self, rep: InstanceReport) -> None:
-        if self.metrics is not None:
-            self.metrics.on_report(rep)
+        if self.metrics is None:
+            return
+        self.metrics.on_report(rep)
+        for r in rep.requests:  # this gateway's requests' evictions, by request class
+            if not r.num_preemptions or (h := self.handles.get(r.req_id)) is None:
+                continue
+            seen = self._evicted.get(r.req_id, 0)
+            if r.num_preemptions > seen:
+                label = h.request.class_name or h.request.req_class
+                self.metrics.class_preemptions.labels(label).inc(r.num_preemptions - seen)
+                self._evicted[r.req_id] = r.num_preemptions
+
+    def release(self, handle: RequestHandle) -> None:
+        super().release(handle)
+        self._evicted.pop(handle.request.req_id, None)
 
     def saw_instance_beat(self, hb: Heartbeat) -> None:
         if self.metrics is not None:

@@ -19,12 +19,13 @@ FAILED = ("error", "abort")
 class Call:
     kind: str  # "chat" | "completion"
     model: str
-    req_class: str
+    req_class: str  # the request class it is served in (the kind's name without a table)
     handle: RequestHandle
     metrics: GatewayMetrics
     arrival_s: float
     index: int = 0  # the choice's index
     response_id: str = ""  # shared by every choice of the request
+    demoted_from: str = ""  # the class it asked for, when it runs in a looser one
     created: int = field(default_factory=lambda: int(time.time()))
     first_token_s: float | None = None
     last_token_s: float | None = None
@@ -57,6 +58,7 @@ class Call:
     def tidal_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {
             "request_class": self.req_class,
+            **({"demoted_from": self.demoted_from} if self.demoted_from else {}),
             "instance": self.handle.instance_id,
             "engine": self.handle.ack.engine,
             "emulated": self.handle.ack.is_emulated,
@@ -68,11 +70,15 @@ class Call:
         return info
 
     def headers(self) -> dict[str, str]:
-        return {
+        out = {
             "X-Tidal-Emulated": self.emulated,
             "X-Tidal-Instance": self.handle.instance_id,
             "X-Tidal-Request-Id": self.response_id or self.handle.client_req_id,
+            "X-Tidal-Class": self.req_class,
         }
+        if self.demoted_from:
+            out["X-Tidal-Demoted-From"] = self.demoted_from
+        return out
 
     def observe(self, chunk: TokenChunk) -> None:
         if chunk.num_tokens == 0:
@@ -106,7 +112,7 @@ class Call:
             tpot = (self.last_token_s - self.first_token_s) / (self.num_output - 1)
             self.metrics.tpot.labels(self.req_class, self.emulated).observe(tpot)
         req = self.handle.request
-        if self.req_class == "online" and self.first_token_s is not None:
+        if req.req_class == "online" and self.first_token_s is not None:
             d = self.handle.default_slo
             slo = d.of_request(req.ttft_slo_ms, req.tpot_slo_ms) if d is not None else None
             targets_ms = (

@@ -8,6 +8,7 @@ from services.common.batch_store import BatchStore
 from services.common.protocol import ApiError
 from services.gateway.bus import GatewayBus
 from services.gateway.metrics import GatewayMetrics
+from tidal.config.classes import ClassTable, default_table
 
 
 def get_bus(request: Request) -> GatewayBus:
@@ -36,6 +37,12 @@ async def get_batch_store(request: Request) -> BatchStore:
             ) from None
         request.app.state.batch_store = store
     return store
+
+
+def get_classes(request: Request) -> ClassTable:
+    """The cluster's request classes (the built-in pair unless the gateway's config has some)."""
+    table: ClassTable = getattr(request.app.state, "classes", None) or default_table()
+    return table
 
 
 def get_owner(request: Request) -> str:

@@ -28,17 +28,20 @@ from services.common.bus import BusUnavailable, connect, redact
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import setup_logging
 from services.common.protocol import ApiError
-from services.gateway.auth import Guard, keys_from
+from services.gateway.auth import Guard, keyed_by_owner, keys_from
 from services.gateway.bus import GatewayBus
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import install as install_openapi
 from services.gateway.ratelimit import RateLimiter, add_rate_args
 from services.gateway.routers import batches, files, openai, ops
 from tidal import envs
+from tidal.config.classes import ClassTable, default_table
+from tidal.config.cluster import load_config
 from tidal.schemas import subjects
 from tidal.schemas.messages import Heartbeat
 
 log = logging.getLogger("tidal.gateway")
+DEFAULT_CONFIG = "embedded.yaml"  # a shipped config (`tidal.configs`): the built-in classes
 
 
 def _error_body(message: str, type_: str, code: str | None, param: str | None) -> dict:
@@ -79,6 +82,7 @@ def create_app(
     api_keys: list[str] | None = None,
     metrics_need_key: bool = False,
     rate_limiter: RateLimiter | None = None,
+    classes: ClassTable | None = None,
 ) -> FastAPI:
     """The gateway app over an open NATS connection (drained when the app shuts down)."""
     subjects.check_token(gateway_id, "gateway id")
@@ -115,6 +119,7 @@ def create_app(
     app = FastAPI(title="Tidal gateway", version="0.1.0", lifespan=lifespan)
     app.state.metrics = GatewayMetrics()
     app.state.gateway_id = gateway_id
+    app.state.classes = keyed_by_owner(classes or default_table())
     app.add_middleware(
         Guard, keys=api_keys or [], metrics_need_key=metrics_need_key, rate_limiter=rate_limiter
     )
@@ -182,6 +187,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="accept this key (repeatable; also TIDAL_API_KEYS, comma-separated); none: open",
     )
     p.add_argument("--metrics-need-key", action="store_true", help="/metrics asks for a key too")
+    p.add_argument(
+        "--config",
+        default="",
+        help="cluster config YAML whose request classes it serves (`classes:`, docs/classes.md; "
+        "default: configs/embedded.yaml, the built-in online/offline pair)",
+    )
     add_rate_args(p)
     return p.parse_args(argv)
 
@@ -196,7 +207,8 @@ async def serve(args: argparse.Namespace) -> None:
     # Connect before uvicorn starts: an unreachable bus is a one-line error, not a traceback.
     nc = await connect(args.nats_url, f"gateway-{args.id}", args.connect_timeout_s)
     keys = keys_from(args.api_key)
-    app = create_app(nc, args.id, args.max_inflight, keys, args.metrics_need_key, limiter)
+    classes = load_config(args.config or DEFAULT_CONFIG).classes
+    app = create_app(nc, args.id, args.max_inflight, keys, args.metrics_need_key, limiter, classes)
     if keys:
         log.info("gateway %s: %d API key(s) accepted", args.id, len(keys))
     config = uvicorn.Config(

@@ -92,6 +92,29 @@ class GatewayMetrics:
             ["req_class", "attained", "emulated"],
             registry=self.registry,
         )
+        # Request classes (docs/classes.md): `req_class` above is the class a request ran in.
+        self.demotions = Counter(
+            "tidal_class_demotions",
+            "Requests that ran in a looser class than they asked for (their class was full or "
+            "the scheduler refused it), by the class asked and the class served",
+            ["from_class", "to_class"],
+            registry=self.registry,
+        )
+        self.class_preemptions = Counter(
+            "tidal_class_preemptions",
+            "This gateway's requests evicted from GPU KV to be recomputed later, by the class "
+            "they run in, as their instances' reports show it (one that finishes before its "
+            "next report is not seen)",
+            ["req_class"],
+            registry=self.registry,
+        )
+        self.class_rejections = Counter(
+            "tidal_class_rejections",
+            "Requests turned away with a 429 because no class of their demotion chain could "
+            "take them, by the class asked",
+            ["req_class"],
+            registry=self.registry,
+        )
         # Cluster-wide, from the bus (the scheduler's migration events, the instances' reports).
         self.preemptions = Counter(
             "tidal_preemptions",

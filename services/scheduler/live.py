@@ -155,7 +155,8 @@ class LiveCluster:
             some = next(iter(self.reports.values()))
             n = max(len(self.slots), max(self.reports) + 1)
             reports = [self.reports.get(i) or self._placeholder(some, i) for i in range(n)]
-        held = [h.req for h in self.held.values()]
+        # Higher request-class priority first, FIFO within a priority (a stable sort).
+        held = sorted((h.req for h in self.held.values()), key=_by_priority)
         view = build_cluster_view(
             reports, self.step_models, self.link_bytes_per_s, held=held, cache=self.cache
         )
@@ -230,6 +231,9 @@ class LiveCluster:
             ),
             slo=slo,
             queued_s=now,
+            priority=r.priority,
+            class_name=r.class_name,
+            slo_admission=r.slo_admission,
         )
 
     def route(
@@ -374,6 +378,10 @@ class LiveCluster:
         if len(keep) == len(actions.migrate):
             return actions
         return dataclasses.replace(actions, migrate=keep)
+
+
+def _by_priority(req: ReqState) -> int:
+    return -req.priority
 
 
 def _all(inst: object) -> list[ReqState]:

@@ -42,9 +42,12 @@ class Stack:
         return json.loads(out.stdout)
 
 
-def _get(url: str) -> bytes | None:
+def _get(url: str, api_key: str = "") -> bytes | None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=1
+        ) as resp:
             return resp.read()
     except OSError:
         return None
@@ -66,8 +69,9 @@ def stack() -> Iterator[Stack]:
 
 
 @contextlib.contextmanager
-def start_stack(*extra: str) -> Iterator[Stack]:
-    """`tidal up --engine sim` (3 ms steps) on a free port, with `extra` arguments."""
+def start_stack(*extra: str, api_key: str = "") -> Iterator[Stack]:
+    """`tidal up --engine sim` (3 ms steps) on a free port, with `extra` arguments (`api_key`:
+    one of the keys they give the gateway, to ask it whether it is up)."""
     port = natsd.free_port()
     tmp = Path(tempfile.mkdtemp(prefix="tidal-e2e-"))
     env = {**os.environ, "TIDAL_STATE_FILE": str(tmp / "up.json"), "TIDAL_HEARTBEAT_S": "0.2"}
@@ -94,7 +98,9 @@ def start_stack(*extra: str) -> Iterator[Stack]:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}/v1"
     try:
-        wait_until(lambda: b'"tidal-sim"' in (_get(base + "/models") or b""), 60, "tidal up")
+        wait_until(
+            lambda: b'"tidal-sim"' in (_get(base + "/models", api_key) or b""), 60, "tidal up"
+        )
         wait_until(lambda: (tmp / "up.json").exists(), 10, "the state file")
         yield Stack(proc, base, env, log_path)
     finally:

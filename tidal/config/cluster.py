@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from tidal.config.classes import ClassTable, default_table, parse_classes
 from tidal.configs import config_path
 from tidal.policy.state import InstanceRole, Slo
 from tidal.workload.mix import StreamConfig
@@ -116,6 +117,9 @@ class ClusterConfig:
     drain_s: float = 300.0  # simulated time after the last arrival for requests to finish
     bin_s: float = 10.0  # width of the time series bins
     seed: int = 0
+    # Request classes (`tidal.config.classes`): `classes`, `default_class` and `class_keys` in
+    # the file; without them the built-in pair, online (this config's `slo`) and offline.
+    classes: ClassTable = field(default_factory=default_table)
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -194,6 +198,9 @@ def parse_config(data: Mapping[str, Any], where: str = "config") -> ClusterConfi
     if "cpu_workers" in d:
         d["cpu_workers"] = build(CpuWorkers, d["cpu_workers"] or {}, f"{where}.cpu_workers")
     d["policies"] = {str(k): dict(v or {}) for k, v in (d.get("policies") or {}).items()}
+    d["classes"] = parse_classes(
+        d.pop("classes", None), d.pop("default_class", None), d.pop("class_keys", None), where
+    )
     return build(ClusterConfig, d, where)
 
 

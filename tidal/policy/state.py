@@ -92,6 +92,11 @@ class ReqState:
     num_checkpointed_tokens: int = 0  # tokens whose KV is checkpointed in host memory (whole
     # blocks; `StepPlan.checkpoint`); kept while it lives on its instance
     is_released: bool = False  # SWAPPED by `StepPlan.release`: its checkpoint is its KV
+    priority: int = 0  # its request class's priority: higher is served first where a policy
+    # picks among waiting work by it (`tidal.config.classes`; the held queue, docs/classes.md)
+    class_name: str = ""  # its request class ("": the kind's name)
+    slo_admission: bool = True  # the policy's admission control may refuse it for its SLO
+    # (False: its class's `admission: queue`; it is routed, and may miss its SLO)
     # NOTE: a field, not a property: read for every request of every step.
     is_online: bool = field(init=False)
 

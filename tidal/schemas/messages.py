@@ -59,6 +59,11 @@ class RouteRequest(msgspec.Struct, frozen=True):
     ttft_slo_ms: float | None = None  # online only; None: the scheduler's default SLO
     tpot_slo_ms: float | None = None
     max_tokens_is_default: bool = False  # the client set none (`SamplingSpec`'s)
+    # Its request class (`tidal.config.classes`): its name and priority (higher is served
+    # first). "" / 0 from a peer that predates classes: the kind alone (`req_class`) counts.
+    class_name: str = ""
+    priority: int = 0
+    slo_admission: bool = True  # False: the policy's admission control never refuses it
 
 
 class RouteReply(msgspec.Struct, frozen=True):
@@ -118,6 +123,9 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     # streamed again; `seq` of the first new chunk continues from `first_seq`.
     resume_token_ids: list[int] = []
     first_seq: int = 0
+    class_name: str = ""  # its request class's name ("": the kind, `req_class`)
+    priority: int = 0  # its request class's priority (higher is served first)
+    slo_admission: bool = True  # its class's admission: False, never refused for its SLO
 
 
 class GenerateAck(msgspec.Struct, frozen=True):

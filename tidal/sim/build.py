@@ -11,6 +11,7 @@ from tidal.perf.api import StepModel
 from tidal.policy.base import PolicyContext
 from tidal.policy.registry import make_policy
 from tidal.policy.state import CpuPoolState, InstanceRole
+from tidal.sim.classes import ClassGate
 from tidal.sim.core import InstanceSetup, Simulator
 from tidal.sim.models import CpuAttnRoofline
 from tidal.sim.recorder import Recorder
@@ -110,8 +111,10 @@ def simulate(
     step_model: StepModel | None = None,
     requests: Sequence[SimRequest] | None = None,
     check: bool = False,
+    classes: ClassGate | None = None,
 ) -> Recorder:
-    """Run `policy` on `cfg`'s cluster and workload; same config and seed, same result."""
+    """Run `policy` on `cfg`'s cluster and workload; same config and seed, same result.
+    `classes`: requests that name a request class run the gateway's class rule through it."""
     setups = instance_setups(cfg, policy, step_model)
     kvb = setups[0].kv_bytes_per_token
     cpu = None
@@ -139,6 +142,7 @@ def simulate(
         horizon_s=cfg.duration_s + cfg.drain_s,
         bin_s=cfg.bin_s,
         check=check,
+        classes=classes,
     )
     return sim.run(workload(cfg) if requests is None else requests, progress)
 

@@ -30,6 +30,7 @@ from tidal.policy.state import (
 from tidal.schemas.enums import RequestClass
 from tidal.sim.apply import start_span
 from tidal.sim.batch_gate import BatchGate
+from tidal.sim.classes import ClassGate, hold
 from tidal.sim.integrity import check_invariants
 from tidal.sim.recorder import Recorder
 from tidal.sim.span import Span, finish_span
@@ -87,6 +88,7 @@ class Simulator:
         batch_max_inflight: int | None = None,
         handoff_delay_s: float = 0.0,
         handout_s: float = 0.0,
+        classes: ClassGate | None = None,
     ) -> None:
         if dispatch_s < 0 or dispatch_s_per_token < 0:
             raise ValueError("dispatch_s and dispatch_s_per_token must be >= 0")
@@ -97,6 +99,8 @@ class Simulator:
         # Offline requests are Batch API lines: at most this many in the cluster (None: all).
         self.batch = None if batch_max_inflight is None else BatchGate(batch_max_inflight)
         self.policy = policy
+        # Request classes: queue bounds and demotion, the gateway's rule (None: two kinds).
+        self.classes = classes
         # A request reaches the cluster's `route` this long after it arrives: the serving path
         # in front of the scheduler (HTTP, gateway, bus hops, tokenising the prompt), which a
         # live stack spends and its TTFT counts (`tidal bench replay` measures it).
@@ -265,12 +269,17 @@ class Simulator:
         self._num_open += 1
         if self.batch is not None and not r.is_online:
             self.batch.entered(r)
-        route = self.policy.route(r, self._view(now), now)
+        if self.classes is not None and sr.class_name:
+            route = self.classes.route(
+                r, sr.class_name, lambda: self.policy.route(r, self._view(now), now)
+            )
+        else:
+            route = self.policy.route(r, self._view(now), now)
         if route.action is RouteAction.QUEUE:
             self._enqueue(r, route.instance_id, now)
         elif route.action is RouteAction.HOLD:
             r.phase = Phase.HELD
-            self.cluster.held.append(r)
+            hold(self.cluster.held, r)
         else:
             r.phase = Phase.REJECTED
             r.finish_s = now

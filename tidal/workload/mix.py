@@ -24,6 +24,7 @@ class SimRequest:
     input_tokens: int
     output_tokens: int  # the request stops after exactly this many tokens
     slo: Slo | None = None  # online requests only
+    class_name: str = ""  # its request class (`tidal.config.classes`) when the run has a table
 
 
 @dataclass(frozen=True)

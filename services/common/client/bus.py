@@ -150,6 +150,10 @@ class RequestBus:
         """A stream that lost its chunks (a bus outage): run it again, anywhere."""
         handle.queue.put_nowait(_Down(handle.instance_id, reason, time.monotonic(), exclude=False))
 
+    def in_flight(self, class_name: str) -> int:
+        """Requests (choices) of request class `class_name` this client has in flight."""
+        return sum(1 for h in self.handles.values() if h.request.class_name == class_name)
+
     def release(self, handle: RequestHandle) -> None:
         self.handles.pop(handle.request.req_id, None)
 
@@ -302,6 +306,9 @@ class RequestBus:
             ttft_slo_ms=req.ttft_slo_ms,
             tpot_slo_ms=req.tpot_slo_ms,
             num_prompt_tokens=num_prompt_tokens,
+            class_name=req.class_name,
+            priority=req.priority,
+            slo_admission=req.slo_admission,
         )
         msg = await self._ask_route(ask, envs.max_hold_s() + HOLD_MARGIN_S)
         route = codec.decode(msg.data, RouteReply)

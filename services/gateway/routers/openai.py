@@ -29,12 +29,14 @@ from services.common.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    asked_class,
     resolve_class_and_slo,
 )
 from services.gateway.bus import GatewayBus
 from services.gateway.call import FAILED, Call, usage
-from services.gateway.dependencies import get_bus, get_metrics
+from services.gateway.dependencies import get_bus, get_classes, get_metrics, get_owner
 from services.gateway.metrics import GatewayMetrics
+from tidal.config.classes import RequestClassSpec
 from tidal.schemas.messages import GenerateRequest, TokenChunk
 
 router = APIRouter(prefix="/v1")
@@ -49,6 +51,10 @@ def _seed(seed: int | None, index: int) -> int | None:
     return (seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
 
 
+# The scheduler's refusals a looser class may take (its other errors say nothing of the class).
+_DEMOTABLE = ("rejected", "queue_full")
+
+
 async def _start(
     kind: str,
     body: ChatCompletionRequest | CompletionRequest,
@@ -57,10 +63,67 @@ async def _start(
     metrics: GatewayMetrics,
 ) -> list[Call]:
     """Refuse what cannot be honoured, resolve the request class and SLOs (ApiError on a bad
-    header), then route and submit each of the `n` choices."""
+    header or class), then route and submit each of the `n` choices: in the class asked, else
+    in the first looser class of its demotion chain that takes it (docs/classes.md); 429 when
+    none does."""
     if (refusal := body.unsupported()) is not None:
         raise refusal
-    req_class, ttft_ms, tpot_ms = resolve_class_and_slo(body, dict(request.headers))
+    table = get_classes(request)
+    asked, ttft_ms, tpot_ms = resolve_class_and_slo(
+        body, dict(request.headers), table, get_owner(request)
+    )
+    refused: ApiError | None = None
+    for spec in table.chain(asked):
+        if spec.queue_bound is not None and not table.has_room(spec, bus.in_flight(spec.name)):
+            refused = ApiError(
+                429,
+                f"request class {spec.name} has {spec.queue_bound} requests in flight, its bound",
+                type_="rate_limit_error",
+                code="class_full",
+                retry_after_s=1,
+            )
+            continue
+        own = spec is asked  # the request's own SLO holds in the class it asked for only
+        try:
+            response_id, handles = await _submit(
+                body, bus, spec, ttft_ms if own else None, tpot_ms if own else None
+            )
+        except ApiError as exc:
+            if exc.status != 429 or exc.code not in _DEMOTABLE:
+                raise
+            refused = exc
+            continue
+        demoted_from = "" if own else asked.name
+        if demoted_from:
+            metrics.demotions.labels(asked.name, spec.name).inc()
+        arrival = getattr(request.state, "arrival_s", time.monotonic())
+        return [
+            Call(
+                kind,
+                body.model,
+                spec.name,
+                h,
+                metrics,
+                arrival,
+                index=i,
+                response_id=response_id,
+                demoted_from=demoted_from,
+            )
+            for i, h in enumerate(handles)
+        ]
+    assert refused is not None
+    metrics.class_rejections.labels(asked.name).inc()
+    raise refused
+
+
+async def _submit(
+    body: ChatCompletionRequest | CompletionRequest,
+    bus: GatewayBus,
+    spec: RequestClassSpec,
+    ttft_ms: float | None,
+    tpot_ms: float | None,
+) -> tuple[str, list[RequestHandle]]:
+    """Route and submit the `n` choices in class `spec`, all or none: (response id, handles)."""
     response_id = uuid.uuid4().hex
     sampling = body.sampling()
     gens = [
@@ -69,16 +132,18 @@ async def _start(
             model=body.model,
             sampling=msgspec.structs.replace(sampling, seed=_seed(sampling.seed, i)),
             reply_subject=bus.reply_subject,
-            req_class=req_class,
+            req_class=spec.kind.value,
             prompt=body.prompt_text() if isinstance(body, CompletionRequest) else None,
             messages=body.chat_messages() if isinstance(body, ChatCompletionRequest) else None,
-            ttft_slo_ms=ttft_ms,
-            tpot_slo_ms=tpot_ms,
+            ttft_slo_ms=ttft_ms or spec.ttft_ms,
+            tpot_slo_ms=tpot_ms or spec.tpot_ms,
             arrival_unix_s=time.time(),
+            class_name=spec.name,
+            priority=spec.priority,
+            slo_admission=spec.slo_admission,
         )
         for i in range(body.n)
     ]
-    arrival = getattr(request.state, "arrival_s", time.monotonic())
     results = await asyncio.gather(*(bus.submit(g) for g in gens), return_exceptions=True)
     handles = [r for r in results if isinstance(r, RequestHandle)]
     failed = [r for r in results if not isinstance(r, RequestHandle)]
@@ -86,10 +151,7 @@ async def _start(
         for h in handles:  # all choices or none
             await h.cancel("another choice of the request failed")
         raise failed[0]
-    return [
-        Call(kind, body.model, req_class, h, metrics, arrival, index=i, response_id=response_id)
-        for i, h in enumerate(handles)
-    ]
+    return response_id, handles
 
 
 async def _serve(
@@ -101,9 +163,9 @@ async def _serve(
     except ApiError as exc:
         # NOTE: a metric label never takes a client's raw value: a rejected request is counted
         # under its class only when that class was valid.
-        req_class = body.request_class or request.headers.get("x-tidal-class", "online")
-        req_class = req_class.strip().lower()
-        label = req_class if req_class in ("online", "offline") else "invalid"
+        asked = asked_class(body, dict(request.headers))
+        table = get_classes(request)
+        label = asked if asked in table.names else "invalid" if asked else table.default_name
         metrics.requests.labels(label, endpoint, str(exc.status)).inc()
         raise
     metrics.requests.labels(calls[0].req_class, endpoint, "200").inc()

@@ -10,6 +10,7 @@ from services.common.protocol import (
     CompletionRequest,
     resolve_class_and_slo,
 )
+from tidal.config.classes import parse_classes
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -75,15 +76,40 @@ def test_completion_rules() -> None:
 
 
 def test_class_and_slo_from_body_or_headers() -> None:
+    def named(spec_slos: tuple) -> tuple:  # type: ignore[type-arg]
+        spec, ttft, tpot = spec_slos
+        return spec.name, ttft, tpot
+
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": CHAT})
-    assert resolve_class_and_slo(body, {}) == ("online", None, None)
+    assert named(resolve_class_and_slo(body, {})) == ("online", None, None)
     hdrs = {"x-tidal-class": "Offline", "x-tidal-ttft-ms": "250", "x-tidal-tpot-ms": "40"}
-    assert resolve_class_and_slo(body, hdrs) == ("offline", 250.0, 40.0)
+    assert named(resolve_class_and_slo(body, hdrs)) == ("offline", 250.0, 40.0)
     both = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": CHAT, "request_class": "online", "slo_ttft_ms": 100}
     )
-    assert resolve_class_and_slo(both, hdrs) == ("online", 100.0, 40.0)  # the body wins
+    assert named(resolve_class_and_slo(both, hdrs)) == ("online", 100.0, 40.0)  # the body wins
     for bad in ({"x-tidal-class": "gold"}, {"x-tidal-ttft-ms": "soon"}, {"x-tidal-tpot-ms": "0"}):
         with pytest.raises(ApiError) as err:
             resolve_class_and_slo(body, bad)
         assert err.value.status == 400
+    with pytest.raises(ApiError, match="unknown request class 'gold'; classes: online, offline"):
+        resolve_class_and_slo(body, {"x-tidal-class": "gold"})
+
+
+def test_class_from_a_configured_table_and_key_rule() -> None:
+    table = parse_classes(
+        [
+            {"name": "interactive", "priority": 2, "ttft_ms": 500},
+            {"name": "standard", "priority": 1, "ttft_ms": 3000, "demote": True},
+            {"name": "batch", "priority": 0, "best_effort": True},
+        ],
+        keys={"key-0123456789abcdef": {"cap": "standard"}},
+    )
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": CHAT})
+    spec, _, _ = resolve_class_and_slo(body, {"x-tidal-class": "standard"}, table)
+    assert spec.name == "standard" and spec.ttft_ms == 3000
+    spec, _, _ = resolve_class_and_slo(body, {}, table, "key-0123456789abcdef")
+    assert spec.name == "standard"  # capped
+    with pytest.raises(ApiError, match="or looser") as err:
+        resolve_class_and_slo(body, {"x-tidal-class": "interactive"}, table, "key-0123456789abcdef")
+    assert err.value.status == 400 and err.value.param == "request_class"

@@ -75,3 +75,16 @@ def test_a_body_over_the_limit_is_413_by_length_and_when_streamed(monkeypatch) -
 
     r = c.post("/v1/echo", content=chunks())  # no Content-Length: counted as it streams in
     assert r.status_code == 413
+
+
+def test_class_key_rules_are_keyed_by_the_owner_id_a_request_carries() -> None:
+    from tidal.config.classes import parse_classes
+
+    table = parse_classes(
+        None, keys={"sk-etl": {"pin": "offline"}, owner_of("sk-b"): {"cap": "offline"}}
+    )
+    keyed = auth.keyed_by_owner(table)
+    assert set(keyed.keys) == {owner_of("sk-etl"), owner_of("sk-b")}  # no key is kept
+    assert keyed.resolve(None, owner_of("sk-etl")).name == "offline"
+    assert keyed.resolve(None, owner_of("sk-b")).name == "offline"  # capped
+    assert keyed.resolve(None, owner_of("sk-other")).name == "online"

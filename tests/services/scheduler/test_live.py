@@ -253,3 +253,18 @@ def test_the_cluster_is_idle_only_with_nothing_held_routed_or_running() -> None:
     done = make_report("inst-0", 0, "aggregated", seq=3)
     c.on_report(msgspec.structs.replace(done, finished_req_ids=["r"]))
     assert c.is_idle()
+
+
+def test_the_policy_sees_the_held_queue_by_class_priority_fifo_within() -> None:
+    from services.scheduler.live import Held
+
+    c = _cluster()
+    now = time.time()
+    for rid, prio in (("a", 0), ("b", 0), ("c", 1), ("d", 0), ("e", 1)):
+        ask = RouteRequest(req_id=rid, model="m", req_class="offline", max_tokens=8,
+                           num_prompt_chars=40, class_name=f"p{prio}", priority=prio)  # fmt: skip
+        req = c.new_request(ask, now)
+        assert (req.priority, req.class_name) == (prio, f"p{prio}")
+        c.held[rid] = Held(req, None, ask, now)  # type: ignore[arg-type]
+    assert [r.req_id for r in c.view(now).held] == ["c", "e", "a", "b", "d"]
+    assert list(c.held) == ["a", "b", "c", "d", "e"]  # the queue itself stays in arrival order

@@ -47,7 +47,8 @@ class OmniServePolicy(Policy):
         # so balance on LS prefill left, not on all queued tokens (BE prompts are ~8k each).
         best = min(cluster.instances, key=lambda i: (_ls_prefill_left(i), i.num_requests))
         ttft = req.slo.ttft_s if req.slo is not None else self.slo.ttft_s
-        if self.cfg.admission_control and not ls_admissible(best, req, ttft, self.cfg):
+        admit = self.cfg.admission_control and req.slo_admission
+        if admit and not ls_admissible(best, req, ttft, self.cfg):
             return Route.reject("omniserve: LS prefill would miss its TTFT SLO (§3.3.3)")
         return Route.to(best.instance_id)
 

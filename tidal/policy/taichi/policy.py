@@ -89,7 +89,7 @@ class TaichiPolicy(Policy):
         got = route_prefill(req.num_prompt_tokens, targets, slo, xfer)
         if got is not None:
             return Route.to(got)
-        if self.cfg.on_infeasible == "reject":
+        if self.cfg.on_infeasible == "reject" and req.slo_admission:
             return Route.reject("taichi: no instance meets the TTFT SLO")
         if self.cfg.on_infeasible == "random":
             # §3.4: the paper's experiments assign an infeasible request to a random instance.

@@ -43,7 +43,7 @@ class TidalPolicy(OocoPolicy):
             self._held[req.req_id] = req
             return Route.hold("offline: Tidal offline queue")
         route = super().route(req, cluster, now)
-        if self.tcfg.admission_control:
+        if self.tcfg.admission_control and req.slo_admission:
             inst = cluster.instances[route.instance_id]
             ttft = req.slo.ttft_s if req.slo is not None else self.cfg.ttft_slo_s
             if not ls_admissible(inst, req, ttft, self.omni):
