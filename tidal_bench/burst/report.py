@@ -95,9 +95,7 @@ def plot(report: dict[str, Any], path: str) -> None:
 
     runs = report["runs"]
     phases = next(iter(next(iter(runs.values())).values()))["phases"]
-    fig, axes = plt.subplots(
-        2, len(runs), figsize=(5 * len(runs), 7), squeeze=False, sharex="col"
-    )
+    fig, axes = plt.subplots(2, len(runs), figsize=(5 * len(runs), 7), squeeze=False, sharex="col")
     styles = {"live": "-", "simulated": "--"}
     for col, (policy, sides) in enumerate(runs.items()):
         top, bottom = axes[0][col], axes[1][col]

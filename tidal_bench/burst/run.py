@@ -98,14 +98,11 @@ def run_all(args: argparse.Namespace, sched: BurstSchedule) -> dict[str, Any]:
                 runs[policy]["live"] = side_report(sched, "live", raw)
             if "simulated" in args.sides:
                 task = bar.add_task(f"{policy} simulated", total=end)
-                raw = run_simulated(
-                    cfg,
-                    policy,
-                    sched,
-                    args.seed,
-                    args.job_timeout_s,
-                    tick=lambda t, task=task: bar.update(task, completed=min(t, end)),
-                )
+
+                def tick(t: float, task: Any = task) -> None:
+                    bar.update(task, completed=min(t, end))
+
+                raw = run_simulated(cfg, policy, sched, args.seed, args.job_timeout_s, tick=tick)
                 runs[policy]["simulated"] = side_report(sched, "simulated", raw)
     return {
         "what": "online burst/trough swing beside Batch API jobs; "
@@ -177,7 +174,7 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=3, help="Batch API jobs submitted at the start")
     p.add_argument("--lines", type=int, default=200, help="lines per job")
     p.add_argument("--line-prompt-tokens", type=int, default=1024, help="each line's prompt")
-    p.add_argument("--line-output-tokens", type=int, default=256, help="each line's output")
+    p.add_argument("--line-output-tokens", type=int, default=1024, help="each line's output")
     p.add_argument(
         "--job-timeout-s",
         type=float,

@@ -148,7 +148,7 @@ def outcome_of(status: int | None) -> str:
     return "ok" if status < 400 else "error"
 
 
-def phase_table(sched: BurstSchedule, results: list[OnlineResult]) -> list[dict[str, object]]:
+def phase_table(sched: BurstSchedule, results: list[OnlineResult]) -> list[dict[str, Any]]:
     """Per phase: its kind and rate, online requests sent in it, TTFT and ITL p50/p99 (ms, of
     the requests that got a first token / finished), and its 429, 5xx and other error counts."""
     rows = []
