@@ -30,7 +30,6 @@ def side_report(sched: BurstSchedule, side: str, raw: dict[str, Any]) -> dict[st
         and all(j["num_results"] == j["lines"] for j in jobs),
         "num_lines_lost": lost,
         "last_job_completed_s": None if not done or None in done else max(done),
-        "online": [vars(r) if not isinstance(r, dict) else r for r in online],
     }
 
 
@@ -125,7 +124,8 @@ def plot(report: dict[str, Any], path: str) -> None:
                     label=f"job {j['job']}, {side}",
                 )
         ttft.set_ylabel("TTFT p99 (ms)")
-        top.set_title(f"{policy}\nlive: sim engine (emulated), dashed: simulated", fontsize=9)
+        what = {"live": "solid: live, sim engine (emulated)", "simulated": "dashed: simulated"}
+        top.set_title(f"{policy}\n" + "; ".join(what[s] for s in sides), fontsize=9)
         top.legend(loc="upper left", fontsize=7)
         ttft.legend(loc="upper right", fontsize=7)
         for p in phases:
