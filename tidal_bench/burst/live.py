@@ -1,11 +1,6 @@
-"""The burst schedule against a live stack: online streams from the official openai client at
-the schedule's arrival times, Batch API jobs submitted at the start and polled to the end.
-
-NOTE: the online load comes from Tidal's own async openai client, not guidellm: guidellm runs
-one rate per benchmark, so a swing would be successive guidellm runs, each with its own start-up
-and a gap at every phase boundary; its trace replay could send these arrival times, but it
-cannot send a Batch API job, and it is not installed on every machine that runs this bench.
-"""
+"""The burst schedule against a live stack: online streams at the schedule's arrival times
+(from the official openai client, or from guidellm's trace replay: `guidellm_online`), Batch API
+jobs submitted at the start through the openai client and polled to the end."""
 
 from __future__ import annotations
 
@@ -16,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tidal.config.cluster import ClusterConfig
+from tidal_bench.burst.guidellm_online import run_online
 from tidal_bench.burst.schedule import BurstSchedule, OnlineResult, outcome_of
 from tidal_bench.kit import prompt_maker
 
@@ -107,18 +104,28 @@ async def run_live(
     job_timeout_s: float,
     poll_s: float = 1.0,
     tick: Callable[[float], None] | None = None,
+    guidellm: tuple[str, ClusterConfig] | None = None,
 ) -> dict[str, Any]:
     """Run the schedule against the stack at `base`; `tick(seconds)` is told the run's time as
-    it goes (a progress bar). Returns the online results and each job's timeline."""
+    it goes (a progress bar); `guidellm` (its executable and the config, for its trace's last
+    row) has guidellm send the online load. Returns the online results, each job's timeline and
+    `online_offset_s`, how long after the jobs' submission the online schedule started (0 for
+    the openai client, guidellm's start-up for guidellm)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=3600)
     model = (await client.models.list()).data[0].id
-    t0 = time.perf_counter()
+    t0, t0_unix = time.perf_counter(), time.time()
     ids = sched.line_ids()
     batch_ids = await asyncio.gather(*(_submit(client, model, i, sched) for i in ids))
     created = time.perf_counter() - t0
-    online = asyncio.create_task(_online(client, model, sched, seed, t0))
+    if guidellm is None:
+        online: asyncio.Task[Any] = asyncio.create_task(_online(client, model, sched, seed, t0))
+    else:
+        exe, cfg = guidellm
+        online = asyncio.create_task(
+            asyncio.to_thread(run_online, exe, base, model, sched, seed, cfg)
+        )
     # per job: (t, lines done) at each poll where the count moved
     curves: list[list[tuple[float, int]]] = [[(created, 0)] for _ in batch_ids]
     finished: list[float | None] = [None] * len(batch_ids)
@@ -147,7 +154,12 @@ async def run_live(
                     last[j] = await client.batches.cancel(bid)
             break
         await asyncio.sleep(poll_s)
-    results = await online
+    offset, command = 0.0, ""
+    if guidellm is None:
+        results = await online
+    else:
+        results, zero_unix, command = await online
+        offset = zero_unix - t0_unix
     jobs = []
     for j, b in enumerate(last):
         if b is None:  # no jobs at all
@@ -169,4 +181,5 @@ async def run_live(
             }
         )
     await client.close()
-    return {"online": results, "jobs": jobs}
+    out = {"online": results, "jobs": jobs, "online_offset_s": offset}
+    return out | ({"guidellm_command": command} if command else {})

@@ -30,7 +30,8 @@ def side_report(sched: BurstSchedule, side: str, raw: dict[str, Any]) -> dict[st
         and all(j["num_results"] == j["lines"] for j in jobs),
         "num_lines_lost": lost,
         "last_job_completed_s": None if not done or None in done else max(done),
-    }
+        "online_offset_s": raw.get("online_offset_s", 0.0),
+    } | ({"guidellm_command": raw["guidellm_command"]} if "guidellm_command" in raw else {})
 
 
 def _f(x: float | None, nd: int = 0) -> str:
@@ -86,7 +87,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: str) -> None:
     """Per policy (a column): the offered online rate per phase with each side's TTFT p99 per
-    phase above, and each job's completed-lines curve below (live solid, simulated dashed)."""
+    phase above, and each job's completed-lines curve below (live solid, simulated dashed), all
+    on the jobs' clock (an online schedule that started late, guidellm's, is drawn late)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,13 +100,15 @@ def plot(report: dict[str, Any], path: str) -> None:
     styles = {"live": "-", "simulated": "--"}
     for col, (policy, sides) in enumerate(runs.items()):
         top, bottom = axes[0][col], axes[1][col]
-        xs = [p["start_s"] for p in phases] + [phases[-1]["end_s"]]
+        # on the jobs' clock: the online schedule started `online_offset_s` after them
+        off = float(next(iter(sides.values())).get("online_offset_s", 0.0))
+        xs = [off + p["start_s"] for p in phases] + [off + phases[-1]["end_s"]]
         rates = [p["rate"] for p in phases] + [phases[-1]["rate"]]
         top.step(xs, rates, where="post", color="0.6", label="online rate (offered)")
         top.set_ylabel("online req/s")
         ttft = top.twinx()
         for side, rep in sides.items():
-            mids = [(p["start_s"] + p["end_s"]) / 2 for p in rep["phases"]]
+            mids = [off + (p["start_s"] + p["end_s"]) / 2 for p in rep["phases"]]
             ttft.plot(
                 mids,
                 [p["ttft_p99_ms"] for p in rep["phases"]],
@@ -130,8 +134,8 @@ def plot(report: dict[str, Any], path: str) -> None:
         ttft.legend(loc="upper right", fontsize=7)
         for p in phases:
             if p["kind"] == "burst":
-                bottom.axvspan(p["start_s"], p["end_s"], color="0.92")
-        bottom.set_xlabel("seconds from start (shaded: bursts)")
+                bottom.axvspan(off + p["start_s"], off + p["end_s"], color="0.92")
+        bottom.set_xlabel("seconds from the jobs' submission (shaded: bursts)")
         bottom.set_ylabel("job lines completed")
         bottom.legend(fontsize=7)
     fig.tight_layout()

@@ -7,11 +7,13 @@ For each policy: live, a fresh `tidal up --engine sim --config CONFIG --policy P
 engine takes each step's time from the simulator's latency model for the config's
 MODEL@HARDWARE, with the simulator's KV pool, no CPU-attention worker), or the stack at `--url`;
 the online requests are streamed `/v1/completions` calls of the official openai client at the
-schedule's Poisson arrival times, the jobs go through the openai client's Batch API and are
-polled every second. Then the simulator runs the same arrivals and lines with the same config
-and policy. Printed per policy and phase: online TTFT and ITL (each request's mean inter-token
-gap) p50/p99, 429 / 5xx / other errors; per job, its completion time and lines without a
-result. Both sides are emulation (the sim engine, the simulator), and are labelled so.
+schedule's Poisson arrival times (or, with `--client guidellm`, guidellm's trace replay of the
+same arrivals: guidellm's rate profiles run one rate each and cannot swing), the jobs go
+through the openai client's Batch API and are polled every second. Then the simulator runs the
+same arrivals and lines with the same config and policy. Printed per policy and phase: online
+TTFT and ITL (each request's mean inter-token gap) p50/p99, 429 / 5xx / other errors; per job,
+its completion time and lines without a result. Both sides are emulation (the sim engine, the
+simulator), and are labelled so.
 
     tidal bench burst --policies online-priority ooco tidal --json out/burst.json \
         --plot out/burst.png
@@ -33,6 +35,7 @@ from tidal_bench.burst.simulated import kv_tokens_per_instance, run_simulated, s
 from tidal_bench.kit import save_json, stack
 
 SIDES = ("live", "simulated")
+CLIENTS = {"openai": "the openai client", "guidellm": "guidellm's trace replay"}
 
 
 def schedule_of(args: argparse.Namespace) -> BurstSchedule:
@@ -73,8 +76,12 @@ def _live(
     def tick(t: float) -> None:
         bar.update(task, completed=min(t, sched.duration_s))
 
+    gl = (args.guidellm_exe, cfg) if args.guidellm_exe else None
+
     def go(base: str) -> dict[str, Any]:
-        return asyncio.run(run_live(base, sched, args.seed, args.job_timeout_s, tick=tick))
+        return asyncio.run(
+            run_live(base, sched, args.seed, args.job_timeout_s, tick=tick, guidellm=gl)
+        )
 
     if args.url:
         return go(args.url.rstrip("/"))
@@ -93,21 +100,24 @@ def run_all(args: argparse.Namespace, sched: BurstSchedule) -> dict[str, Any]:
     with Progress(transient=True) as bar:
         for policy in args.policies:
             runs[policy] = {}
+            offset = 0.0  # the simulator's online arrivals start as late as the live ones did
             if "live" in args.sides:
                 raw = _live(args, cfg, policy, sched, bar)
                 runs[policy]["live"] = side_report(sched, "live", raw)
+                offset = raw["online_offset_s"]
             if "simulated" in args.sides:
                 task = bar.add_task(f"{policy} simulated", total=end)
 
                 def tick(t: float, task: Any = task) -> None:
                     bar.update(task, completed=min(t, end))
 
-                raw = run_simulated(cfg, policy, sched, args.seed, args.job_timeout_s, tick=tick)
+                raw = run_simulated(cfg, policy, sched, args.seed, args.job_timeout_s, tick, offset)
                 runs[policy]["simulated"] = side_report(sched, "simulated", raw)
     return {
         "what": "online burst/trough swing beside Batch API jobs; "
         + "; ".join(LABELS[s] for s in args.sides),
         "config": args.config,
+        "online_client": args.client,
         "schedule": vars(sched),
         "phases": sched.phases(),
         "seed": args.seed,
@@ -128,6 +138,14 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.job_timeout_s <= 0:
             raise ValueError(f"--job-timeout-s must be > 0, got {args.job_timeout_s}")
+        args.guidellm_exe = ""
+        if args.client == "guidellm" and "live" in args.sides:
+            from tidal_bench.replay import guidellm as gl
+
+            try:
+                args.guidellm_exe = gl.find_guidellm(args.guidellm)
+            except gl.GuidellmError as e:
+                raise ValueError(str(e)) from None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -137,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
         f"phases x {sched.cycles} cycles ({sched.prompt_tokens} in / {sched.output_tokens} out "
         f"tokens), beside {sched.jobs} Batch API job(s) of {sched.lines} lines "
         f"({sched.line_prompt_tokens} in / {sched.line_output_tokens} out); config "
-        f"{args.config}; sides: " + "; ".join(LABELS[s] for s in args.sides) + ":"
+        f"{args.config}; online load from {CLIENTS[args.client]}; sides: "
+        + "; ".join(LABELS[s] for s in args.sides)
+        + ":"
     )
     for policy, sides in report["runs"].items():
         print_policy(policy, sides)
@@ -186,6 +206,16 @@ def register(bench: argparse._SubParsersAction) -> None:
         type=int,
         default=-1,
         help="emulated KV bytes a live migration ships per token (-1: the emulated model's)",
+    )
+    p.add_argument(
+        "--client",
+        choices=tuple(CLIENTS),
+        default="openai",
+        help="who sends the live online load: Tidal's openai-client driver, or guidellm's trace "
+        "replay (an outside client; the jobs always go through the openai client's Batch API)",
+    )
+    p.add_argument(
+        "--guidellm", default="", help="guidellm executable (default: `guidellm` on PATH)"
     )
     p.add_argument("--seed", type=int, default=0, help="online arrivals")
     p.add_argument("--json", default="", help="also write the figures here as JSON")

@@ -104,13 +104,18 @@ class BurstSchedule:
         """Per job, its lines' custom_ids (`job<j>-<i>`; the simulator's req_ids too)."""
         return [[f"job{j}-{i}" for i in range(self.lines)] for j in range(self.jobs)]
 
-    def sim_requests(self, seed: int, slo: Slo) -> list[SimRequest]:
-        """The whole run as the simulator's requests: the online arrivals (with `slo`) and
-        every job's lines arriving at 0 (the simulator's batch gate holds them, as the batch
-        service does live), in arrival order."""
+    def sim_requests(self, seed: int, slo: Slo, online_offset_s: float = 0.0) -> list[SimRequest]:
+        """The whole run as the simulator's requests: the online arrivals (with `slo`, moved
+        `online_offset_s` later) and every job's lines arriving at 0 (the simulator's batch gate
+        holds them, as the batch service does live), in arrival order."""
         out = [
             SimRequest(
-                f"on{i}", RequestClass.ONLINE, t, self.prompt_tokens, self.output_tokens, slo
+                f"on{i}",
+                RequestClass.ONLINE,
+                t + online_offset_s,
+                self.prompt_tokens,
+                self.output_tokens,
+                slo,
             )
             for i, t in enumerate(self.arrivals(seed))
         ]

@@ -40,24 +40,28 @@ def run_simulated(
     seed: int,
     job_timeout_s: float,
     tick: Callable[[float], None] | None = None,
+    online_offset_s: float = 0.0,
 ) -> dict[str, Any]:
     """Online results and job timelines, shaped as the live run's; `tick(t)` is told the
-    simulated time as it goes."""
+    simulated time as it goes; the online schedule starts `online_offset_s` after the jobs (as
+    the live run's did)."""
     cfg = sim_config(cfg, sched, job_timeout_s)
-    rec = simulate(cfg, policy, progress=tick, requests=sched.sim_requests(seed, cfg.slo))
+    reqs = sched.sim_requests(seed, cfg.slo, online_offset_s)
+    rec = simulate(cfg, policy, progress=tick, requests=reqs)
     online: list[OnlineResult] = []
     done: dict[str, float] = {}
     for r in rec.requests:
         if r.is_online:
             if r.phase is Phase.REJECTED:  # admission control's refusal: a 429 live
-                online.append(OnlineResult(r.arrival_s, "429"))
+                online.append(OnlineResult(r.arrival_s - online_offset_s, "429"))
                 continue
             ttft = None if r.first_token_s is None else r.first_token_s - r.arrival_s
             itl = None
             if r.phase is Phase.FINISHED and r.num_output_tokens > 1:
                 assert r.first_token_s is not None and r.last_token_s is not None
                 itl = (r.last_token_s - r.first_token_s) / (r.num_output_tokens - 1)
-            online.append(OnlineResult(r.arrival_s, "ok", ttft, itl))
+            online.append(OnlineResult(r.arrival_s - online_offset_s, "ok", ttft, itl))
         elif r.phase is Phase.FINISHED and r.finish_s is not None:
             done[r.req_id] = r.finish_s
-    return {"online": online, "jobs": jobs_from_times(sched, 0.0, done)}
+    jobs = jobs_from_times(sched, 0.0, done)
+    return {"online": online, "jobs": jobs, "online_offset_s": online_offset_s}

@@ -91,6 +91,7 @@ def test_the_simulated_side_completes_every_line_and_reports_each_phase(tmp_path
         (["--sides", "both"], "--sides takes live and/or simulated"),
         (["--url", "http://x/v1"], "--url measures one running stack"),
         (["--job-timeout-s", "0"], "--job-timeout-s must be > 0"),
+        (["--client", "guidellm", "--guidellm", "/nonexistent/guidellm"], "guidellm not found"),
     ],
 )
 def test_bad_input_is_refused_with_a_message(
@@ -98,3 +99,30 @@ def test_bad_input_is_refused_with_a_message(
 ) -> None:
     assert main(["bench", "burst", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_late_online_start_moves_the_simulators_arrivals_not_their_phases() -> None:
+    from tidal.config.cluster import load_config
+    from tidal_bench.burst.simulated import run_simulated
+
+    cfg = load_config("configs/ooco.yaml")
+    sched = BurstSchedule(
+        high_rate=4.0,
+        low_rate=1.0,
+        phase_s=5.0,
+        cycles=2,
+        prompt_tokens=64,
+        output_tokens=8,
+        jobs=1,
+        lines=4,
+        line_prompt_tokens=64,
+        line_output_tokens=8,
+    )
+    on_time = run_simulated(cfg, "tidal", sched, 0, 60.0)
+    late = run_simulated(cfg, "tidal", sched, 0, 60.0, online_offset_s=7.0)
+    assert late["online_offset_s"] == 7.0
+    assert sorted(r.sent_s for r in late["online"]) == pytest.approx(
+        sorted(r.sent_s for r in on_time["online"])
+    )  # on the schedule's clock either way
+    assert all(r.outcome == "ok" for r in late["online"])
+    assert late["jobs"][0]["num_results"] == 4
