@@ -155,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
         f"phases x {sched.cycles} cycles ({sched.prompt_tokens} in / {sched.output_tokens} out "
         f"tokens), beside {sched.jobs} Batch API job(s) of {sched.lines} lines "
         f"({sched.line_prompt_tokens} in / {sched.line_output_tokens} out); config "
-        f"{args.config}; online load from {CLIENTS[args.client]}; sides: "
+        f"{args.config}; "
+        + (f"online load from {CLIENTS[args.client]}; " if "live" in args.sides else "")
+        + "sides: "
         + "; ".join(LABELS[s] for s in args.sides)
         + ":"
     )
