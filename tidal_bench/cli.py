@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 
 from services.cli import natsd
+from tidal_bench.burst import run as burst_run
 from tidal_bench.checkpoint import run as checkpoint_run
 from tidal_bench.colocation import run as colocation_run
 from tidal_bench.cpu_attn import run as cpu_attn_run
@@ -140,6 +141,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cpu_attn_run.register(bench)
     sglang.register(bench)
     faults_run.register(bench)
+    burst_run.register(bench)
     engine_run.register_bench(bench)
     engine_dtype.register(bench)
     perf_run.register(bench)

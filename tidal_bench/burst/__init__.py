@@ -1,0 +1,1 @@
+"""`tidal bench burst`: swinging online traffic beside Batch API jobs, live and simulated."""
