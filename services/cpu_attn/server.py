@@ -65,9 +65,13 @@ class AttnServer:
             pass  # the instance went away
         except ValueError as exc:
             log.warning("dropping connection from %s: %s", peer, exc)
+        except asyncio.CancelledError:
+            # The worker is stopping. Not raised on: Python 3.11's stream server logs a
+            # cancelled connection handler as "Exception in callback" with a traceback.
+            worker.cancel()
         finally:
             await queue.put(None)
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await worker
             # An instance that is gone will never recall or drop what it offloaded here.
             for rid in owned:

@@ -58,3 +58,32 @@ def test_a_corrupt_offload_is_refused_with_the_reason(
 def test_no_workers_means_a_clear_refusal(pool: CpuAttnPool) -> None:
     with pytest.raises(OffloadRefused, match="no CPU-attention worker"):
         pool.offload("r", torch.zeros(1, 2, 1, 1, 4), reserve_tokens=1)
+
+
+async def test_a_stopping_worker_ends_its_connections_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On shutdown every task is cancelled, a connection's handler among them: it ends without
+    the traceback Python 3.11's stream server logs for a handler that raises its cancellation."""
+    import asyncio
+
+    from services.cpu_attn.server import AttnServer
+    from tidal.cpu_attn.kv_store import KvStore
+
+    server = AttnServer(KvStore(1 << 20))
+    await server.start("127.0.0.1", 0)
+    _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    for _ in range(100):  # the handler is reading
+        if server.num_connections:
+            break
+        await asyncio.sleep(0.01)
+    assert server.num_connections == 1
+    handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in handlers:
+        t.cancel()
+    await asyncio.gather(*handlers, return_exceptions=True)
+    await asyncio.sleep(0.05)
+    assert server.num_connections == 0
+    assert "Exception in callback" not in caplog.text
+    writer.close()
+    await server.close()
