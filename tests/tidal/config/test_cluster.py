@@ -19,7 +19,17 @@ BASE = {
 
 
 @pytest.mark.parametrize(
-    "name", ["ooco", "ooco-long", "hygen", "taichi", "taichi-arxiv", "omniserve", "omniserve-paper"]
+    "name",
+    [
+        "ooco",
+        "ooco-long",
+        "ooco-code",
+        "hygen",
+        "taichi",
+        "taichi-arxiv",
+        "omniserve",
+        "omniserve-paper",
+    ],
 )
 def test_example_configs_load(name: str) -> None:
     cfg = load_config(CONFIGS / f"{name}.yaml")
