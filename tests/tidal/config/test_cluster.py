@@ -18,7 +18,19 @@ BASE = {
 }
 
 
-@pytest.mark.parametrize("name", ["ooco", "hygen", "taichi", "omniserve"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ooco",
+        "ooco-long",
+        "ooco-code",
+        "hygen",
+        "taichi",
+        "taichi-arxiv",
+        "omniserve",
+        "omniserve-paper",
+    ],
+)
 def test_example_configs_load(name: str) -> None:
     cfg = load_config(CONFIGS / f"{name}.yaml")
     assert cfg.name == name
@@ -57,3 +69,23 @@ def test_policy_instances_and_slo_variants() -> None:
     assert cfg.with_slo("sharegpt-slo2").slo.tpot_s == 0.07
     with pytest.raises(ValueError, match="unknown SLO"):
         cfg.with_slo("slo9")
+
+
+def test_omniserve_paper_mix_is_the_papers() -> None:
+    # OmniServe §5.1.1: LongBench-v2 BE requests average 8,952 in / 136 out, at most 12K tokens;
+    # the config builds a stand-in from the arXiv table, and LS prompts are first-turn sized.
+    import numpy as np
+
+    from tidal.schemas.enums import RequestClass
+    from tidal.workload.mix import build_workload
+
+    cfg = load_config(CONFIGS / "omniserve-paper.yaml")
+    reqs = build_workload(cfg.online, cfg.offline, 600.0, cfg.seed, cfg.slo)
+    be = [r for r in reqs if r.req_class is RequestClass.OFFLINE]
+    ls = [r for r in reqs if r.req_class is RequestClass.ONLINE]
+    assert 7_500 < np.mean([r.input_tokens for r in be]) < 9_500
+    assert max(r.input_tokens for r in be) <= 12_288
+    assert 110 < np.mean([r.output_tokens for r in be]) < 160
+    assert np.mean([r.input_tokens for r in ls]) < 400
+    assert len(ls) / 600 == pytest.approx(4.0, rel=0.1)
+    assert len(be) / 600 == pytest.approx(3.04, rel=0.1)
