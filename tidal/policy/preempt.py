@@ -14,6 +14,10 @@ each victim loses. Online work is never preempted. How a victim goes:
 Victims, when only a number of blocks is asked for: checkpointed ones first (they lose least),
 then the latest arrivals, until the blocks are reached; if the instance's offline work holds
 fewer, nothing is preempted (a partial free would not admit what it is for).
+
+`room_for_online` is the cluster's use of it (opt-in: `preempt_for_online` in the cluster config,
+the live scheduler and the simulator alike): an online request that no instance has the KV
+blocks free for goes to the instance whose offline work can make the room, which preempts it.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tidal.plan import StepPlan
-from tidal.policy.state import InstanceState, ReqState
+from tidal.policy.state import ClusterView, InstanceState, ReqState
 
-__all__ = ["PreemptRefused", "Preemption", "Victim", "plan_preemption"]
+__all__ = ["PreemptRefused", "Preemption", "Victim", "plan_preemption", "room_for_online"]
 
 RELEASE, SWAP, RECOMPUTE = "release", "swap", "recompute"
 
@@ -130,3 +134,28 @@ def _victim(r: ReqState, can_release: bool, swap: bool) -> Victim:
     if swap:
         return Victim(r.req_id, SWAP, r.num_blocks, 0)
     return Victim(r.req_id, RECOMPUTE, r.num_blocks, r.num_computed_tokens)
+
+
+def room_for_online(
+    req: ReqState, view: ClusterView, usable: Sequence[int]
+) -> tuple[int, int] | None:
+    """(slot, KV blocks to free there) so that online `req` can start at once, or None.
+
+    Conservative: only for an online request, only when none of the `usable` slots has the
+    blocks free that its prompt (and the online prompts already waiting there) need, and only
+    where the offline work running there holds enough to make up the rest; of those, the slot
+    with the most offline KV. The policy's own route stands otherwise."""
+    if not req.is_online:
+        return None
+    best: tuple[int, int, int] | None = None  # (offline blocks, slot, blocks to free)
+    for i in usable:
+        inst = view.instances[i]
+        waiting = sum(r.num_prefill_left for r in inst.waiting if r.is_online and r is not req)
+        need = inst.blocks_for(req.num_prompt_tokens + waiting + 1)  # + its first token
+        short = need - inst.num_free_blocks
+        if short <= 0:
+            return None  # room somewhere: nothing to preempt
+        offline = sum(r.num_blocks for r in inst.running if not r.is_online)
+        if offline >= short and (best is None or offline > best[0]):
+            best = (offline, i, short)
+    return None if best is None else (best[1], best[2])

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from tidal.perf.linear import LinearStepModel
-from tidal.policy.preempt import PreemptRefused, plan_preemption
-from tidal.policy.state import InstanceRole, InstanceState, Phase, ReqState, Slo
+from tidal.policy.preempt import PreemptRefused, plan_preemption, room_for_online
+from tidal.policy.state import ClusterView, InstanceRole, InstanceState, Phase, ReqState, Slo
 from tidal.schemas.enums import RequestClass
 
 
-def make_instance(blocks: int = 100) -> InstanceState:
+def make_instance(blocks: int = 100, iid: int = 0) -> InstanceState:
     return InstanceState(
-        instance_id=0,
+        instance_id=iid,
         role=InstanceRole.AGGREGATED,
         chunk_size=64,
         max_batch_reqs=8,
@@ -95,3 +95,19 @@ def test_refusals_name_the_reason(req_ids: list[str], num_blocks: int, why: str)
     make_request("queued", inst, 0, phase=Phase.WAITING)
     with pytest.raises(PreemptRefused, match=why.replace("(", r"\(").replace(")", r"\)")):
         plan_preemption(inst, req_ids=req_ids, num_blocks=num_blocks, can_release=True)
+
+
+def test_room_for_online_only_when_no_instance_has_it_and_offline_work_can_make_it() -> None:
+    a, b = make_instance(10, 0), make_instance(10, 1)
+    view = ClusterView([a, b], [], 1.0)
+    new = ReqState("new", RequestClass.ONLINE, 5.0, 60, 10, Slo(1.0, 0.1))  # 4 blocks
+    make_request("hog", a, 112, online=True)  # 7 blocks: 3 free
+    make_request("off", b, 96)  # 6 blocks: 4 free, room enough
+    assert room_for_online(new, view, [0, 1]) is None
+    make_request("off2", b, 16)  # 1 more block: 3 free, and 7 offline
+    assert room_for_online(new, view, [0, 1]) == (1, 1)  # free 1 block on b
+    assert room_for_online(new, view, [0]) is None  # a has online work only
+    make_request("waiting", b, 0, online=True, phase=Phase.WAITING)  # 32 more tokens first
+    assert room_for_online(new, view, [0, 1]) == (1, 3)  # (60 + 32 + 1) tokens: 6 blocks
+    offline = ReqState("bg", RequestClass.OFFLINE, 5.0, 60, 10)
+    assert room_for_online(offline, view, [0, 1]) is None  # only for online requests
