@@ -31,6 +31,7 @@ from tidal.schemas.enums import RequestClass
 from tidal.sim.apply import start_span
 from tidal.sim.batch_gate import BatchGate
 from tidal.sim.integrity import check_invariants
+from tidal.sim.preempt_signal import PreemptSignals
 from tidal.sim.recorder import Recorder
 from tidal.sim.span import Span, finish_span
 from tidal.sim.transfers import Transfers
@@ -87,6 +88,7 @@ class Simulator:
         batch_max_inflight: int | None = None,
         handoff_delay_s: float = 0.0,
         handout_s: float = 0.0,
+        preempt_for_online: bool = False,
     ) -> None:
         if dispatch_s < 0 or dispatch_s_per_token < 0:
             raise ValueError("dispatch_s and dispatch_s_per_token must be >= 0")
@@ -114,6 +116,8 @@ class Simulator:
         # as waiting there meanwhile, as the live scheduler's view counts a routed one.
         self.handout_s = handout_s
         self._handout_until = [0.0] * len(setups)  # an idle instance starts nothing before
+        # an online request no instance has KV room for preempts offline work (`preempt_signal`)
+        self.signals = PreemptSignals() if preempt_for_online else None
         self.instances = [
             InstanceState(
                 instance_id=i,
@@ -266,6 +270,8 @@ class Simulator:
         if self.batch is not None and not r.is_online:
             self.batch.entered(r)
         route = self.policy.route(r, self._view(now), now)
+        if self.signals is not None:
+            route = self.signals.route(r, route, self._view(now))
         if route.action is RouteAction.QUEUE:
             self._enqueue(r, route.instance_id, now)
         elif route.action is RouteAction.HOLD:
@@ -303,6 +309,8 @@ class Simulator:
                 self._start(inst, now)  # nothing to run: its policy may still ask for work
 
     def _start(self, inst: InstanceState, now: float) -> None:
+        if self.signals is not None:
+            self.signals.take(inst, self.reqs, now, self.rec)
         plan = self.policy.schedule(inst, now)
         if plan.is_empty:
             cpu = inst.cpu
