@@ -65,10 +65,11 @@ class Preemptor:
             self.last_free_s = time.perf_counter() - t0
             reply = msgspec.structs.replace(reply, free_ms=round(self.last_free_s * 1e3, 3))
             log.info(
-                "preempted %s by signal: %d KV blocks free in %.1f ms",
+                "preempted %s by signal: %d KV blocks free in %.1f ms (%.1f ms to the boundary)",
                 ", ".join(f"{p.req_id} ({p.how})" for p in reply.preempted),
                 reply.freed_blocks,
                 self.last_free_s * 1e3,
+                reply.boundary_ms,
             )
             self.inst.wake.set()
             await self.inst.report(force=True)
@@ -82,7 +83,9 @@ class Preemptor:
         caps = engine.capabilities
         if caps.self_driven:
             raise PreemptRefused(f"the {engine.name} engine schedules itself: no preemption")
+        t0 = time.perf_counter()
         async with inst.engine_lock:
+            boundary_s = time.perf_counter() - t0
             adapter = inst.adapter
             before = engine.num_free_blocks()
             adapter.sync(engine.snapshot(), before, time.time())
@@ -102,7 +105,9 @@ class Preemptor:
             adapter.sync(engine.snapshot(), after, time.time())
         self._count(pre)
         preempted = [Preempted(v.req_id, v.how, v.tokens_lost) for v in pre.victims]
-        return CtlPreemptReply(after - before, preempted, after)
+        return CtlPreemptReply(
+            after - before, preempted, after, boundary_ms=round(boundary_s * 1e3, 3)
+        )
 
     def _count(self, pre: Preemption) -> None:
         self.num_preempted += len(pre.victims)

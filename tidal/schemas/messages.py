@@ -396,4 +396,5 @@ class CtlPreemptReply(msgspec.Struct, frozen=True):
     preempted: list[Preempted] = []
     num_free_blocks: int = 0  # KV blocks free on the instance afterwards
     free_ms: float = 0.0  # the signal's arrival -> the blocks free (the boundary wait included)
+    boundary_ms: float = 0.0  # of free_ms, the wait for the step boundary (the engine lock)
     error: str = ""  # non-empty: nothing was preempted, and this says why
