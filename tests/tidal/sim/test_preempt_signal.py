@@ -46,3 +46,19 @@ def test_an_online_request_gets_room_by_a_preempt_signal(signals: bool) -> None:
         assert rec.num_preempt_signals == 0
         assert on.instance_id == 0  # the policy's pick, its KV held by online work
         assert on.phase is Phase.REJECTED and dict(rec.rejections) == {"out_of_kv": 1}
+
+
+def test_with_checkpoints_the_signal_releases_and_loses_under_two_blocks() -> None:
+    setups = [make_setup(num_blocks=10, ckpt_capacity_tokens=10_000) for _ in AGG2]
+    sim = Simulator(
+        setups,
+        make_policy_for("aggregated", AGG2, checkpoint_offline=True),
+        check=True,
+        preempt_for_online=True,
+    )
+    rec = sim.run([req("hog", 0.0, 60, 100), req("off", 0.0, 60, 100, OFF), req("on", 0.7, 60, 10)])
+    by_id = {r.req_id: r for r in rec.requests}
+    assert rec.num_preempt_signals == 1 and rec.num_releases >= 1  # released, not recomputed
+    assert 0 < rec.num_checkpoint_lost_tokens < 2 * 16 * rec.num_releases
+    assert by_id["on"].instance_id == 1 and by_id["on"].num_output_tokens == 10
+    assert by_id["off"].num_output_tokens == 100
