@@ -2,6 +2,8 @@
 
 tidal ctl status [--json]          cluster picture (every service, its load)
 tidal ctl offline pause|resume     stop / restart admitting offline requests
+tidal ctl preempt INSTANCE --blocks N | --req ID [--req ID ...] [--swap]
+                                   free KV there by preempting offline work
 tidal ctl req SUBJECT [JSON]       any control subject, raw JSON reply
 """
 
@@ -91,6 +93,14 @@ def run(args: argparse.Namespace) -> int:
             subjects.CTL_OFFLINE_PAUSE if args.action == "pause" else subjects.CTL_OFFLINE_RESUME
         )
         payload = "{}"
+    elif args.ctl_cmd == "preempt":
+        try:
+            subject = subjects.instance_preempt(args.instance)
+        except ValueError as exc:
+            print(f"tidal ctl: {exc}", file=sys.stderr)
+            return 2
+        body = {"req_ids": args.req or [], "num_blocks": args.blocks, "swap": args.swap}
+        payload = json.dumps(body)
     else:
         subject, payload = args.subject, args.payload
         try:
@@ -110,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         _print_status(reply)
     else:
         print(json.dumps(reply, indent=2))
-    return 0
+    return 1 if args.ctl_cmd == "preempt" and reply.get("error") else 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -131,6 +141,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--json", action="store_true", help="raw JSON, as `nats req` prints it")
     off = ctl.add_parser("offline", help="pause or resume offline admission")
     off.add_argument("action", choices=("pause", "resume"))
+    pre = ctl.add_parser(
+        "preempt", help="free KV on an instance by preempting offline work (tidal.inst.ID.preempt)"
+    )
+    pre.add_argument("instance", help="instance id, e.g. instance-0")
+    pre.add_argument("--blocks", type=int, default=0, help="free at least this many KV blocks")
+    pre.add_argument("--req", action="append", help="preempt this offline request (repeatable)")
+    pre.add_argument(
+        "--swap",
+        action="store_true",
+        help="swap victims without a checkpoint to host memory instead of recomputing them",
+    )
     raw = ctl.add_parser("req", help="send JSON to any control subject")
     raw.add_argument("subject", help="e.g. tidal.ctl.status")
     raw.add_argument("payload", nargs="?", default="{}", help="JSON body (default {})")

@@ -100,6 +100,14 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-cache-tokens", type=int, default=0, help="KV pool size (0: default)")
     p.add_argument(
+        "--checkpoint-host-gb",
+        type=float,
+        default=None,
+        help="torch: host memory for offline KV checkpoints (ConServe), GB; a policy such as "
+        "aggregated with checkpoint_offline then checkpoints offline decodes and a preemption "
+        "frees their blocks at once (default: the config's checkpoint_host_gb; 0: none)",
+    )
+    p.add_argument(
         "--sim-step-model",
         default="linear",
         help="sim engine latency: zero | linear[:B,P,D,C] | "

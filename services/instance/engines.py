@@ -37,6 +37,14 @@ def emulated_geometry(spec: str) -> dict[str, int]:
 
 def build_engine(args: argparse.Namespace) -> ControllableEngine:
     served = getattr(args, "served_model_name", "") or ""
+    ckpt_gb = getattr(args, "checkpoint_host_gb", None) or 0.0
+    if ckpt_gb < 0:
+        raise ValueError(f"--checkpoint-host-gb must be >= 0, got {ckpt_gb}")
+    if ckpt_gb and args.engine != "torch":
+        raise ValueError(
+            f"--checkpoint-host-gb: the {args.engine} engine keeps no KV checkpoints "
+            "(only --engine torch does)"
+        )
     if args.engine == "sim":
         # The engine waits its emulated step time itself (interruptible at layer boundaries).
         sim: dict[str, Any] = emulated_geometry(args.sim_step_model)
@@ -75,6 +83,8 @@ def build_engine(args: argparse.Namespace) -> ControllableEngine:
             kwargs["kv_cache_tokens"] = kv_tokens
         if served:
             kwargs["model_name"] = served
+        if ckpt_gb:
+            kwargs["checkpoint_host_bytes"] = int(ckpt_gb * 1e9)
         dtype = getattr(args, "dtype", "auto")
         torch_eng = loader.load_torch_engine(
             args.model or None,

@@ -32,10 +32,11 @@ from services.instance.dataplane import DataPlaneServer
 from services.instance.engines import build_engine
 from services.instance.migration import Migrator
 from services.instance.policy_adapter import PolicyAdapter
+from services.instance.preempt import Preemptor
 from services.instance.worker import Instance
 from tidal import envs
 from tidal.config.live import LiveConfig, load_live_config
-from tidal.engine.api import ControllableEngine
+from tidal.engine.api import CheckpointingEngine, ControllableEngine
 from tidal.perf.spec import parse_step_model
 from tidal.policy.registry import make_policy
 from tidal.policy.state import InstanceRole, Slo
@@ -155,7 +156,7 @@ def build_adapter(
     spec = args.policy_step_model or (
         args.sim_step_model if engine.is_emulated else live.cfg.step_model_spec(model)
     )
-    return PolicyAdapter.build(
+    adapter = PolicyAdapter.build(
         policy=make_policy(live.policy, live.context()),
         index=args.index,
         instance_id=args.id,
@@ -168,11 +169,25 @@ def build_adapter(
         step_model_spec=spec,
         kv_bytes_per_token=engine.kv_bytes_per_token,
     )
+    if engine.capabilities.kv_checkpoint and isinstance(engine, CheckpointingEngine):
+        ckpt_engine = engine
+        adapter.checkpoint_capacity = lambda: ckpt_engine.checkpoint_capacity_bytes
+    elif live.cfg.policy_params(live.policy).get("checkpoint_offline"):
+        log.warning(
+            "policy %s asks for offline KV checkpoints, but the %s engine keeps none (they "
+            "need --engine torch with --checkpoint-host-gb > 0): its victims are recomputed",
+            live.policy,
+            engine.name,
+        )
+    return adapter
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     subjects.check_token(args.id, "instance id")
     live = load_live_config(args.config, args.policy, args.roles)
+    if args.checkpoint_host_gb is None:  # the config's, where this engine can keep them
+        cfg_gb = live.cfg.checkpoint_host_gb
+        args.checkpoint_host_gb = cfg_gb if args.engine == "torch" else 0.0
     torch_threads.install(asyncio.get_running_loop())
     compute = ComputeThread("engine")
     # Loading weights can take seconds; the torch engine also times its matmuls (dtype_choice)
@@ -230,6 +245,7 @@ async def _serve(
         await sub(nc, subjects.migrate_abort(args.id), MigrateAbort, migrator.on_abort)
         await sub(nc, subjects.CTL_POLICY_CHANGED, CtlPolicy, control.on_policy, json=True)
         await nc.subscribe(subjects.instance_control(args.id), cb=control.on_control)
+        await nc.subscribe(subjects.instance_preempt(args.id), cb=Preemptor(inst).on_preempt)
         reaper: asyncio.Task[None] | None = None
         if pool is not None:
             stack.callback(pool.close)

@@ -50,6 +50,8 @@ class PolicyAdapter:
     forced: dict[str, int] = field(default_factory=dict)  # req_id -> tokens its cut chunk needs
     # (live CPU-attention workers, KV bytes free on them), when the engine can offload
     cpu_capacity: Callable[[], tuple[int, int]] | None = None
+    # host bytes for offline KV checkpoints in all, when the engine keeps them (ConServe)
+    checkpoint_capacity: Callable[[], int] | None = None
 
     @staticmethod
     def build(
@@ -90,6 +92,7 @@ class PolicyAdapter:
         sync_instance(self.inst, snaps, self.reqs, free, slos=slos, now=now)
         self.inst.num_incoming = self.num_incoming
         self.inst.cpu = self._cpu_pool()
+        self._checkpoint_memory()
         self.forced = {s.req_id: s.forced_tokens for s in snaps if s.forced_tokens}
         for rid, r in self.reqs.items():
             m = self.meta.get(rid)
@@ -101,6 +104,17 @@ class PolicyAdapter:
             r.max_tbt_s = m.max_tbt_s
             r.num_preemptions = m.num_preemptions
             r.num_migrations = m.num_migrations
+
+    def _checkpoint_memory(self) -> None:
+        """The checkpoint budget in tokens, and the tokens its requests hold (so the policy's
+        arithmetic matches the engine's: `int(tokens * bytes per token)` each)."""
+        inst = self.inst
+        if self.checkpoint_capacity is None:
+            inst.ckpt_capacity_tokens = inst.ckpt_tokens = 0
+            return
+        inst.ckpt_capacity_tokens = int(self.checkpoint_capacity() // inst.kv_bytes_per_token)
+        held = (*inst.running, *inst.swapped, *inst.waiting, *inst.offloaded)
+        inst.ckpt_tokens = sum(r.num_checkpointed_tokens for r in held)
 
     def _cpu_pool(self) -> CpuPoolState | None:
         """The CPU-attention workers as a policy sees them (None: none are live). Live, an

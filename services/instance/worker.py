@@ -194,7 +194,8 @@ class Instance(Inbound, Publisher):
             for subject, chunk in held:
                 await self.nc.publish(subject, codec.encode(chunk))
             await self._publish(failed)  # and what has been held long enough
-            if not self.engine.has_work():
+            # NOTE: a swapped request is work for the policy (swap_in), not for the engine alone
+            if not self.engine.has_work() and not self._has_swapped():
                 await self._send_unsent()
                 await self.flush_due(everything=True)  # nothing more is coming to join it
                 # NOTE: going idle with requests just ended reports them now, not when the idle
@@ -235,6 +236,9 @@ class Instance(Inbound, Publisher):
                 await self._send_unsent()
                 await self.report(force=self.placement_due)
         await self._send_unsent()  # stopping: the last step's tokens still go out
+
+    def _has_swapped(self) -> bool:
+        return any(s.status == "swapped" for s in self.engine.snapshot())
 
     async def _steps(
         self,

@@ -271,9 +271,13 @@ class LiveCluster:
             self.num_stand_in_routes += idx is not None
         if idx is None:
             return RouteAction.HOLD, decision.instance_id, SLOT_DOWN
+        self.place(req, idx, now)
+        return RouteAction.QUEUE, idx, ""
+
+    def place(self, req: ReqState, idx: int, now: float) -> None:
+        """`req` is routed to slot `idx` (queued there)."""
         self.routed[req.req_id] = (idx, req, now)
         req.phase, req.instance_id = Phase.WAITING, idx
-        return RouteAction.QUEUE, idx, ""
 
     def forget_request(self, req_id: str) -> None:
         """Drop what is known of a request's placement: it is being routed afresh (a request

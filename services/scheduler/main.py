@@ -23,6 +23,7 @@ from services.common.lifecycle import run_service
 from services.scheduler.commands import Commands
 from services.scheduler.control import Control, EmptyCtl
 from services.scheduler.live import NO_INSTANCE, SLOT_DOWN, Held, LiveCluster, expire_held
+from services.scheduler.preempt import OnlineRoom
 from services.scheduler.trace import EventTrace
 from tidal import envs
 from tidal.cluster.healing import RoleHealer
@@ -72,6 +73,7 @@ class Scheduler:
         self.num_suspects_alive = 0  # suspects that answered (kept, not declared dead)
         self.cut_off_until_s = -1e9  # monotonic time until which no one is forgotten
         self.live = load_live_config(args.config, args.policy, args.roles)
+        self.room = OnlineRoom.of(args, self.live.cfg)  # preempt offline work for online
         self.cluster = LiveCluster(
             policy=make_policy(self.live.policy, self.live.context()),
             default_slo=self.live.cfg.slo,
@@ -241,6 +243,8 @@ class Scheduler:
         now = time.time()
         state = self.cluster.new_request(req, now)
         action, idx, reason = self.cluster.route(state, now, req)
+        if self.room.is_on and state.is_online and action is not RouteAction.REJECT:
+            action, idx = await self.room.route(self.nc, self.cluster, state, now, action, idx)
         if action is RouteAction.QUEUE:
             await self.reply_queue(msg, idx)
         elif action is RouteAction.HOLD:
@@ -351,6 +355,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="bound of the held queue in prompt + max_tokens tokens (0: none)",
     )
+    OnlineRoom.add_args(p)
     p.add_argument(
         "--heal-after-s",
         type=float,

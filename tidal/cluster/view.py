@@ -308,6 +308,8 @@ def sync_instance(
         r.num_computed_tokens = s.num_computed_tokens
         r.num_output_tokens = s.num_output_tokens
         r.num_blocks = s.num_blocks
+        r.num_checkpointed_tokens = s.num_checkpointed_tokens
+        r.is_released = s.is_released
         r.instance_id = inst.instance_id
         phase = _SNAP_PHASE.get(s.status)
         if phase is None:

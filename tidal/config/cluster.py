@@ -109,6 +109,10 @@ class ClusterConfig:
     pcie_gb_per_s: float = 25.0  # GPU <-> host copies (swap, offload), GB/s
     checkpoint_host_gb: float = 0.0  # per instance: host memory for offline KV checkpoints
     # (ConServe; `StepPlan.checkpoint`), GB; 0: none, and plans asking for them are refused
+    # An online request that no instance has the KV blocks free for preempts offline work on the
+    # instance with the most of it and goes there (`tidal.policy.preempt.room_for_online`; live,
+    # the scheduler's `tidal.inst.<id>.preempt` signal). Off: the policy's route stands.
+    preempt_for_online: bool = False
     cpu_workers: CpuWorkers = CpuWorkers()
     # Offline requests are Batch API lines: at most this many in the cluster at once, the rest
     # wait FIFO (the live batch service's `tidal up --batch-max-inflight`); None = no cap.

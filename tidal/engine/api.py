@@ -229,6 +229,9 @@ class SeqSnapshot:
     num_blocks: int  # KV blocks held on the device
     status: str  # "waiting" (no KV) | "running" (KV on device) | "swapped" (KV in host memory)
     forced_tokens: int = 0  # > 0: a layer-preempted chunk that must resume with exactly this many
+    num_checkpointed_tokens: int = 0  # tokens whose KV is checkpointed in host memory (whole
+    # blocks; `CheckpointingEngine.checkpoint`)
+    is_released: bool = False  # swapped by `CheckpointingEngine.release`: its checkpoint is its KV
 
     @classmethod
     def of(cls, seq: SnapshotSource) -> SeqSnapshot:
@@ -362,4 +365,14 @@ class CheckpointingEngine(ControllableEngine, Protocol):
     def release(self, req_id: str) -> None:
         """Free a checkpointed running request's GPU blocks at once; it waits swapped with its
         checkpoint as its KV (`swap_in` copies it back; the tail past it is prefilled)."""
+        ...
+
+    @property
+    def checkpoint_capacity_bytes(self) -> int:
+        """Host memory for checkpoints in all, bytes (0: none)."""
+        ...
+
+    @property
+    def checkpoint_room_bytes(self) -> int:
+        """Host bytes the checkpoint budget still has."""
         ...

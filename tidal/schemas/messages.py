@@ -374,3 +374,35 @@ class CtlDrain(msgspec.Struct, frozen=True):
 
     instance_id: str
     undrain: bool = False
+
+
+class CtlPreempt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`tidal.inst.<id>.preempt` (JSON request/reply, from the scheduler or a person): free KV
+    on the instance now by preempting offline work at its next step boundary. Name the requests
+    (`req_ids`), or ask for `num_blocks` KV blocks and the instance picks offline victims
+    (checkpointed ones first, then the latest arrivals). Online work is never preempted."""
+
+    req_ids: list[str] = []  # these running offline requests
+    req_class: str = "offline"  # the class to preempt from; only "offline" is allowed
+    num_blocks: int = 0  # with no req_ids: free at least this many KV blocks, else nothing
+    swap: bool = False  # a victim without a checkpoint is swapped to host memory (nothing
+    # lost; for policies that swap requests back in) instead of recomputed
+
+
+class Preempted(msgspec.Struct, frozen=True):
+    """One request a `CtlPreempt` preempted."""
+
+    req_id: str
+    how: str  # "release" (checkpointed: blocks freed, no copy) | "swap" | "recompute"
+    tokens_lost: int  # tokens whose KV was dropped and will be computed again
+
+
+class CtlPreemptReply(msgspec.Struct, frozen=True):
+    """The answer to a `CtlPreempt`: what was freed, or why nothing was (`error`)."""
+
+    freed_blocks: int = 0  # KV blocks free after minus before
+    preempted: list[Preempted] = []
+    num_free_blocks: int = 0  # KV blocks free on the instance afterwards
+    free_ms: float = 0.0  # the signal's arrival -> the blocks free (the boundary wait included)
+    boundary_ms: float = 0.0  # of free_ms, the wait for the step boundary (the engine lock)
+    error: str = ""  # non-empty: nothing was preempted, and this says why

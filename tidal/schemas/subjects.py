@@ -78,6 +78,12 @@ def instance_control(instance_id: str) -> str:
     return f"{PREFIX}.inst.{check_token(instance_id, 'instance id')}.ctl"
 
 
+def instance_preempt(instance_id: str) -> str:
+    """Scheduler or operator -> instance: `CtlPreempt`, answered with `CtlPreemptReply` (JSON
+    request/reply)."""
+    return f"{PREFIX}.inst.{check_token(instance_id, 'instance id')}.preempt"
+
+
 def migrate_offer(instance_id: str) -> str:
     """Source -> target instance: `MigrateOffer` (request/reply)."""
     return f"{PREFIX}.mig.{check_token(instance_id, 'instance id')}.offer"

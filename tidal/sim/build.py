@@ -138,6 +138,7 @@ def simulate(
         batch_max_inflight=cfg.batch_max_inflight,
         handoff_delay_s=cfg.handoff_delay_ms / 1000,
         handout_s=cfg.handout_ms / 1000,
+        preempt_for_online=cfg.preempt_for_online,
         cpu=cpu,
         horizon_s=cfg.duration_s + cfg.drain_s,
         bin_s=cfg.bin_s,

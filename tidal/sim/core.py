@@ -32,6 +32,7 @@ from tidal.sim.apply import start_span
 from tidal.sim.batch_gate import BatchGate
 from tidal.sim.classes import ClassGate, hold
 from tidal.sim.integrity import check_invariants
+from tidal.sim.preempt_signal import PreemptSignals
 from tidal.sim.recorder import Recorder
 from tidal.sim.span import Span, finish_span
 from tidal.sim.transfers import Transfers
@@ -89,6 +90,7 @@ class Simulator:
         handoff_delay_s: float = 0.0,
         handout_s: float = 0.0,
         classes: ClassGate | None = None,
+        preempt_for_online: bool = False,
     ) -> None:
         if dispatch_s < 0 or dispatch_s_per_token < 0:
             raise ValueError("dispatch_s and dispatch_s_per_token must be >= 0")
@@ -118,6 +120,8 @@ class Simulator:
         # as waiting there meanwhile, as the live scheduler's view counts a routed one.
         self.handout_s = handout_s
         self._handout_until = [0.0] * len(setups)  # an idle instance starts nothing before
+        # an online request no instance has KV room for preempts offline work (`preempt_signal`)
+        self.signals = PreemptSignals() if preempt_for_online else None
         self.instances = [
             InstanceState(
                 instance_id=i,
@@ -275,6 +279,8 @@ class Simulator:
             )
         else:
             route = self.policy.route(r, self._view(now), now)
+        if self.signals is not None:
+            route = self.signals.route(r, route, self._view(now))
         if route.action is RouteAction.QUEUE:
             self._enqueue(r, route.instance_id, now)
         elif route.action is RouteAction.HOLD:
@@ -312,6 +318,8 @@ class Simulator:
                 self._start(inst, now)  # nothing to run: its policy may still ask for work
 
     def _start(self, inst: InstanceState, now: float) -> None:
+        if self.signals is not None:
+            self.signals.take(inst, self.reqs, now, self.rec)
         plan = self.policy.schedule(inst, now)
         if plan.is_empty:
             cpu = inst.cpu

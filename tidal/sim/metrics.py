@@ -142,6 +142,8 @@ def summarize(rec: Recorder, duration_s: float, policy: str, config: str) -> dic
             "checkpoint_tokens": rec.num_checkpoint_tokens,  # KV tokens copied to host
             "checkpoint_lost_tokens": rec.num_checkpoint_lost_tokens,  # past a checkpoint
             "restored_tokens": rec.num_restored_tokens,  # copied back from checkpoints
+            "preempt_signals": rec.num_preempt_signals,  # `preempt_for_online`, taken in
+            "preempt_signal_victims": rec.num_preempt_signal_victims,
             "migrations": rec.num_migrations,
             "migrations_refused": rec.num_migrations_refused,
             "kv_transfers": rec.num_kv_transfers,

@@ -4,7 +4,7 @@ the simulator (simulated: roofline step times, copies at --pcie-gb-per-s).
 
     tidal bench checkpoint [--requests 4] [--context 1024] [--decode 40] [--after 8]
                            [--model ""] [--sim-model qwen2.5-7b] [--sim-hardware a100-80gb]
-                           [--skip-engine] [--json PATH]
+                           [--skip-engine] [--live] [--json PATH]
 
 N offline requests with `--context`-token prompts decode `--decode` tokens, are preempted all at
 once, resume, and decode `--after` more; three ways to preempt:
@@ -15,7 +15,8 @@ once, resume, and decode `--after` more; three ways to preempt:
               prefills the tail past its last full block
 Per mode: a decode step before the preemption, the time from preemption to every block free,
 from resume to every request decoding again, KV tokens recomputed, host bytes held, and (engine)
-whether the greedy tokens equal an uninterrupted run.
+whether the greedy tokens equal an uninterrupted run. `--live`: the same preemption sent as the
+bus signal (`tidal.inst.<id>.preempt`) to a live torch instance (`live.py`).
 """
 
 from __future__ import annotations
@@ -75,8 +76,33 @@ def run(args: argparse.Namespace) -> int:
     for s in srows:
         print(_row(s, "simulated"))
     report["simulator"] = {"where": where, "modes": [dataclasses.asdict(s) for s in srows]}
+    if args.live:
+        report["live"] = _live(args, sc)
     save_json(args.json, report)
     return 0
+
+
+def _live(args: argparse.Namespace, sc: eng.Scenario) -> dict[str, Any]:
+    """The preempt signal on a live torch instance (`live.py`), with and without checkpoints."""
+    import asyncio
+
+    from tidal_bench.checkpoint import live
+
+    where = f"live torch instance ({args.model or 'embedded SmolLM2'}, {args.threads} threads)"
+    print(where + ": the preempt signal, measured")
+    figs = asyncio.run(
+        live.measure(
+            args.model, sc.num_requests, sc.context, sc.decode, sc.after, args.threads, args.dtype
+        )
+    )
+    for f in figs:
+        print(
+            f"  {f.mode:10s} {'/'.join(sorted(set(f.how)))}: free {f.free_ms:8.3f} ms "
+            f"({f.boundary_ms:.1f} of it to the step boundary)  "
+            f"{f.freed_blocks} blocks  recomputed {f.tokens_lost:6d} tok  "
+            f"all finished {f.finish_s:7.2f} s after the signal"
+        )
+    return {"where": where, "modes": [dataclasses.asdict(f) for f in figs]}
 
 
 def register(bench: argparse._SubParsersAction) -> None:
@@ -92,6 +118,11 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", help="the engine's dtype (greedy equality)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
     p.add_argument("--skip-engine", action="store_true", help="the simulator only")
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="also the preempt signal on a live torch instance over a local nats-server",
+    )
     p.add_argument("--sim-model", default="qwen2.5-7b", help="catalogue model (simulator)")
     p.add_argument("--sim-hardware", default="a100-80gb", help="catalogue GPU (simulator)")
     p.add_argument("--pcie-gb-per-s", type=float, default=25.0, help="host copies (simulator)")

@@ -168,3 +168,22 @@ def test_pd_places_decode_on_roomiest() -> None:
     r = make_request("n", insts[0], done=32, out=1)
     assert pol.place_decode(r, insts[0], cluster, 0.0) == 2
     assert pol.schedule(insts[0], 0.0).decode == ()  # prefill side never decodes
+
+
+def test_parked_offline_work_waits_for_the_blocks_an_online_prompt_needs() -> None:
+    # 10 blocks: an online prompt of 96 tokens half prefilled (3 blocks, 3 more to come), and
+    # a released offline request (64 tokens checkpointed, 5 blocks with its next) parked on host
+    inst = make_instance(blocks=10, chunk=64)
+    make_request("on", inst, prompt=96, done=48)
+    off = make_request("off", inst, prompt=60, done=0, online=False, waiting=True)
+    inst.waiting.remove(off)
+    inst.num_waiting_tokens = 0
+    off.phase, off.num_computed_tokens, off.num_output_tokens = Phase.SWAPPED, 64, 5
+    off.num_checkpointed_tokens, off.is_released = 64, True
+    inst.swapped.append(off)
+    inst.num_free_blocks = 6  # 5 for the swap-in + 3 for the prompt do not fit
+    plan = chunked_plan(inst, checkpoint=True)
+    assert plan.swap_in == () and plan.prefill == {"on": 48}
+    inst.num_free_blocks = 8  # both fit
+    plan = chunked_plan(inst, checkpoint=True)
+    assert plan.swap_in == ("off",) and plan.prefill["on"] == 48

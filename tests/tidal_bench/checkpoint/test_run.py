@@ -16,7 +16,7 @@ from tidal_bench.checkpoint import run as bench
 def args(tmp_path: Path, model: str, **kw: object) -> argparse.Namespace:
     base = dict(
         requests=2, context=40, decode=20, after=3, model=model, device="cpu",
-        dtype="float32", threads=1, skip_engine=False, sim_model="qwen2.5-7b",
+        dtype="float32", threads=1, skip_engine=False, live=False, sim_model="qwen2.5-7b",
         sim_hardware="a100-80gb", pcie_gb_per_s=25.0, json=str(tmp_path / "ckpt.json"),
     )  # fmt: skip
     return argparse.Namespace(**(base | kw))
@@ -48,3 +48,22 @@ def test_checkpoints_free_without_copying_and_recompute_only_tails(
 def test_bad_sizes_are_refused_with_a_message(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="--context must be >= 1"):
         bench.run(args(tmp_path, "", context=0, skip_engine=True))
+
+
+@pytest.mark.nats
+def test_live_the_signal_releases_checkpointed_work_and_recomputes_the_rest(
+    tiny_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    # 2 requests of 40-word prompts preempted after 20 decoded tokens, on a live instance
+    # (200 more after: a tiny model's request must not end before the signal reaches it)
+    a = args(tmp_path, str(tiny_dirs["llama"]), skip_engine=True, live=True, after=200)
+    assert bench.run(a) == 0
+    live = json.loads((tmp_path / "ckpt.json").read_text())["live"]
+    by = {m["mode"]: m for m in live["modes"]}
+    assert by["checkpoint"]["how"] == ["release", "release"]
+    assert by["recompute"]["how"] == ["recompute", "recompute"]
+    # a release loses under two blocks of 16 each; a recompute everything (>= 60 tokens each)
+    assert 0 <= by["checkpoint"]["tokens_lost"] < 2 * 32
+    assert by["recompute"]["tokens_lost"] >= 2 * 60 > by["checkpoint"]["tokens_lost"]
+    for m in by.values():
+        assert m["freed_blocks"] >= 2 * 3 and 0 <= m["boundary_ms"] <= m["free_ms"]

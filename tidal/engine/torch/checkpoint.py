@@ -56,6 +56,11 @@ class TorchCheckpointMixin:
         self.last_release_s: float | None = None  # last release: call to blocks freed, seconds
 
     @property
+    def checkpoint_capacity_bytes(self) -> int:
+        """Host memory for checkpoints in all, bytes (0: none)."""
+        return self.config.checkpoint_host_bytes
+
+    @property
     def checkpoint_room_bytes(self) -> int:
         """Host bytes the checkpoint budget still has."""
         return self.config.checkpoint_host_bytes - self.num_checkpoint_bytes

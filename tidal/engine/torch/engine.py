@@ -282,7 +282,17 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin, TorchCheckpo
 
     def snapshot(self) -> list[SeqSnapshot]:
         self._requeue_lost()  # the policy plans with what the workers still hold
-        return [SeqSnapshot.of(s) for s in self.seqs.values()]
+        return [self._snapshot_of(s) for s in self.seqs.values()]
+
+    @staticmethod
+    def _snapshot_of(seq: Sequence) -> SeqSnapshot:
+        snap = SeqSnapshot.of(seq)
+        if not seq.num_ckpt_tokens:
+            return snap
+        released = seq.status == SeqStatus.SWAPPED and seq.swapped_kv is None
+        return dataclasses.replace(
+            snap, num_checkpointed_tokens=seq.num_ckpt_tokens, is_released=released
+        )
 
     def num_free_blocks(self) -> int:
         return self.allocator.num_free

@@ -99,11 +99,15 @@ def chunked_plan(
     swap_in: list[str] = []
     pf: dict[str, int] = {}
     if decode and not dropped and not inst.pending_in:
+        # NOTE: parked offline work comes back only beside the blocks the online prompts here
+        # still need: else it takes them, the online prefill waits, and the next step evicts
+        # it again (a release and a swap-in every step, the online request never served).
+        online = _online_prefill_blocks(inst, running)
         for r in inst.swapped:
-            if slots <= 0 or tokens <= 0 or bb.cost(r, 1) > bb.free - reserve:
-                break
             left = r.num_prefill_left  # a released request: the tail its checkpoint lacked
             n = min(left, tokens)
+            if slots <= 0 or tokens <= 0 or bb.cost(r, max(n, 1)) > bb.free - reserve - online:
+                break
             if left and not bb.take(r, n):
                 break
             if not left:
@@ -155,6 +159,15 @@ def chunked_plan(
         swap_in=tuple(swap_in),
         max_repeat=repeat,
     )
+
+
+def _online_prefill_blocks(inst: InstanceState, running: list[ReqState]) -> int:
+    """Blocks the online prompts running or waiting here still need for their prefill."""
+    need = 0
+    for r in (*running, *inst.waiting):
+        if r.is_online and r.num_prefill_left:
+            need += max(0, inst.blocks_for(r.prefill_target) - r.num_blocks)
+    return need
 
 
 def _checkpoints(inst: InstanceState, running: list[ReqState], dec: set[str]) -> tuple[str, ...]:
