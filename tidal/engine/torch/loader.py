@@ -20,11 +20,14 @@ def load_torch_engine(
     model: str | None = None,
     device: str = "cpu",
     dtype: str | None = None,
+    bf16_weight_rows: int | None = None,
     **kwargs: Any,
 ) -> TorchEngine:
     """Load a model (None = the embedded SmolLM2-135M-Instruct GGUF; else an HF directory or a
     GGUF file) and build an engine, in `dtype` or (None) the one `choose_dtype` measures fastest
-    on this machine (`engine.dtype_choice` says which and why). `kwargs` are `EngineConfig`
+    on this machine (`engine.dtype_choice` says which and why). An fp32 model on CPU runs its
+    matmuls of up to `bf16_weight_rows` rows on bf16 weight copies (`small_rows`); None: as the
+    measured choice says (none with an explicit dtype). `kwargs` are `EngineConfig`
     fields, plus `model_name` and `planner`. Raises `ModelLoadError` (one line naming the path)
     for a missing/corrupt model."""
     from tidal.engine.torch.weights import EMBEDDED_NAME, build_model, embedded_model_path
@@ -46,6 +49,11 @@ def load_torch_engine(
             return choice.torch_dtype
 
         lm, tok = build_model(path, dev, measured)
+    rows = bf16_weight_rows
+    if rows is None:
+        rows = choice.bf16_weight_rows if choice is not None else 0
+    if rows and not lm.use_bf16_weights(rows):
+        log.info("no bf16 weight copies: only for an fp32 CPU model up to 4 GiB of weights")
     name = kwargs.pop("model_name", None) or (
         EMBEDDED_NAME if model is None else path.stem if path.is_file() else path.name
     )
