@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from tidal import envs
 from tidal.engine.torch.dtype_choice import DtypeChoice, choose_dtype
 from tidal.engine.torch.engine import TorchEngine
 from tidal.engine.torch.engine_config import EngineConfig
@@ -26,10 +27,10 @@ def load_torch_engine(
     """Load a model (None = the embedded SmolLM2-135M-Instruct GGUF; else an HF directory or a
     GGUF file) and build an engine, in `dtype` or (None) the one `choose_dtype` measures fastest
     on this machine (`engine.dtype_choice` says which and why). An fp32 model on CPU runs its
-    matmuls of up to `bf16_weight_rows` rows on bf16 weight copies (`small_rows`); None: as the
-    measured choice says (none with an explicit dtype). `kwargs` are `EngineConfig`
-    fields, plus `model_name` and `planner`. Raises `ModelLoadError` (one line naming the path)
-    for a missing/corrupt model."""
+    matmuls of up to `bf16_weight_rows` rows on bf16 weight copies (`small_rows`); None:
+    `TIDAL_BF16_WEIGHT_ROWS`, else as the measured choice says (none with an explicit dtype).
+    `kwargs` are `EngineConfig` fields, plus `model_name` and `planner`. Raises
+    `ModelLoadError` (one line naming the path) for a missing/corrupt model."""
     from tidal.engine.torch.weights import EMBEDDED_NAME, build_model, embedded_model_path
 
     path = embedded_model_path() if model is None else Path(model)
@@ -50,6 +51,8 @@ def load_torch_engine(
 
         lm, tok = build_model(path, dev, measured)
     rows = bf16_weight_rows
+    if rows is None and (env := envs.BF16_WEIGHT_ROWS.get()):
+        rows = int(env)
     if rows is None:
         rows = choice.bf16_weight_rows if choice is not None else 0
     if rows and not lm.use_bf16_weights(rows):

@@ -143,3 +143,13 @@ def test_smollm2_split_answers_as_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "Paris" in plain and split == plain
     for lg, ref in zip(split_logits, plain_logits, strict=True):
         assert (lg - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
+def test_the_env_sets_the_rows_over_the_choice(
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIDAL_BF16_WEIGHT_ROWS", "4")
+    small = make_engine("llama").model.small  # an explicit fp32: no choice, the env's rows
+    assert small is not None and small.max_rows == 4
+    monkeypatch.setenv("TIDAL_BF16_WEIGHT_ROWS", "0")
+    assert make_engine("llama").model.small is None
