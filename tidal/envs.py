@@ -48,7 +48,8 @@ NATIVE = EnvVar(
 BF16_WEIGHT_ROWS = EnvVar(
     "TIDAL_BF16_WEIGHT_ROWS",
     "",
-    "torch engine on CPU, fp32 model: matmuls of up to this many rows run on bf16 weight copies "
+    "torch engine on CPU, fp32 model of a measured (or TIDAL_DTYPE) dtype: matmuls of up to "
+    "this many rows run on bf16 weight copies "
     "(0: none); unset: as the dtype calibration measured",
 )
 CPU_ISA = EnvVar(

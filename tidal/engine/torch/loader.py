@@ -28,7 +28,8 @@ def load_torch_engine(
     GGUF file) and build an engine, in `dtype` or (None) the one `choose_dtype` measures fastest
     on this machine (`engine.dtype_choice` says which and why). An fp32 model on CPU runs its
     matmuls of up to `bf16_weight_rows` rows on bf16 weight copies (`small_rows`); None:
-    `TIDAL_BF16_WEIGHT_ROWS`, else as the measured choice says (none with an explicit dtype).
+    for a chosen dtype `TIDAL_BF16_WEIGHT_ROWS`, else the measured choice's (none for an
+    explicit dtype).
     `kwargs` are `EngineConfig` fields, plus `model_name` and `planner`. Raises
     `ModelLoadError` (one line naming the path) for a missing/corrupt model."""
     from tidal.engine.torch.weights import EMBEDDED_NAME, build_model, embedded_model_path
@@ -51,10 +52,9 @@ def load_torch_engine(
 
         lm, tok = build_model(path, dev, measured)
     rows = bf16_weight_rows
-    if rows is None and (env := envs.BF16_WEIGHT_ROWS.get()):
-        rows = int(env)
-    if rows is None:
-        rows = choice.bf16_weight_rows if choice is not None else 0
+    if rows is None and choice is not None:  # chosen here: the env var, else the measurement
+        env = envs.BF16_WEIGHT_ROWS.get()
+        rows = int(env) if env else choice.bf16_weight_rows
     if rows and not lm.use_bf16_weights(rows):
         log.info("no bf16 weight copies: only for an fp32 CPU model up to 4 GiB of weights")
     name = kwargs.pop("model_name", None) or (

@@ -148,8 +148,10 @@ def test_smollm2_split_answers_as_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_env_sets_the_rows_over_the_choice(
     make_engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("TIDAL_DTYPE", "float32")  # chosen by the env, not measured
     monkeypatch.setenv("TIDAL_BF16_WEIGHT_ROWS", "4")
-    small = make_engine("llama").model.small  # an explicit fp32: no choice, the env's rows
+    small = make_engine("llama", dtype=None).model.small
     assert small is not None and small.max_rows == 4
+    assert make_engine("llama").model.small is None  # an explicit dtype: explicit rows only
     monkeypatch.setenv("TIDAL_BF16_WEIGHT_ROWS", "0")
-    assert make_engine("llama").model.small is None
+    assert make_engine("llama", dtype=None).model.small is None
