@@ -37,7 +37,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from tidal.engine.torch.dtype_choice import choose_dtype
+    from tidal.engine.torch.dtype_choice import choose_dtype, weight_rows
     from tidal_bench.engine.measure import QWEN25_7B, copy_bandwidth
 
     console = Console()
@@ -73,7 +73,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "bf16_weight_rows": choice.bf16_weight_rows,
             "reason": choice.reason,
         }
-        if "auto" in dtypes and not args.dtype and not choice.bf16_weight_rows:
+        if "auto" in dtypes and not args.dtype and not weight_rows(choice):
             dtypes.remove("auto")  # the choice is one of the plain runs
         hf_seen: dict[str, dict[str, Any]] = {}  # torch dtype -> HF figures already measured
         prog.update(task, advance=1, description="copy bandwidth")

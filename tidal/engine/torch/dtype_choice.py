@@ -218,6 +218,13 @@ def measure_candidates(cfg: ModelConfig) -> DtypeChoice:
     return replace(choice, skipped=skipped, cpu=cpu_caps.probe().summary())
 
 
+def weight_rows(choice: DtypeChoice) -> int:
+    """The rows bf16 weight copies serve for this chosen dtype: `TIDAL_BF16_WEIGHT_ROWS` when
+    set, else the measured split."""
+    env = envs.BF16_WEIGHT_ROWS.get()
+    return int(env) if env else choice.bf16_weight_rows
+
+
 def choose_dtype(cfg: ModelConfig, device: torch.device, use_cache: bool = True) -> DtypeChoice:
     """The dtype the engine should run `cfg` in on `device` (see the module docstring)."""
     if env := envs.DTYPE.get():

@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from tidal import envs
-from tidal.engine.torch.dtype_choice import DtypeChoice, choose_dtype
+from tidal.engine.torch.dtype_choice import DtypeChoice, choose_dtype, weight_rows
 from tidal.engine.torch.engine import TorchEngine
 from tidal.engine.torch.engine_config import EngineConfig
 from tidal.engine.torch.model_config import ModelConfig
@@ -53,8 +52,7 @@ def load_torch_engine(
         lm, tok = build_model(path, dev, measured)
     rows = bf16_weight_rows
     if rows is None and choice is not None:  # chosen here: the env var, else the measurement
-        env = envs.BF16_WEIGHT_ROWS.get()
-        rows = int(env) if env else choice.bf16_weight_rows
+        rows = weight_rows(choice)
     if rows and not lm.use_bf16_weights(rows):
         log.info("no bf16 weight copies: only for an fp32 CPU model up to 4 GiB of weights")
     name = kwargs.pop("model_name", None) or (
