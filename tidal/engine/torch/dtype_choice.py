@@ -187,7 +187,8 @@ def decide(matmul_ms: dict[str, dict[str, float]], note: str = "") -> DtypeChoic
     pick = "bfloat16" if gm < 1 else "float32"
     rows = small_rows(ratios) if pick == "float32" else 0
     per = ", ".join(f"{r:.2f} at batch {b}" for b, r in ratios.items())
-    split = f", with bf16 weight copies for matmuls of up to {rows} rows" if rows else ""
+    split = f", with bf16 weight copies for matmuls of up to {rows} rows" if rows > 1 else ""
+    split = ", with bf16 weight copies for one-row matmuls" if rows == 1 else split
     reason = (
         f"measured: bf16 takes {per} of fp32's matmul time (geometric mean {gm:.2f}), so {pick}"
         f"{split}{note}"
