@@ -45,6 +45,13 @@ NATIVE = EnvVar(
     "1",
     "torch engine on CPU: 0 turns off the native decode kernels (built with g++ on first use)",
 )
+BF16_WEIGHT_ROWS = EnvVar(
+    "TIDAL_BF16_WEIGHT_ROWS",
+    "",
+    "torch engine on CPU, fp32 model of a measured (or TIDAL_DTYPE) dtype: matmuls of up to "
+    "this many rows run on bf16 weight copies "
+    "(0: none); unset: as the dtype calibration measured",
+)
 CPU_ISA = EnvVar(
     "TIDAL_CPU_ISA",
     "",
@@ -96,6 +103,7 @@ ALL = (
     DATA_DIR,
     DTYPE,
     NATIVE,
+    BF16_WEIGHT_ROWS,
     CPU_ISA,
     NATS_REPLICAS,
     SIM_KV_PAYLOAD_BYTES_PER_TOKEN,

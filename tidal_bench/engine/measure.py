@@ -248,7 +248,8 @@ def random_engine(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) ->
 
 
 def step_bytes(engine: TorchEngine, batch: int, ctx: int) -> int:
-    """Bytes one decode step must move: every weight once, plus each request's KV."""
+    """Bytes one decode step must move: every weight once (the bf16 copies where they serve
+    `batch` rows, `small_rows`), plus each request's KV."""
     mc = engine.model.config
     kv = 2 * mc.num_hidden_layers * mc.kv_size * engine.kv.element_size() * ctx * batch
-    return engine.model.weight_bytes() + kv
+    return engine.model.weight_bytes(rows=batch) + kv

@@ -13,6 +13,9 @@ to the engine being free during a long prefill (OOCO §3.4.1). Figures come from
 
 On CPU both fp32 and bf16 run, side by side (or only --dtype), and the report says which one the
 engine picks by default here and why (`tidal.engine.torch.dtype_choice`: measured, not by CPU flag).
+Where that choice is fp32 with bf16 weight copies for small-row matmuls (AVX2), it runs too, as
+`auto` (`--dtype auto` alone, or in a comma list); its roofline counts the bytes each batch
+reads (the bf16 copies where they serve). HF runs once per torch dtype: `auto` reuses fp32's.
 --profile adds where a batch-1 decode step's time goes, per phase (`phases`).
 On CPU the report also says what this CPU runs (`tidal.engine.torch.cpu_caps`): a CPU without
 AVX-512 (or `TIDAL_CPU_ISA=avx2`) runs bf16 on plain matmuls, not oneDNN-packed ones.
@@ -34,7 +37,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from tidal.engine.torch.dtype_choice import choose_dtype
+    from tidal.engine.torch.dtype_choice import choose_dtype, weight_rows
     from tidal_bench.engine.measure import QWEN25_7B, copy_bandwidth
 
     console = Console()
@@ -44,9 +47,9 @@ def run_bench(args: argparse.Namespace) -> int:
     batches = [int(x) for x in args.batches.split(",") if x]
     prefills = [int(x) for x in args.prefill.split(",") if x]
     if args.dtype:
-        dtypes = [args.dtype]
+        dtypes = [d for d in args.dtype.split(",") if d]
     else:  # both, side by side: the figures behind the engine's own choice
-        dtypes = ["bfloat16"] if device.type == "cuda" else ["float32", "bfloat16"]
+        dtypes = ["bfloat16"] if device.type == "cuda" else ["float32", "bfloat16", "auto"]
     res: dict[str, Any] = {"device": str(device), "threads": torch.get_num_threads(), "runs": {}}
     if device.type == "cpu":
         from tidal.engine.torch import cpu_caps
@@ -65,12 +68,21 @@ def run_bench(args: argparse.Namespace) -> int:
     with Progress(console=console, transient=True) as prog:
         task = prog.add_task("dtype choice", total=1 + steps * len(dtypes))
         choice = choose_dtype(cfg, device)
-        res["chosen"] = {"dtype": choice.dtype, "reason": choice.reason}
+        res["chosen"] = {
+            "dtype": choice.dtype,
+            "bf16_weight_rows": choice.bf16_weight_rows,
+            "reason": choice.reason,
+        }
+        if "auto" in dtypes and not args.dtype and not weight_rows(choice):
+            dtypes.remove("auto")  # the choice is one of the plain runs
+        hf_seen: dict[str, dict[str, Any]] = {}  # torch dtype -> HF figures already measured
         prog.update(task, advance=1, description="copy bandwidth")
         bw = copy_bandwidth(device)
         res["copy_bandwidth_gb_s"] = bw / 1e9
         for dt in dtypes:
-            res["runs"][dt] = _bench_dtype(args, cfg, dt, hf_dir, bw, batches, prefills, prog, task)
+            res["runs"][dt] = _bench_dtype(
+                args, cfg, dt, hf_dir, bw, batches, prefills, prog, task, hf_seen
+            )
     _report(console, res, batches, prefills)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
@@ -88,8 +100,10 @@ def _bench_dtype(
     prefills: list[int],
     prog: Any,
     task: Any,
+    hf_seen: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
-    """Every figure of one dtype: ours, HF's (same dtype, threads), roofline."""
+    """Every figure of one dtype ("auto": the engine's own choice): ours, HF's (same torch
+    dtype, threads; reused from `hf_seen` when that dtype's were measured), roofline."""
     import torch
 
     from tidal.engine.torch.loader import load_torch_engine
@@ -104,23 +118,29 @@ def _bench_dtype(
     from tidal_bench.engine.phases import profile_decode
 
     device = torch.device(args.device)
-    dt = getattr(torch, dtype)
     prog.update(task, advance=1, description=f"{dtype}: loading")
     if hf_dir is None:
-        engine = random_engine(cfg, device, dt)
+        engine = random_engine(cfg, device, getattr(torch, dtype))
     else:
         engine = load_torch_engine(
             args.model,
             device=args.device,
-            dtype=dtype,
+            dtype=None if dtype == "auto" else dtype,
             kv_cache_tokens=args.kv_tokens,
             max_num_seqs=256,
             token_budget=max([*prefills, 512]),
             chunk_size=max([*prefills, 512]),
         )
-    res: dict[str, Any] = {"model": engine.model_name, "dtype": dtype}
+    dt = engine.model.dtype
+    small = engine.model.small
+    res: dict[str, Any] = {
+        "model": engine.model_name,
+        "dtype": str(dt).removeprefix("torch."),
+        "bf16_weight_rows": 0 if small is None else small.max_rows,
+    }
     hf = None
-    if hf_dir is not None and not args.no_hf:
+    seen = hf_seen.get(res["dtype"])
+    if hf_dir is not None and not args.no_hf and seen is None:
         prog.update(task, description=f"{dtype}: loading HF transformers")
         hf = HFGenerate(hf_dir, dt, cfg.vocab_size)
     ctx = args.prompt_len + args.decode_steps // 2 + 2
@@ -151,8 +171,10 @@ def _bench_dtype(
         "roofline_decode_tokens_per_s": roof,
         "prefill_tokens_per_s": pre,
         "roofline_decode_step_ms": {str(b): 1e3 * step_bytes(engine, b, ctx) / bw for b in batches},
-        "hf": {"decode": hf_dec, "prefill": hf_pre},
+        "hf": seen or {"decode": hf_dec, "prefill": hf_pre},
     }
+    if hf is not None:
+        hf_seen[res["dtype"]] = res["hf"]
     prog.update(task, advance=1, description=f"{dtype}: preemption latency")
     plen = min(max([*prefills, 512]), engine.max_model_len - 1)
     res["preemption"] = preempt_latency(engine, plen) | {"prefill_tokens": plen}
@@ -197,6 +219,8 @@ def _report(console: Any, res: dict[str, Any], batches: list[int], prefills: lis
 
     for dt, r in runs.items():
         short = {"float32": "fp32", "bfloat16": "bf16"}.get(dt, dt)
+        if r.get("bf16_weight_rows"):
+            short = f"fp32+bf16≤{r['bf16_weight_rows']}"
         for b in batches:
             k = str(b)
             ours, theirs = r["decode_tokens_per_s"][k], r["hf"]["decode"].get(k)
@@ -251,7 +275,10 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cpu")
     p.add_argument(
-        "--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 and bf16)"
+        "--dtype",
+        default=None,
+        help="float32 | bfloat16 | float16 | auto, or a comma list (default: fp32, bf16, and auto"
+        " where the choice splits by rows)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes")

@@ -20,6 +20,7 @@ def test_bench_engine_reports_both_dtypes_and_the_choice(
 ) -> None:
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("TIDAL_DTYPE", raising=False)
+    monkeypatch.setenv("TIDAL_BF16_WEIGHT_ROWS", "0")  # no split: no third run
     parser = argparse.ArgumentParser()
     run._add_args(parser)
     out = tmp_path / "bench.json"
@@ -37,3 +38,25 @@ def test_bench_engine_reports_both_dtypes_and_the_choice(
     )
     text = capsys.readouterr().out
     assert "engine default dtype here" in text and "matmul gate_up" in text
+
+
+def test_bench_engine_auto_runs_the_split_beside_plain_fp32(
+    tiny_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TIDAL_DTYPE", "float32")
+    monkeypatch.setenv("TIDAL_BF16_WEIGHT_ROWS", "1")
+    parser = argparse.ArgumentParser()
+    run._add_args(parser)
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(tiny_dirs["llama"]), "--batches", "1,2", "--prefill", "16"]
+    argv += ["--rounds", "1", "--decode-steps", "2", "--prompt-len", "8", "--kv-tokens", "4096"]
+    args = parser.parse_args([*argv, "--dtype", "float32,auto", "--json", str(out)])
+    assert args.func(args) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {"float32", "auto"}
+    assert runs["float32"]["bf16_weight_rows"] == 0 and runs["auto"]["bf16_weight_rows"] == 1
+    assert runs["auto"]["dtype"] == "float32" and runs["auto"]["hf"] == runs["float32"]["hf"]
+    # the roofline counts the bytes read: bf16 copies at one row, fp32 weights at two
+    roof, plain = (runs[d]["roofline_decode_step_ms"] for d in ("auto", "float32"))
+    assert roof["1"] < 0.6 * plain["1"] and roof["2"] == plain["2"]

@@ -9,7 +9,13 @@ multi-row calls where `tidal.engine.torch.packed` applies), in fp32 and bf16 at 
 32 and at a prefill chunk's rows, on the threads set now, and picks the dtype with the lower
 geometric mean of the time ratios. The prefill shape matters where oneDNN cannot pack bf16
 (AVX2-only CPUs): there bf16 wins ~3x at batch 1 (half the bytes) but loses 2-4x in GEMMs, and
-over decode shapes alone the mean sat near 1 and flipped with noise. The weights are random, on
+over decode shapes alone the mean sat near 1 and flipped with noise.
+
+The choice is also per shape: where fp32 wins overall but bf16 takes under `SMALL_ROWS_RATIO` of
+fp32's time at every calibrated row count up to some r (on AVX2: batch 1, often 8), the fp32
+model runs its matmuls of up to r rows on bf16 weight copies (`bf16_weight_rows`, applied by
+`LlamaModel.use_bf16_weights`; `small_rows`). A bf16 pick has no such split (fp32 copies for
+large rows would be the mirror image; no CPU measured here wanted it). The weights are random, on
 enough layers to stream from memory rather than cache (up to `CALIBRATION_BYTES` of bf16). The
 choice is kept in `$TIDAL_CACHE_DIR` per CPU, torch version, thread count and model shape, so a
 restart (or a noisy moment) does not change it; `TIDAL_DTYPE` or an explicit dtype overrides it.
@@ -25,6 +31,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -43,17 +50,23 @@ PREFILL_ROWS = 128  # a prefill chunk's rows (compute-bound, as every larger chu
 BATCHES = (1, 8, 32, PREFILL_ROWS)
 CALIBRATION_BYTES = 96 << 20  # > a server CPU's last-level cache, so weights stream from DRAM
 MAX_CALIBRATED_PARAMS = 2_000_000_000  # above this, a calibration copy costs too much memory
+# bf16 weight copies serve a row count only where bf16 takes under this share of fp32's matmul
+# time there: the split costs memory and a bf16 rounding of each matmul's input and output, so a
+# near tie (or noise) does not buy it
+SMALL_ROWS_RATIO = 0.8
 
 
 @dataclass(frozen=True)
 class DtypeChoice:
     dtype: str  # "float32" | "bfloat16"
     reason: str
-    # dtype -> batch -> ms of the calibrated layers' matmuls (empty when nothing was measured)
+    # dtype -> batch -> best ms of the calibrated layers' matmuls (empty when none measured)
     matmul_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     # dtype -> why it was not measured here (its matmuls raised on this CPU)
     skipped: dict[str, str] = field(default_factory=dict)
     cpu: str = ""  # `CpuCaps.summary()` of the CPU it was measured on ("" when not measured)
+    # float32 only: matmuls of up to this many rows run on bf16 weight copies (0: none)
+    bf16_weight_rows: int = 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -73,10 +86,11 @@ def _layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     return [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
 
 
-def measure_matmuls(
-    cfg: ModelConfig, dtype: torch.dtype, batches: tuple[int, ...] = BATCHES, reps: int = 5
-) -> dict[str, float]:
-    """batch -> median ms of one pass over the calibration layers' matmuls."""
+def calibration_passes(
+    cfg: ModelConfig, dtype: torch.dtype, batches: tuple[int, ...] = BATCHES
+) -> dict[str, Callable[[], None]]:
+    """batch -> one pass over the calibration layers' matmuls in `dtype`, run once already
+    (first-call kernel setup, page faults; a dtype this CPU cannot run raises here)."""
     dev = torch.device("cpu")
     transposed, native = weight_layout(dev, dtype)
     shapes = _layer_shapes(cfg)
@@ -93,7 +107,7 @@ def measure_matmuls(
     # packed copies as `LlamaModel` makes them (multi-row calls run on them)
     pk = cpu_caps.can_pack(dev, dtype)
     packs = [[packed.pack(w) if pk else None for w in ws] for ws in layers]
-    out: dict[str, float] = {}
+    out: dict[str, Callable[[], None]] = {}
     for m in batches:
         xs = [torch.rand(m, a, generator=g).to(dtype) for a, _ in shapes]
 
@@ -102,14 +116,25 @@ def measure_matmuls(
                 for x, w, p in zip(xs, ws, ps, strict=True):
                     linear(x, w, None, transposed, native, p)
 
-        one_pass()  # warm-up: first-call kernel setup, page faults
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            one_pass()
-            times.append(time.perf_counter() - t0)
-        out[str(m)] = 1e3 * statistics.median(times)
+        one_pass()
+        out[str(m)] = one_pass
     return out
+
+
+def time_passes(
+    passes: dict[str, dict[str, Callable[[], None]]], reps: int = 5
+) -> dict[str, dict[str, float]]:
+    """dtype -> batch -> best ms of `reps` runs of its pass. The dtypes take turns at each
+    batch, so a burst of other load on a shared machine hits both, and the best run counts
+    (load only ever adds time): one-after-the-other medians flipped choices here."""
+    times: dict[str, dict[str, list[float]]] = {d: {b: [] for b in ps} for d, ps in passes.items()}
+    for b in next(iter(passes.values()), {}):
+        for _ in range(reps):
+            for d, ps in passes.items():
+                t0 = time.perf_counter()
+                ps[b]()
+                times[d][b].append(time.perf_counter() - t0)
+    return {d: {b: 1e3 * min(ts) for b, ts in tb.items()} for d, tb in times.items()}
 
 
 def _cache_key(cfg: ModelConfig) -> str:
@@ -127,7 +152,7 @@ def _cache_key(cfg: ModelConfig) -> str:
     caps = cpu_caps.probe().summary()
     raw = (
         f"{cpu}|{caps}|{torch.__version__}|{torch.get_num_threads()}|{shape}|packed {pk}"
-        f"|rows {BATCHES}"
+        f"|rows {BATCHES}|small rows {SMALL_ROWS_RATIO}"
     )
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
@@ -138,9 +163,21 @@ def _cache_path() -> Path:
     return cache_dir() / "dtype-choice.json"
 
 
+def small_rows(ratios: dict[str, float]) -> int:
+    """The largest calibrated row count r such that bf16 takes under `SMALL_ROWS_RATIO` of
+    fp32's time at every calibrated count up to r (0: not even at the smallest)."""
+    rows = 0
+    for b in sorted(ratios, key=int):
+        if ratios[b] >= SMALL_ROWS_RATIO:
+            break
+        rows = int(b)
+    return rows
+
+
 def decide(matmul_ms: dict[str, dict[str, float]], note: str = "") -> DtypeChoice:
     """bf16 or fp32 from measured times: the lower geometric mean of bf16/fp32 time ratios
-    (the one measured, if only one was); `note` ends the reason."""
+    (the one measured, if only one was), and for fp32 the rows bf16 copies serve
+    (`small_rows`); `note` ends the reason."""
     if len(matmul_ms) == 1:
         (pick,) = matmul_ms
         return DtypeChoice(pick, f"measured: only {pick} runs here{note}", matmul_ms)
@@ -148,27 +185,31 @@ def decide(matmul_ms: dict[str, dict[str, float]], note: str = "") -> DtypeChoic
     ratios = {b: bf[b] / fp[b] for b in fp}
     gm = math.exp(statistics.fmean(math.log(r) for r in ratios.values()))
     pick = "bfloat16" if gm < 1 else "float32"
+    rows = small_rows(ratios) if pick == "float32" else 0
     per = ", ".join(f"{r:.2f} at batch {b}" for b, r in ratios.items())
+    split = f", with bf16 weight copies for matmuls of up to {rows} rows" if rows > 1 else ""
+    split = ", with bf16 weight copies for one-row matmuls" if rows == 1 else split
     reason = (
         f"measured: bf16 takes {per} of fp32's matmul time (geometric mean {gm:.2f}), so {pick}"
-        f"{note}"
+        f"{split}{note}"
     )
-    return DtypeChoice(pick, reason, matmul_ms)
+    return DtypeChoice(pick, reason, matmul_ms, bf16_weight_rows=rows)
 
 
 def measure_candidates(cfg: ModelConfig) -> DtypeChoice:
     """Time every candidate this CPU runs and `decide`; the reason says which path bf16 took."""
-    measured: dict[str, dict[str, float]] = {}
+    passes: dict[str, dict[str, Callable[[], None]]] = {}
     skipped: dict[str, str] = {}
     for dt in CANDIDATES:
         try:
-            measured[_name(dt)] = measure_matmuls(cfg, dt)
+            passes[_name(dt)] = calibration_passes(cfg, dt)
         except RuntimeError as e:  # e.g. a torch build or CPU without this dtype's kernels
             if dt == torch.float32:
                 raise
             why = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             skipped[_name(dt)] = why
             log.info("dtype calibration: %s skipped, it cannot run here: %s", _name(dt), why)
+    measured = time_passes(passes)
     note = "".join(f"; {k} skipped: {v}" for k, v in skipped.items())
     bf = torch.bfloat16
     if _name(bf) in measured and not cpu_caps.can_pack(torch.device("cpu"), bf):
@@ -176,6 +217,13 @@ def measure_candidates(cfg: ModelConfig) -> DtypeChoice:
         note += f"; bf16 timed on plain matmuls (oneDNN bf16 packing off: {why})"
     choice = decide(measured, note)
     return replace(choice, skipped=skipped, cpu=cpu_caps.probe().summary())
+
+
+def weight_rows(choice: DtypeChoice) -> int:
+    """The rows bf16 weight copies serve for this chosen dtype: `TIDAL_BF16_WEIGHT_ROWS` when
+    set, else the measured split."""
+    env = envs.BF16_WEIGHT_ROWS.get()
+    return int(env) if env else choice.bf16_weight_rows
 
 
 def choose_dtype(cfg: ModelConfig, device: torch.device, use_cache: bool = True) -> DtypeChoice:
@@ -203,6 +251,7 @@ def choose_dtype(cfg: ModelConfig, device: torch.device, use_cache: bool = True)
                 c.get("matmul_ms", {}),
                 c.get("skipped", {}),
                 c.get("cpu", ""),
+                c.get("bf16_weight_rows", 0),
             )
     choice = measure_candidates(cfg)
     if use_cache:

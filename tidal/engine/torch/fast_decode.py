@@ -27,6 +27,7 @@ import torch
 from tidal.engine.torch import attention, packed
 from tidal.engine.torch.attention import AttnMeta, ForwardBatch
 from tidal.engine.torch.model_config import ModelConfig
+from tidal.engine.torch.small_rows import SmallRowWeights
 
 
 class DecodeModel(Protocol):
@@ -39,6 +40,7 @@ class DecodeModel(Protocol):
     cos: torch.Tensor
     sin_rot: torch.Tensor
     scale: float
+    small: SmallRowWeights | None
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor: ...
 
@@ -58,11 +60,22 @@ class NativeDecode:
         self.model, self.lib = model, lib
         self.H, self.Hk, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.hidden, self.eps = cfg.hidden_size, float(cfg.rms_norm_eps)
-        self.inter = model.layers[0].down.shape[1]
+        self.inter = cfg.intermediate_size
         self.qkv_width = cfg.q_size + 2 * cfg.kv_size
+        # a bf16 model, or an fp32 one with bf16 weight copies (`small_rows`): the matmuls'
+        # inputs and outputs are bf16 either way; residual, norms, RoPE tables and KV in the
+        # model's dtype, which picks the kernels (`_f32`: fp32 ones)
+        self.small = model.small if model.dtype == torch.float32 else None
+        if model.dtype == torch.float32 and self.small is None:
+            raise ValueError("an fp32 model decodes natively only with bf16 weight copies")
+        self.io = torch.bfloat16
+        sfx = "_f32" if self.small is not None else ""
+        self.add_rms_norm = getattr(lib, "tidal_add_rms_norm" + sfx)
+        self.rope_kv_write = getattr(lib, "tidal_rope_kv_write" + sfx)
+        self.decode_attention = getattr(lib, "tidal_decode_attention" + sfx)
 
         def buf(width: int) -> torch.Tensor:
-            return torch.empty(1, width, dtype=model.dtype, device=model.device)
+            return torch.empty(1, width, dtype=self.io, device=model.device)
 
         # one row: every matmul writes into these (ATen's GEMV, `torch.mm(..., out=)`)
         self.h, self.qkv, self.attn = buf(self.hidden), buf(self.qkv_width), buf(cfg.q_size)
@@ -73,8 +86,8 @@ class NativeDecode:
 
     def fits(self, batch: ForwardBatch) -> bool:
         """Whether every row of this step is a decode this path computes (else torch's path).
-        The model is a CPU bf16 one (`LlamaModel` builds this path only for those), whose
-        weights are (out, in) as HF has them (`llama.weight_layout`)."""
+        The model is a CPU bf16 one, whose weights are (out, in) as HF has them
+        (`llama.weight_layout`), or an fp32 one whose bf16 copies serve this many rows."""
         cfg = self.model.config
         if len(batch.groups) != 1 or batch.groups[0][0] != 0:
             return False  # rows resumed after a preemption start at a later layer
@@ -85,6 +98,7 @@ class NativeDecode:
             and cfg.num_attention_heads // cfg.num_key_value_heads <= _MAX_G
             and cfg.head_dim <= _MAX_D
             and batch.hidden.is_contiguous()
+            and (self.small is None or self.small.applies(n))
         )
 
     def run(
@@ -109,8 +123,8 @@ class NativeDecode:
         slot_map = batch.slot_mapping.contiguous()
         pos_p, slot_p = positions.data_ptr(), slot_map.data_ptr()
         cos_p, sin_p = model.cos.data_ptr(), model.sin_rot.data_ptr()
-        h = self.h if one else torch.empty(B, n, dtype=x.dtype)
-        act = self.act if one else torch.empty(B, self.inter, dtype=x.dtype)
+        h = self.h if one else torch.empty(B, n, dtype=self.io)
+        act = self.act if one else torch.empty(B, self.inter, dtype=self.io)
         xp, hp, actp = x.data_ptr(), h.data_ptr(), act.data_ptr()
         down: torch.Tensor | None = None
         L = len(model.layers)
@@ -118,24 +132,22 @@ class NativeDecode:
             in_norm, post_norm = self.norms[li]
             k_cache, v_cache = kv_views[li]
             kp, vp = k_cache.data_ptr(), v_cache.data_ptr()
-            lib.tidal_add_rms_norm(
-                xp, None if down is None else down.data_ptr(), in_norm, hp, B, n, eps
-            )
+            self.add_rms_norm(xp, None if down is None else down.data_ptr(), in_norm, hp, B, n, eps)
             qkv = self._mm(h, lay.qkv, self.qkv, lay.qkv_bias)
-            lib.tidal_rope_kv_write(
+            self.rope_kv_write(
                 qkv.data_ptr(), self.qkv_width, cos_p, sin_p, pos_p, kp, vp, slot_p, B, H, Hk, D
             )
             if native_attn:
                 attn = self.attn
-                lib.tidal_decode_attention(
+                self.decode_attention(
                     qkv.data_ptr(), kp, vp, ctx_p, start, T, H, Hk, D, model.scale,
                     self.scores.data_ptr(), attn.data_ptr(),
                 )  # fmt: skip
             else:
-                q = qkv[:, : H * D].view(B, H, D)
-                attn = attention.ATTENTION(q, k_cache, v_cache, meta, model.scale)
+                q = qkv[:, : H * D].view(B, H, D).to(model.dtype)
+                attn = attention.ATTENTION(q, k_cache, v_cache, meta, model.scale).to(self.io)
             o = self._mm(attn, lay.o, self.o)
-            lib.tidal_add_rms_norm(xp, o.data_ptr(), post_norm, hp, B, n, eps)
+            self.add_rms_norm(xp, o.data_ptr(), post_norm, hp, B, n, eps)
             gu = self._mm(h, lay.gate_up, self.gu)
             lib.tidal_silu_mul(gu.data_ptr(), actp, B, self.inter)
             down = self._mm(act, lay.down, self.down)
@@ -149,7 +161,10 @@ class NativeDecode:
     def _mm(
         self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, b: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x @ w.T (+ b): into `out` at one row (ATen's GEMV), else the model's packed GEMM."""
+        """x @ w.T (+ b): into `out` at one row (ATen's GEMV), else the model's packed GEMM;
+        on the bf16 copies where the model has them."""
+        if self.small is not None:
+            return self.small.linear(x, w, b, out=out)
         if x.shape[0] > 1:
             return self.model._linear(x, w, b)
         return packed.gemv_native(x, w, b, out=out)

@@ -12,7 +12,6 @@ the batch, so a layer runs on `x[:n_i]` without gathering.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,46 +24,11 @@ from tidal.engine.torch import attention, cpu_caps, native, packed
 from tidal.engine.torch.attention import ForwardBatch
 from tidal.engine.torch.fast_decode import NativeDecode
 from tidal.engine.torch.model_config import ModelConfig
+from tidal.engine.torch.rope import rope_inv_freq
+from tidal.engine.torch.small_rows import SmallRowWeights
 
 if TYPE_CHECKING:
     from tidal.engine.torch.piggyback import Piggyback
-
-
-def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (D/2,) and attention scaling for the config's RoPE variant."""
-    D, base, rs = config.head_dim, config.rope_theta, config.rope_scaling
-    inv = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
-    kind = config.rope_type
-    if kind == "linear":
-        return inv / float(rs["factor"]), 1.0
-    if kind == "llama3":
-        factor, lo, hi = (
-            float(rs["factor"]),
-            float(rs["low_freq_factor"]),
-            float(rs["high_freq_factor"]),
-        )
-        old = float(rs["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        inv_l = torch.where(wavelen > old / lo, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
-        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
-        return torch.where(medium, smoothed, inv_l), 1.0
-    if kind == "yarn":
-        factor = float(rs["factor"])
-        old = float(rs.get("original_max_position_embeddings") or config.max_position_embeddings)
-        fast, slow = float(rs.get("beta_fast", 32)), float(rs.get("beta_slow", 1))
-
-        def corr(rot: float) -> float:
-            return (D * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-        low, high = max(math.floor(corr(fast)), 0), min(math.ceil(corr(slow)), D - 1)
-        ramp = (torch.arange(D // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
-        extrap = 1 - ramp.clamp(0, 1)
-        inv = (inv / factor) * (1 - extrap) + inv * extrap
-        scale = float(rs.get("attention_factor") or (0.1 * math.log(factor) + 1.0))
-        return inv, scale
-    return inv, 1.0
 
 
 @dataclass
@@ -147,6 +111,8 @@ class LlamaModel:
                     down=lw(p + "mlp.down_proj.weight", key=f"tidal.{i}.down"),
                 )
             )
+        # bf16 copies for an fp32 model's small-row matmuls (`use_bf16_weights`)
+        self.small: SmallRowWeights | None = None
         # oneDNN-packed copies for multi-row matmuls, by id of the plain weight (`packed`); none
         # where this CPU's oneDNN refuses the dtype (no AVX-512: `cpu_caps`), F.linear then
         self.packed_w: dict[int, torch.Tensor] = {}
@@ -172,6 +138,21 @@ class LlamaModel:
             self.native_decode = NativeDecode(self, lib)
         self._kv_list: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    def use_bf16_weights(self, max_rows: int) -> bool:
+        """Run this fp32 CPU model's matmuls of up to `max_rows` rows on bf16 copies of its
+        matrices (`small_rows`), its decode steps of that many rows on the native kernels;
+        False (nothing changed) for another dtype or device, or past `PACK_MAX_BYTES`."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or max_rows < 1:
+            return False
+        if self.weight_bytes() > packed.PACK_MAX_BYTES:
+            return False
+        mats = [w for lay in self.layers for w in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+        biases = [lay.qkv_bias for lay in self.layers if lay.qkv_bias is not None]
+        self.small = SmallRowWeights(mats, biases, self.lm_head, self.transposed, max_rows)
+        if lib := native.load():
+            self.native_decode = NativeDecode(self, lib)
+        return True
+
     def fused_state(self) -> dict[str, torch.Tensor]:
         """Weights as this model holds them (fused, laid out), so a later load copies nothing."""
         out = {
@@ -193,13 +174,17 @@ class LlamaModel:
                 out[f"tidal.{i}.qkv_bias"] = lay.qkv_bias
         return out
 
-    def weight_bytes(self, with_lm_head: bool = True) -> int:
-        """Bytes of weights one decode step reads (the embedding gather is negligible)."""
-        n = sum(t.numel() * t.element_size() for lay in self.layers for t in lay.tensors())
-        n += self.norm.numel() * self.norm.element_size()
-        if with_lm_head:
-            n += self.lm_head.numel() * self.lm_head.element_size()
-        return n
+    def weight_bytes(self, with_lm_head: bool = True, rows: int = 0) -> int:
+        """Bytes of weights one decode step (of `rows` rows, when given) reads: the bf16 copies
+        where they serve that many rows (the embedding gather is negligible)."""
+        small = self.small if self.small is not None and self.small.applies(rows) else None
+
+        def nb(t: torch.Tensor) -> int:
+            c = t if small is None else small.copy_of(t)
+            return c.numel() * c.element_size()
+
+        n = sum(nb(t) for lay in self.layers for t in lay.tensors()) + nb(self.norm)
+        return n + (nb(self.lm_head) if with_lm_head else 0)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed.index_select(0, token_ids)  # (N, hidden)
@@ -333,6 +318,8 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, hidden) final-layer states -> (M, V) fp32 logits."""
         h = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        if self.small is not None and self.small.applies(h.shape[0]):
+            return self.small.logits(h)
         if self.lm_head_t is not None and h.shape[0] == 1:
             return torch.mm(h, self.lm_head_t).float()
         # NOTE: not `_linear`: the LM head keeps HF's (V, hidden) layout in every dtype
@@ -343,6 +330,8 @@ class LlamaModel:
     def _linear(
         self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if self.small is not None and self.small.applies(x.shape[0]):
+            return self.small.linear(x.to(self.small.dtype), w, b).to(self.dtype)
         return linear(x, w, b, self.transposed, self.gemv_native, self.packed_w.get(id(w)))
 
 

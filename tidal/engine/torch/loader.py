@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tidal.engine.torch.dtype_choice import DtypeChoice, choose_dtype
+from tidal.engine.torch.dtype_choice import DtypeChoice, choose_dtype, weight_rows
 from tidal.engine.torch.engine import TorchEngine
 from tidal.engine.torch.engine_config import EngineConfig
 from tidal.engine.torch.model_config import ModelConfig
@@ -20,13 +20,17 @@ def load_torch_engine(
     model: str | None = None,
     device: str = "cpu",
     dtype: str | None = None,
+    bf16_weight_rows: int | None = None,
     **kwargs: Any,
 ) -> TorchEngine:
     """Load a model (None = the embedded SmolLM2-135M-Instruct GGUF; else an HF directory or a
     GGUF file) and build an engine, in `dtype` or (None) the one `choose_dtype` measures fastest
-    on this machine (`engine.dtype_choice` says which and why). `kwargs` are `EngineConfig`
-    fields, plus `model_name` and `planner`. Raises `ModelLoadError` (one line naming the path)
-    for a missing/corrupt model."""
+    on this machine (`engine.dtype_choice` says which and why). An fp32 model on CPU runs its
+    matmuls of up to `bf16_weight_rows` rows on bf16 weight copies (`small_rows`); None:
+    for a chosen dtype `TIDAL_BF16_WEIGHT_ROWS`, else the measured choice's (none for an
+    explicit dtype).
+    `kwargs` are `EngineConfig` fields, plus `model_name` and `planner`. Raises
+    `ModelLoadError` (one line naming the path) for a missing/corrupt model."""
     from tidal.engine.torch.weights import EMBEDDED_NAME, build_model, embedded_model_path
 
     path = embedded_model_path() if model is None else Path(model)
@@ -46,6 +50,11 @@ def load_torch_engine(
             return choice.torch_dtype
 
         lm, tok = build_model(path, dev, measured)
+    rows = bf16_weight_rows
+    if rows is None and choice is not None:  # chosen here: the env var, else the measurement
+        rows = weight_rows(choice)
+    if rows and not lm.use_bf16_weights(rows):
+        log.info("no bf16 weight copies: only for an fp32 CPU model up to 4 GiB of weights")
     name = kwargs.pop("model_name", None) or (
         EMBEDDED_NAME if model is None else path.stem if path.is_file() else path.name
     )

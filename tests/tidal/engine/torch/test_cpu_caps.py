@@ -124,9 +124,9 @@ def test_calibration_under_forced_avx2_is_its_own_cache_entry(
 
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TIDAL_DTYPE", raising=False)
-    real = dtype_choice.measure_matmuls
+    real = dtype_choice.calibration_passes
     monkeypatch.setattr(
-        dtype_choice, "measure_matmuls", lambda cfg, dt: real(cfg, dt, batches=(1, 2), reps=1)
+        dtype_choice, "calibration_passes", lambda cfg, dt: real(cfg, dt, batches=(1, 2))
     )
     monkeypatch.delenv("TIDAL_CPU_ISA", raising=False)
     key_probed = dtype_choice._cache_key(TINY)
@@ -145,12 +145,12 @@ def test_a_dtype_that_cannot_run_is_skipped_with_the_reason(
 ) -> None:
     from tests.tidal.engine.torch.test_dtype_choice import TINY
 
-    def measure(cfg: Any, dt: torch.dtype) -> dict[str, float]:
+    def passes(cfg: Any, dt: torch.dtype) -> dict[str, Any]:
         if dt == torch.bfloat16:
             raise RuntimeError("\"addmm_impl_cpu_\" not implemented for 'BFloat16'")
-        return {"1": 1.0}
+        return {"1": lambda: None}
 
-    monkeypatch.setattr(dtype_choice, "measure_matmuls", measure)
+    monkeypatch.setattr(dtype_choice, "calibration_passes", passes)
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TIDAL_DTYPE", raising=False)
     choice = dtype_choice.choose_dtype(TINY, CPU)

@@ -33,19 +33,65 @@ def test_decide_picks_the_faster_dtype_by_geometric_mean() -> None:
     assert dc.decide(slow).dtype == "float32"
 
 
+def test_fp32_takes_bf16_weight_copies_for_the_rows_bf16_wins() -> None:
+    # AVX2 as measured here: bf16 GEMVs win at 1 and 8 rows, GEMMs lose at 32 and 128
+    avx2 = {
+        "float32": {"1": 30.0, "8": 40.0, "32": 60.0, "128": 200.0},
+        "bfloat16": {"1": 10.0, "8": 20.0, "32": 240.0, "128": 800.0},
+    }  # ratios 0.33, 0.5, 4, 4: geometric mean 1.15
+    c = dc.decide(avx2)
+    assert c.dtype == "float32" and c.bf16_weight_rows == 8
+    assert "with bf16 weight copies for matmuls of up to 8 rows" in c.reason
+    # a near tie at 8 rows (0.9 >= SMALL_ROWS_RATIO) stops the split at 1
+    tie = {**avx2, "bfloat16": {**avx2["bfloat16"], "8": 36.0}}
+    assert dc.decide(tie).bf16_weight_rows == 1
+    # the split is a prefix: no copies when the smallest row count is not clearly faster
+    assert dc.small_rows({"1": 0.85, "8": 0.5, "32": 4.0}) == 0
+    assert dc.small_rows({"1": 0.5, "8": 0.5, "32": 0.7, "128": 0.9}) == 32
+    # a bf16 pick runs everything in bf16 (AVX-512 as measured: 0.26-0.31 everywhere)
+    avx512 = {"float32": {"1": 30.0, "8": 40.0}, "bfloat16": {"1": 9.0, "8": 12.0}}
+    assert dc.decide(avx512).dtype == "bfloat16" and dc.decide(avx512).bf16_weight_rows == 0
+
+
+def test_the_split_is_cached_and_applied_by_the_loader(
+    make_engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TIDAL_DTYPE", raising=False)
+    table = {"float32": {"1": 3.0, "32": 6.0}, "bfloat16": {"1": 1.0, "32": 24.0}}
+    monkeypatch.setattr(dc, "calibration_passes", lambda cfg, dt: {})
+    monkeypatch.setattr(dc, "time_passes", lambda passes: table)
+    engine = make_engine("llama", dtype=None)
+    assert engine.dtype_choice is not None and engine.dtype_choice.bf16_weight_rows == 1
+    small = engine.model.small
+    assert engine.model.dtype == torch.float32 and small is not None and small.max_rows == 1
+    monkeypatch.setattr(dc, "time_passes", lambda passes: pytest.fail("measured again"))
+    cfg = engine.model.config
+    again = dc.choose_dtype(cfg, torch.device("cpu"))
+    assert again.bf16_weight_rows == 1 and again.reason.endswith("(cached)")
+
+
+def test_time_passes_interleaves_dtypes_and_keeps_the_best_run() -> None:
+    order: list[str] = []
+    passes = {d: {b: (lambda d=d, b=b: order.append(f"{d}{b}")) for b in ("1", "8")} for d in "fb"}
+    ms = dc.time_passes(passes, reps=2)
+    assert order == ["f1", "b1", "f1", "b1", "f8", "b8", "f8", "b8"]
+    assert set(ms) == {"f", "b"} and set(ms["f"]) == {"1", "8"}
+
+
 def test_choice_is_measured_once_then_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TIDAL_DTYPE", raising=False)
     calls: list[Any] = []
-    real = dc.measure_matmuls
+    real = dc.calibration_passes
 
-    def counted(cfg: ModelConfig, dtype: torch.dtype, *a: Any, **kw: Any) -> dict[str, float]:
+    def counted(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         calls.append(dtype)
-        return real(cfg, dtype, batches=(1, 2), reps=1)
+        return real(cfg, dtype, batches=(1, 2))
 
-    monkeypatch.setattr(dc, "measure_matmuls", counted)
+    monkeypatch.setattr(dc, "calibration_passes", counted)
     first = dc.choose_dtype(TINY, torch.device("cpu"))
     assert sorted(map(str, calls)) == ["torch.bfloat16", "torch.float32"]
     assert first.dtype in ("float32", "bfloat16") and set(first.matmul_ms) == {

@@ -42,6 +42,8 @@ _SIGNATURES = {
     "tidal_decode_attention": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P),
     "tidal_silu_mul": (_P, _P, _I, _I),
 }
+# the same kernels for an fp32 model with bf16 weight copies (fp32 residual, norms, KV)
+_SIGNATURES |= {f"{k}_f32": v for k, v in _SIGNATURES.items() if k != "tidal_silu_mul"}
 
 
 def cache_dir() -> Path:

@@ -24,6 +24,16 @@ inline uint16_t f2bf(float f) {  // round to nearest even, as torch's bf16 conve
 
 inline float rb(float f) { return bf2f(f2bf(f)); }  // the value after a bf16 round trip
 
+// The model dtype T (residual stream, norms, RoPE tables, KV cache): uint16_t for a bf16 model,
+// float for an fp32 model whose small-row matmuls run on bf16 weight copies (llama.py's
+// `use_bf16_weights`). The matmuls' inputs and outputs are bf16 either way.
+inline float ld(uint16_t u) { return bf2f(u); }
+inline float ld(float f) { return f; }
+template <typename T> inline T st(float f);
+template <> inline uint16_t st<uint16_t>(float f) { return f2bf(f); }
+template <> inline float st<float>(float f) { return f; }
+template <typename T> inline float rnd(float f) { return ld(st<T>(f)); }  // as a T op rounds
+
 // e^x, vectorisable where std::exp is not: 2^(x log2 e) split into an integer power and a
 // degree-5 minimax polynomial on [0, 1), relative error ~2e-7 (below the bf16 rounding of
 // SiLU's output and fp32 softmax's own rounding); x is clamped to [-87, 88].
@@ -44,8 +54,8 @@ inline float exp_approx(float x) {
 
 // One query row's attention (see tidal_decode_attention). DC > 0 fixes the head size at compile
 // time, so the per-token loops over it unroll fully (2x faster at 64, measured); DC = 0 reads D.
-template <int DC>
-void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+template <int DC, typename KV>
+void decode_attention(const uint16_t* q, const KV* k_cache, const KV* v_cache,
                       const int64_t* slots, int64_t start, int64_t T, int64_t H, int64_t Hk,
                       int64_t D_, float scale, float* scores, uint16_t* out) {
     const int64_t D = DC > 0 ? DC : D_;
@@ -58,8 +68,8 @@ void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t
             for (int64_t d = 0; d < D; ++d) qf[g][d] = bf2f(q[(kh * G + g) * D + d]) * scale;
         for (int64_t t = 0; t < T; ++t) {
             const int64_t s = slots != nullptr ? slots[t] : start + t;
-            const uint16_t* k = k_cache + (s * Hk + kh) * D;
-            for (int64_t d = 0; d < D; ++d) kf[d] = bf2f(k[d]);
+            const KV* k = k_cache + (s * Hk + kh) * D;
+            for (int64_t d = 0; d < D; ++d) kf[d] = ld(k[d]);
             for (int64_t g = 0; g < G; ++g) {
                 float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -84,8 +94,8 @@ void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t
         }
         for (int64_t t = 0; t < T; ++t) {
             const int64_t s = slots != nullptr ? slots[t] : start + t;
-            const uint16_t* v = v_cache + (s * Hk + kh) * D;
-            for (int64_t d = 0; d < D; ++d) kf[d] = bf2f(v[d]);
+            const KV* v = v_cache + (s * Hk + kh) * D;
+            for (int64_t d = 0; d < D; ++d) kf[d] = ld(v[d]);
             for (int64_t g = 0; g < G; ++g) {
                 const float p = scores[g * T + t];
 #pragma omp simd
@@ -97,57 +107,107 @@ void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t
     }
 }
 
-}  // namespace
-
-extern "C" {
-
-// For each of `rows` rows of n: x += delta (bf16 rounding, as torch's add_), then
-// h = rms_norm(x) * w computed in fp32 and rounded once (as F.rms_norm). delta may be null (no
-// residual to add first). All three are (rows, n) row-major.
-void tidal_add_rms_norm(uint16_t* x, const uint16_t* delta, const uint16_t* w, uint16_t* h,
-                        int64_t rows, int64_t n, float eps) {
+// For each of `rows` rows of n: x += delta (rounded to T, as torch's add_), then
+// h = rms_norm(x) * w computed in fp32 and rounded once to bf16 (as F.rms_norm, then the bf16
+// matmul's input). delta may be null (no residual to add first). All three are (rows, n).
+template <typename T>
+void add_rms_norm(T* x, const uint16_t* delta, const T* w, uint16_t* h, int64_t rows, int64_t n,
+                  float eps) {
     for (int64_t r = 0; r < rows; ++r, x += n, h += n) {
         if (delta != nullptr) {
-            for (int64_t i = 0; i < n; ++i) x[i] = f2bf(bf2f(x[i]) + bf2f(delta[i]));
+            for (int64_t i = 0; i < n; ++i) x[i] = st<T>(ld(x[i]) + bf2f(delta[i]));
             delta += n;
         }
         float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < n; ++i) {
-            const float v = bf2f(x[i]);
+            const float v = ld(x[i]);
             ss += v * v;
         }
         const float rs = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-        for (int64_t i = 0; i < n; ++i) h[i] = f2bf(bf2f(x[i]) * rs * bf2f(w[i]));
+        for (int64_t i = 0; i < n; ++i) h[i] = f2bf(ld(x[i]) * rs * ld(w[i]));
     }
+}
+
+// RoPE in place on each row's q and k heads of the bf16 qkv, rounding as llama.py's torch ops
+// do in T; k (rotated) and v go to the caches in T (see tidal_rope_kv_write).
+template <typename T>
+void rope_kv_write(uint16_t* qkv, int64_t stride, const T* cos_tab, const T* sin_tab,
+                   const int64_t* positions, T* k_cache, T* v_cache, const int64_t* slots,
+                   int64_t rows, int64_t H, int64_t Hk, int64_t D) {
+    const int64_t half = D / 2;
+    float tmp[512];
+    for (int64_t r = 0; r < rows; ++r) {
+        uint16_t* row = qkv + r * stride;
+        const T* cos = cos_tab + positions[r] * D;
+        const T* sin_rot = sin_tab + positions[r] * D;
+        T* k_out = k_cache + slots[r] * Hk * D;
+        for (int64_t h = 0; h < H + Hk; ++h) {
+            uint16_t* p = row + h * D;
+            for (int64_t d = 0; d < half; ++d)  // roll(p, D/2): the halves swap
+                tmp[d] = rnd<T>(bf2f(p[d]) * ld(cos[d])) + bf2f(p[d + half]) * ld(sin_rot[d]);
+            for (int64_t d = half; d < D; ++d)
+                tmp[d] = rnd<T>(bf2f(p[d]) * ld(cos[d])) + bf2f(p[d - half]) * ld(sin_rot[d]);
+            for (int64_t d = 0; d < D; ++d) p[d] = f2bf(tmp[d]);
+            if (h >= H)
+                for (int64_t d = 0; d < D; ++d) k_out[(h - H) * D + d] = st<T>(tmp[d]);
+        }
+        const uint16_t* v = row + (H + Hk) * D;
+        T* v_out = v_cache + slots[r] * Hk * D;
+        for (int64_t d = 0; d < Hk * D; ++d) v_out[d] = st<T>(bf2f(v[d]));
+    }
+}
+
+template <typename T>
+void attention(const uint16_t* q, const T* k_cache, const T* v_cache, const int64_t* slots,
+               int64_t start, int64_t T_, int64_t H, int64_t Hk, int64_t D, float scale,
+               float* scores, uint16_t* out) {
+    if (D == 64)
+        decode_attention<64>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, scale, scores, out);
+    else if (D == 128)
+        decode_attention<128>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, scale, scores, out);
+    else
+        decode_attention<0>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, scale, scores, out);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Each kernel comes twice: for a bf16 model (T = bf16, as uint16_t) and, suffixed _f32, for an
+// fp32 model whose small-row matmuls run on bf16 weight copies (T = float); the matmuls' inputs
+// and outputs (h, delta, qkv, attention out) are bf16 in both.
+
+// For each of `rows` rows of n: x += delta (rounded to T, as torch's add_), then
+// h = rms_norm(x) * w computed in fp32 and rounded once (as F.rms_norm). delta may be null (no
+// residual to add first). All three are (rows, n) row-major.
+void tidal_add_rms_norm(uint16_t* x, const uint16_t* delta, const uint16_t* w, uint16_t* h,
+                        int64_t rows, int64_t n, float eps) {
+    add_rms_norm<uint16_t>(x, delta, w, h, rows, n, eps);
+}
+void tidal_add_rms_norm_f32(float* x, const uint16_t* delta, const float* w, uint16_t* h,
+                            int64_t rows, int64_t n, float eps) {
+    add_rms_norm<float>(x, delta, w, h, rows, n, eps);
 }
 
 // For each of `rows` rows of the fused qkv (row r at qkv + r * stride: H + Hk heads of D, then
 // Hk heads of v): RoPE on its q and k heads in place at position positions[r],
-// qk = bf16(bf16(qk * cos) + roll(qk, D/2) * sin_rot) as llama.py's torch ops round (cos and
+// qk = bf16(T(qk * cos) + roll(qk, D/2) * sin_rot) as llama.py's torch ops round (cos and
 // sin_rot are (positions, D) tables); then its k and v go to the caches ((slots, Hk, D)) at
 // slots[r].
 void tidal_rope_kv_write(uint16_t* qkv, int64_t stride, const uint16_t* cos_tab,
                          const uint16_t* sin_tab, const int64_t* positions, uint16_t* k_cache,
                          uint16_t* v_cache, const int64_t* slots, int64_t rows, int64_t H,
                          int64_t Hk, int64_t D) {
-    const int64_t half = D / 2;
-    float tmp[512];
-    for (int64_t r = 0; r < rows; ++r) {
-        uint16_t* row = qkv + r * stride;
-        const uint16_t* cos = cos_tab + positions[r] * D;
-        const uint16_t* sin_rot = sin_tab + positions[r] * D;
-        for (int64_t h = 0; h < H + Hk; ++h) {
-            uint16_t* p = row + h * D;
-            for (int64_t d = 0; d < half; ++d)  // roll(p, D/2): the halves swap
-                tmp[d] = rb(bf2f(p[d]) * bf2f(cos[d])) + bf2f(p[d + half]) * bf2f(sin_rot[d]);
-            for (int64_t d = half; d < D; ++d)
-                tmp[d] = rb(bf2f(p[d]) * bf2f(cos[d])) + bf2f(p[d - half]) * bf2f(sin_rot[d]);
-            for (int64_t d = 0; d < D; ++d) p[d] = f2bf(tmp[d]);
-        }
-        std::memcpy(k_cache + slots[r] * Hk * D, row + H * D, Hk * D * sizeof(uint16_t));
-        std::memcpy(v_cache + slots[r] * Hk * D, row + (H + Hk) * D, Hk * D * sizeof(uint16_t));
-    }
+    rope_kv_write<uint16_t>(qkv, stride, cos_tab, sin_tab, positions, k_cache, v_cache, slots,
+                            rows, H, Hk, D);
+}
+void tidal_rope_kv_write_f32(uint16_t* qkv, int64_t stride, const float* cos_tab,
+                             const float* sin_tab, const int64_t* positions, float* k_cache,
+                             float* v_cache, const int64_t* slots, int64_t rows, int64_t H,
+                             int64_t Hk, int64_t D) {
+    rope_kv_write<float>(qkv, stride, cos_tab, sin_tab, positions, k_cache, v_cache, slots, rows,
+                         H, Hk, D);
 }
 
 // One query row's attention over T cached tokens: slots[t] when slots is not null, else
@@ -157,12 +217,13 @@ void tidal_rope_kv_write(uint16_t* qkv, int64_t stride, const uint16_t* cos_tab,
 void tidal_decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                             const int64_t* slots, int64_t start, int64_t T, int64_t H,
                             int64_t Hk, int64_t D, float scale, float* scores, uint16_t* out) {
-    if (D == 64)
-        decode_attention<64>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
-    else if (D == 128)
-        decode_attention<128>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
-    else
-        decode_attention<0>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
+    attention<uint16_t>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
+}
+void tidal_decode_attention_f32(const uint16_t* q, const float* k_cache, const float* v_cache,
+                                const int64_t* slots, int64_t start, int64_t T, int64_t H,
+                                int64_t Hk, int64_t D, float scale, float* scores,
+                                uint16_t* out) {
+    attention<float>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
 }
 
 // out = bf16(bf16(silu(g)) * u) for each of `rows` rows gu = [g | u] (2 * n), as
