@@ -122,26 +122,18 @@ def check_plan(plan: StepPlan, caps: EngineCapabilities, is_online: Callable[[st
             seen: set[str] = set()
             twice = [r for r in group if r in seen or seen.add(r)]  # type: ignore[func-returns-value]
             raise PlanRefused(RefusalReason.DUPLICATE, f"{_names(twice)} named twice")
-    for rid in plan.evicts:
-        try:
-            online = is_online(rid)
-        except KeyError:
-            raise PlanRefused(RefusalReason.UNKNOWN_REQUEST, f"{rid} is not here") from None
-        if online:
-            raise PlanRefused(
-                RefusalReason.ONLINE_EVICTION,
-                f"{rid} is online: online work is never recomputed, swapped or offloaded",
-            )
-    for rid in plan.checkpoint:
-        try:
-            online = is_online(rid)
-        except KeyError:
-            raise PlanRefused(RefusalReason.UNKNOWN_REQUEST, f"{rid} is not here") from None
-        if online:
-            raise PlanRefused(
-                RefusalReason.ONLINE_EVICTION,
-                f"{rid} is online: only offline work is checkpointed (and then released)",
-            )
+    offline_only = (
+        (plan.evicts, "online work is never recomputed, swapped or offloaded"),
+        (plan.checkpoint, "only offline work is checkpointed (and then released)"),
+    )
+    for rids, why in offline_only:
+        for rid in rids:
+            try:
+                online = is_online(rid)
+            except KeyError:
+                raise PlanRefused(RefusalReason.UNKNOWN_REQUEST, f"{rid} is not here") from None
+            if online:
+                raise PlanRefused(RefusalReason.ONLINE_EVICTION, f"{rid} is online: {why}")
     for rid, n in plan.prefill.items():
         if n < 1:
             raise PlanRefused(RefusalReason.BAD_CHUNK, f"prefill of {n} tokens for {rid}")

@@ -8,18 +8,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 import pytest
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 
 from services.common.bus import connect
 from services.instance import main as instance_main
 from tests.services.instance.migration_kit import (
     EngineKind,
+    Gateway,
     instance_args,
     sim_kind,
     torch_kind,
@@ -32,25 +31,14 @@ from tidal.schemas.messages import (
     GenerateAck,
     GenerateRequest,
     SamplingSpec,
-    TokenChunk,
 )
 
 pytestmark = pytest.mark.nats
 ONE_BY_ONE = ("--offline-chunk-tokens", "1")  # an offline request's tokens out at once
 
 
-@dataclass
-class Stream:
+class Stream(Gateway):
     """What one request's gateway subject receives."""
-
-    chunks: list[TokenChunk] = field(default_factory=list)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def on_chunk(self, msg: Msg) -> None:
-        chunk = codec.decode(msg.data, TokenChunk)
-        self.chunks.append(chunk)
-        if chunk.finish_reason:
-            self.done.set()
 
     @property
     def num_tokens(self) -> int:
