@@ -16,11 +16,11 @@ The rest is what the other CPU-dependent choices read instead of /proc/cpuinfo e
 
 `TIDAL_CPU_ISA=avx2` forces the answer for an AVX2-only CPU on any x86 machine (tests, and
 reproducing that CPU's paths here): no AVX-512 or AMX flags, no AVX-NE-CONVERT, no oneDNN
-bf16/fp16 packing (fp32 packing stays), kernels built without AVX-512. It can only take abilities away. For the
-libraries' own dispatch to follow, also set torch's `ATEN_CPU_CAPABILITY=avx2` (ATen's kernels;
-`isa` then reads "AVX2") and oneDNN's `ONEDNN_MAX_CPU_ISA=AVX2` (then the trial is refused for
-real, with torch's message): both are read once, at first use, so only a fresh process obeys
-them.
+bf16/fp16 packing (fp32 packing stays), kernels built without AVX-512. It can only take
+abilities away. For the libraries' own dispatch to follow, also set torch's
+`ATEN_CPU_CAPABILITY=avx2` (ATen's kernels; `isa` then reads "AVX2") and oneDNN's
+`ONEDNN_MAX_CPU_ISA=AVX2` (then the trial is refused for real, with torch's message): both are
+read once, at first use, so only a fresh process obeys them.
 """
 
 from __future__ import annotations

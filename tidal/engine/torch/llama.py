@@ -137,8 +137,9 @@ class LlamaModel:
         self._kv_of: torch.Tensor | None = None  # the KV pool `_kv_list` views
         # decode steps on native kernels (`fast_decode`), where they build and apply
         self.native_decode: NativeDecode | None = None
-        if device.type == "cpu" and dtype == torch.bfloat16 and (lib := native.load()):
-            self.native_decode = NativeDecode(self, lib)
+        if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
+            lib = native.load()
+            self.native_decode = NativeDecode(self, lib) if lib else None
         self._kv_list: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def use_bf16_weights(self, max_rows: int) -> bool:

@@ -36,6 +36,9 @@ def test_lone_decode_paths_match_hf(
     path: str,
 ) -> None:
     engine = make_engine("llama", chunk_size=7, token_budget=16)
+    engine.model.native_decode = (
+        None  # the torch path's attention (the native one: test_fast_decode)
+    )
     p = prompt(30, 11)
     engine.add(EngineRequest("a", p, greedy(8)))
     if path != "span":
