@@ -28,6 +28,7 @@ class AttnMeta:
     decode_slots: torch.Tensor | None  # (B, T) KV slots per decode row, padded
     decode_bias: torch.Tensor | None  # (B, 1, 1, T) 0 or -inf; None when no slot is padding
     decode_kv_rows: torch.Tensor | None = None  # (B*Hk*T,) rows of the (slots*Hk, D) cache view
+    decode_lens: torch.Tensor | None = None  # (B,) int64 on CPU: each decode row's context length
     # one decode row whose context is the slot range [start, start + T): attention reads the
     # cache in place, no gather (a lone stream's blocks are consecutive); decode_slots is None
     decode_span: tuple[int, int] | None = None

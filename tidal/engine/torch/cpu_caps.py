@@ -7,7 +7,8 @@ avx512bw, avx512vl and avx512dq`; fp16 needs avx512_fp16 or avx_ne_convert, so e
 refuses it). Asking whether oneDNN is enabled, as `can_pack` once did, says nothing about
 that, and neither does a CPU flag about what a given torch/oneDNN build accepts. So packing is
 asked of oneDNN itself: a one-time trial (pack a tiny weight, run one packed matmul) whose
-RuntimeError becomes the reason the engine runs plain matmuls instead.
+RuntimeError becomes the reason the engine runs plain matmuls instead. fp32 packs on any
+x86 oneDNN runs on (AVX2 included), so only where oneDNN is off or missing.
 
 The rest is what the other CPU-dependent choices read instead of /proc/cpuinfo each:
 `engine_config.default_dtype` (native bf16), the native kernels' build flags
@@ -15,11 +16,11 @@ The rest is what the other CPU-dependent choices read instead of /proc/cpuinfo e
 
 `TIDAL_CPU_ISA=avx2` forces the answer for an AVX2-only CPU on any x86 machine (tests, and
 reproducing that CPU's paths here): no AVX-512 or AMX flags, no AVX-NE-CONVERT, no oneDNN
-bf16/fp16 packing, kernels built without AVX-512. It can only take abilities away. For the
-libraries' own dispatch to follow, also set torch's `ATEN_CPU_CAPABILITY=avx2` (ATen's kernels;
-`isa` then reads "AVX2") and oneDNN's `ONEDNN_MAX_CPU_ISA=AVX2` (then the trial is refused for
-real, with torch's message): both are read once, at first use, so only a fresh process obeys
-them.
+bf16/fp16 packing (fp32 packing stays), kernels built without AVX-512. It can only take
+abilities away. For the libraries' own dispatch to follow, also set torch's
+`ATEN_CPU_CAPABILITY=avx2` (ATen's kernels; `isa` then reads "AVX2") and oneDNN's
+`ONEDNN_MAX_CPU_ISA=AVX2` (then the trial is refused for real, with torch's message): both are
+read once, at first use, so only a fresh process obeys them.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     once)."""
     return (
         device.type == "cpu"
-        and dtype in (torch.bfloat16, torch.float16)
+        and dtype in (torch.float32, torch.bfloat16, torch.float16)
         and torch.backends.mkldnn.is_available()
         and torch._C._get_mkldnn_enabled()
         and not pack_refusal(dtype)
@@ -135,7 +136,7 @@ def pack_refusal(dtype: torch.dtype) -> str:
         _pack_trial(dtype)
     except (RuntimeError, AttributeError) as e:  # AttributeError: a torch without the ops
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if not why and probe().forced == "avx2":
+    if not why and probe().forced == "avx2" and dtype != torch.float32:
         why = "TIDAL_CPU_ISA=avx2, as on an AVX2-only CPU (oneDNN needs AVX-512 or AVX-NE-CONVERT)"
     if why:
         name = str(dtype).removeprefix("torch.")

@@ -106,7 +106,7 @@ def calibration_passes(
     ]
     # packed copies as `LlamaModel` makes them (multi-row calls run on them)
     pk = cpu_caps.can_pack(dev, dtype)
-    packs = [[packed.pack(w) if pk else None for w in ws] for ws in layers]
+    packs = [[packed.pack(w.t() if transposed else w) if pk else None for w in ws] for ws in layers]
     out: dict[str, Callable[[], None]] = {}
     for m in batches:
         xs = [torch.rand(m, a, generator=g).to(dtype) for a, _ in shapes]

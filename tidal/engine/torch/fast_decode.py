@@ -10,10 +10,13 @@ work runs as three or four calls a layer into `tidal.engine.torch.native`; the m
     add+norm -> qkv matmul -> RoPE+KV write -> attention -> o matmul -> add+norm
     -> gate_up matmul -> SiLU*mul -> down matmul   (the next layer's add+norm adds its output)
 
-Attention is the native kernel for one row over up to `NATIVE_MAX_T` tokens, else the engine's
-`attention.ATTENTION` (batched matmuls over gathered KV; SDPA for a long lone context).
-`LlamaModel.forward_layers` takes this path when `NativeDecode.fits` says so; both paths compute
-the same values to bf16 rounding (the kernels round where the torch ops do).
+Attention is the native kernel, row by row over each row's own slots (no gathered copy of the
+batch's KV: at batch 32 the gather and the padded batched matmuls were half of a bf16 step), up
+to `NATIVE_MAX_T` tokens, else the engine's `attention.ATTENTION` (batched matmuls over gathered
+KV; SDPA for a long lone context). `LlamaModel.forward_layers` takes this path when
+`NativeDecode.fits` says so; both paths compute the same values to the model dtype's rounding
+(the kernels round where the torch ops do). A bf16 model runs bf16 matmul inputs and outputs; an
+fp32 model fp32 ones (`_f32io` kernels), or bf16 on the rows its bf16 weight copies serve.
 """
 
 from __future__ import annotations
@@ -52,6 +55,28 @@ NATIVE_MAX_T = 8192
 _MAX_G, _MAX_D = 8, 256  # the kernels' stack buffers
 
 
+class Kernels:
+    """One IO dtype's kernels (the matmuls' inputs and outputs) and its one-row buffers."""
+
+    def __init__(self, lib: ctypes.CDLL, sfx: str, io: torch.dtype, model: DecodeModel) -> None:
+        cfg = model.config
+        self.io = io
+        self.add_rms_norm = getattr(lib, "tidal_add_rms_norm" + sfx)
+        self.rope_kv_write = getattr(lib, "tidal_rope_kv_write" + sfx)
+        self.decode_attention = getattr(lib, "tidal_decode_attention" + sfx)
+        self.attention_rows = getattr(lib, "tidal_decode_attention_rows" + sfx)
+        self.silu_mul = getattr(lib, "tidal_silu_mul" + ("_f32io" if sfx == "_f32io" else ""))
+
+        def buf(width: int) -> torch.Tensor:
+            return torch.empty(1, width, dtype=io, device=model.device)
+
+        # one row: every matmul writes into these (ATen's GEMV, `torch.mm(..., out=)`)
+        self.h, self.qkv = buf(cfg.hidden_size), buf(cfg.q_size + 2 * cfg.kv_size)
+        self.attn, self.o = buf(cfg.q_size), buf(cfg.hidden_size)
+        self.gu, self.act = buf(2 * cfg.intermediate_size), buf(cfg.intermediate_size)
+        self.down = buf(cfg.hidden_size)
+
+
 class NativeDecode:
     """Weight pointers and one-row buffers for one model's decode steps."""
 
@@ -62,32 +87,24 @@ class NativeDecode:
         self.hidden, self.eps = cfg.hidden_size, float(cfg.rms_norm_eps)
         self.inter = cfg.intermediate_size
         self.qkv_width = cfg.q_size + 2 * cfg.kv_size
-        # a bf16 model, or an fp32 one with bf16 weight copies (`small_rows`): the matmuls'
-        # inputs and outputs are bf16 either way; residual, norms, RoPE tables and KV in the
-        # model's dtype, which picks the kernels (`_f32`: fp32 ones)
-        self.small = model.small if model.dtype == torch.float32 else None
-        if model.dtype == torch.float32 and self.small is None:
-            raise ValueError("an fp32 model decodes natively only with bf16 weight copies")
-        self.io = torch.bfloat16
-        sfx = "_f32" if self.small is not None else ""
-        self.add_rms_norm = getattr(lib, "tidal_add_rms_norm" + sfx)
-        self.rope_kv_write = getattr(lib, "tidal_rope_kv_write" + sfx)
-        self.decode_attention = getattr(lib, "tidal_decode_attention" + sfx)
-
-        def buf(width: int) -> torch.Tensor:
-            return torch.empty(1, width, dtype=self.io, device=model.device)
-
-        # one row: every matmul writes into these (ATen's GEMV, `torch.mm(..., out=)`)
-        self.h, self.qkv, self.attn = buf(self.hidden), buf(self.qkv_width), buf(cfg.q_size)
-        self.o, self.gu = buf(self.hidden), buf(2 * self.inter)
-        self.act, self.down = buf(self.inter), buf(self.hidden)
+        # residual, norms, RoPE tables and KV in the model's dtype; the matmuls' inputs and
+        # outputs in theirs: a bf16 model's bf16 (plain kernels), an fp32 one's fp32 (`_f32io`)
+        # and, for the rows its bf16 weight copies serve (`small_rows`), bf16 (`_f32`)
+        fp32 = model.dtype == torch.float32
+        self.small = model.small if fp32 else None
+        self.full = (
+            Kernels(lib, "_f32io", torch.float32, model)
+            if fp32
+            else Kernels(lib, "", torch.bfloat16, model)
+        )
+        self.split = None if self.small is None else Kernels(lib, "_f32", torch.bfloat16, model)
         self.scores = torch.empty(_MAX_G * NATIVE_MAX_T, dtype=torch.float32)
         self.norms = [(lay.in_norm.data_ptr(), lay.post_norm.data_ptr()) for lay in model.layers]
 
     def fits(self, batch: ForwardBatch) -> bool:
         """Whether every row of this step is a decode this path computes (else torch's path).
         The model is a CPU bf16 one, whose weights are (out, in) as HF has them
-        (`llama.weight_layout`), or an fp32 one whose bf16 copies serve this many rows."""
+        (`llama.weight_layout`), or an fp32 one ((in, out), bf16 copies for small rows)."""
         cfg = self.model.config
         if len(batch.groups) != 1 or batch.groups[0][0] != 0:
             return False  # rows resumed after a preemption start at a later layer
@@ -98,7 +115,6 @@ class NativeDecode:
             and cfg.num_attention_heads // cfg.num_key_value_heads <= _MAX_G
             and cfg.head_dim <= _MAX_D
             and batch.hidden.is_contiguous()
-            and (self.small is None or self.small.applies(n))
         )
 
     def run(
@@ -109,48 +125,57 @@ class NativeDecode:
     ) -> int:
         """Every layer on `batch.hidden` in place; returns how many layers ran (all of them
         unless `should_stop()` turned true at a layer boundary)."""
-        lib, model = self.lib, self.model
+        model = self.model
         H, Hk, D, n, eps = self.H, self.Hk, self.D, self.hidden, self.eps
         x = batch.hidden
         B = x.shape[0]
         meta = batch.groups[0][2]
+        split = self.small is not None and self.small.applies(B)
+        k = self.split if split and self.split is not None else self.full
         one = B == 1
         ctx = _context(meta) if one else None
-        native_attn = ctx is not None and ctx[1] <= NATIVE_MAX_T
         start, T, slots = ctx if ctx is not None else (0, 0, None)
         ctx_p = slots.data_ptr() if slots is not None else None
+        rows = None if one else _rows(meta)  # (slots (B, Tmax), lens (B,)) of a batch
+        native_attn = (ctx is not None and T <= NATIVE_MAX_T) or rows is not None
         positions = batch.positions.contiguous()
         slot_map = batch.slot_mapping.contiguous()
         pos_p, slot_p = positions.data_ptr(), slot_map.data_ptr()
         cos_p, sin_p = model.cos.data_ptr(), model.sin_rot.data_ptr()
-        h = self.h if one else torch.empty(B, n, dtype=self.io)
-        act = self.act if one else torch.empty(B, self.inter, dtype=self.io)
-        xp, hp, actp = x.data_ptr(), h.data_ptr(), act.data_ptr()
+        h = k.h if one else torch.empty(B, n, dtype=k.io)
+        act = k.act if one else torch.empty(B, self.inter, dtype=k.io)
+        attn = k.attn if one else torch.empty(B, H * D, dtype=k.io)
+        xp, hp, actp, attn_p = x.data_ptr(), h.data_ptr(), act.data_ptr(), attn.data_ptr()
         down: torch.Tensor | None = None
         L = len(model.layers)
         for li, lay in enumerate(model.layers):
             in_norm, post_norm = self.norms[li]
             k_cache, v_cache = kv_views[li]
             kp, vp = k_cache.data_ptr(), v_cache.data_ptr()
-            self.add_rms_norm(xp, None if down is None else down.data_ptr(), in_norm, hp, B, n, eps)
-            qkv = self._mm(h, lay.qkv, self.qkv, lay.qkv_bias)
-            self.rope_kv_write(
+            k.add_rms_norm(xp, None if down is None else down.data_ptr(), in_norm, hp, B, n, eps)
+            qkv = self._mm(h, lay.qkv, k.qkv, lay.qkv_bias, split)
+            k.rope_kv_write(
                 qkv.data_ptr(), self.qkv_width, cos_p, sin_p, pos_p, kp, vp, slot_p, B, H, Hk, D
             )
-            if native_attn:
-                attn = self.attn
-                self.decode_attention(
+            if rows is not None:
+                slots_b, lens = rows
+                k.attention_rows(
+                    qkv.data_ptr(), self.qkv_width, kp, vp, slots_b.data_ptr(), lens.data_ptr(),
+                    slots_b.shape[1], B, H, Hk, D, model.scale, self.scores.data_ptr(), attn_p,
+                )  # fmt: skip
+            elif native_attn:
+                k.decode_attention(
                     qkv.data_ptr(), kp, vp, ctx_p, start, T, H, Hk, D, model.scale,
-                    self.scores.data_ptr(), attn.data_ptr(),
+                    self.scores.data_ptr(), attn_p,
                 )  # fmt: skip
             else:
                 q = qkv[:, : H * D].view(B, H, D).to(model.dtype)
-                attn = attention.ATTENTION(q, k_cache, v_cache, meta, model.scale).to(self.io)
-            o = self._mm(attn, lay.o, self.o)
-            self.add_rms_norm(xp, o.data_ptr(), post_norm, hp, B, n, eps)
-            gu = self._mm(h, lay.gate_up, self.gu)
-            lib.tidal_silu_mul(gu.data_ptr(), actp, B, self.inter)
-            down = self._mm(act, lay.down, self.down)
+                attn = attention.ATTENTION(q, k_cache, v_cache, meta, model.scale).to(k.io)
+            o = self._mm(attn, lay.o, k.o, None, split)
+            k.add_rms_norm(xp, o.data_ptr(), post_norm, hp, B, n, eps)
+            gu = self._mm(h, lay.gate_up, k.gu, None, split)
+            k.silu_mul(gu.data_ptr(), actp, B, self.inter)
+            down = self._mm(act, lay.down, k.down, None, split)
             if should_stop is not None and li + 1 < L and should_stop():
                 x += down
                 return li + 1
@@ -159,15 +184,35 @@ class NativeDecode:
         return L
 
     def _mm(
-        self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, b: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        out: torch.Tensor,
+        b: torch.Tensor | None,
+        split: bool,
     ) -> torch.Tensor:
-        """x @ w.T (+ b): into `out` at one row (ATen's GEMV), else the model's packed GEMM;
-        on the bf16 copies where the model has them."""
-        if self.small is not None:
+        """x @ w.T (+ b): on the bf16 copies where they serve these rows (`split`); else into
+        `out` at one row (ATen's GEMV, on (in, out) fp32 matrices a plain mm), and the model's
+        packed GEMM for more."""
+        if split:
+            assert self.small is not None
             return self.small.linear(x, w, b, out=out)
         if x.shape[0] > 1:
             return self.model._linear(x, w, b)
+        if self.model.dtype == torch.float32:  # (in, out): `llama.weight_layout`
+            return torch.mm(x, w, out=out) if b is None else torch.addmm(b, x, w, out=out)
         return packed.gemv_native(x, w, b, out=out)
+
+
+def _rows(meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(slots (B, Tmax), lens (B,)) of a batch of decode rows the native kernel can attend, or
+    None (the torch path's attention then)."""
+    slots, lens = meta.decode_slots, meta.decode_lens
+    if slots is None or lens is None or slots.shape[1] > NATIVE_MAX_T:
+        return None
+    if slots.dtype != torch.int64 or lens.dtype != torch.int64 or slots.device.type != "cpu":
+        return None
+    return slots.contiguous(), lens.contiguous()
 
 
 def _context(meta: AttnMeta) -> tuple[int, int, torch.Tensor | None] | None:

@@ -1,4 +1,4 @@
-"""oneDNN-packed copies of the weight matrices for multi-row matmuls on CPU (bf16/fp16).
+"""oneDNN-packed copies of the weight matrices for multi-row matmuls on CPU (fp32, bf16, fp16).
 
 `F.linear` on a plain (out, in) bf16 weight makes oneDNN reorder the weight into its blocked
 GEMM layout on every call: at SmolLM2's sizes that reorder is most of a batch-8..64 matmul.
@@ -11,6 +11,9 @@ count (the packing's batch hint only picks the blocking).
 Not every CPU can: oneDNN packs bf16 only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT (fp16 with
 AVX512-FP16 or AVX-NE-CONVERT), so `cpu_caps.can_pack` says whether to (a one-time trial of
 these ops); where it is refused, multi-row matmuls run on the plain weight (`F.linear`).
+fp32 packs on AVX2 too, where it gains most: an fp32 model's (in, out) matrices, which serve
+its one-row GEMVs (`llama.weight_layout`), are packed from their transpose, 1.3-2x faster than
+either plain layout at 8-128 rows (docs/engine.md).
 
 One-row matmuls keep ATen's native GEMV on the plain weight (faster still at batch 1, see
 `llama.weight_layout`), so both copies are kept: weights take twice the memory, which is why

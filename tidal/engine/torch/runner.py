@@ -248,6 +248,7 @@ class StepRunner:
             kv_rows = slots[:, None, :] * Hk + torch.arange(Hk)[None, :, None]  # (B, Hk, T)
             meta.decode_slots = slots.to(dev)
             meta.decode_kv_rows = kv_rows.reshape(-1).to(dev)
+            meta.decode_lens = ctx
             if bool(pad.any()):
                 bias = torch.zeros(pad.shape).masked_fill(pad, float("-inf"))
                 meta.decode_bias = bias.to(dev, self.model.dtype)[:, None, None, :]

@@ -63,6 +63,7 @@ def test_forced_avx2_takes_avx512_amx_and_bf16_packing_away(
     lines = [r.getMessage() for r in caplog.records if "packing off" in r.getMessage()]
     assert lines == [f"oneDNN bfloat16 packing off: {why}; plain matmuls"]  # once
     assert default_dtype(CPU) == torch.float32
+    assert cpu_caps.can_pack(CPU, torch.float32)  # oneDNN packs fp32 on AVX2
     if caps.is_x86:
         assert native.arch_flag_choices(caps)[0] == ("-march=native", "-mno-avx512f")
 
@@ -86,17 +87,19 @@ def test_a_refused_trial_turns_packing_off(
     assert [r.getMessage() for r in caplog.records] == [
         f"oneDNN bfloat16 packing off: {REFUSAL}; plain matmuls"
     ]
-    assert not cpu_caps.can_pack(CPU, torch.float32)  # fp32 never packs: no trial, no refusal
+    assert not cpu_caps.can_pack(CPU, torch.float32)  # fp32's trial is refused the same way
 
 
-def test_a_bf16_engine_without_packing_decodes_as_the_packed_one(
-    make_engine: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_an_engine_without_packing_decodes_as_the_packed_one(
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch, dtype: str
 ) -> None:
-    # the packed GEMM gives F.linear's numbers, so the plain path must give the same tokens
+    # the packed GEMM gives F.linear's numbers (bf16: exactly; fp32: to rounding, and a greedy
+    # decode's argmax does not move), so the plain path must give the same tokens
     prompts = {"a": prompt(20, 31), "b": prompt(9, 32)}
 
     def run() -> tuple[dict[str, list[int]], int]:
-        engine = make_engine("qwen2", dtype="bfloat16")
+        engine = make_engine("qwen2", dtype=dtype)
         toks: dict[str, list[int]] = {r: [] for r in prompts}
         for rid, p in prompts.items():  # decoded together: multi-row matmuls
             engine.add(EngineRequest(rid, p, greedy(6)))
@@ -106,7 +109,7 @@ def test_a_bf16_engine_without_packing_decodes_as_the_packed_one(
         return toks, len(engine.model.packed_w)
 
     got_default, num_packed = run()
-    assert (num_packed > 0) == (not cpu_caps.pack_refusal(torch.bfloat16))
+    assert (num_packed > 0) == (not cpu_caps.pack_refusal(getattr(torch, dtype)))
 
     def refuse(w: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(REFUSAL)

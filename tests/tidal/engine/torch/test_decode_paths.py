@@ -36,6 +36,9 @@ def test_lone_decode_paths_match_hf(
     path: str,
 ) -> None:
     engine = make_engine("llama", chunk_size=7, token_budget=16)
+    engine.model.native_decode = (
+        None  # the torch path's attention (the native one: test_fast_decode)
+    )
     p = prompt(30, 11)
     engine.add(EngineRequest("a", p, greedy(8)))
     if path != "span":
@@ -116,12 +119,20 @@ def test_bf16_packed_matmul_is_exact() -> None:
         assert torch.equal(got, torch.nn.functional.linear(x, w, b))
 
 
-def test_engine_packs_bf16_weights_only(make_engine: Any) -> None:
+def test_engine_packs_its_weights_where_onednn_takes_the_dtype(make_engine: Any) -> None:
     bf = make_engine("llama", dtype="bfloat16").model
+    n_mats = 4 * bf.config.num_hidden_layers + 1  # qkv, o, gate_up, down a layer; LM head
     if cpu_caps.pack_refusal(torch.bfloat16):  # the fallback: plain weights, F.linear
         assert bf.packed_w == {} and not cpu_caps.can_pack(bf.device, torch.bfloat16)
     else:
-        n_mats = 4 * bf.config.num_hidden_layers + 1  # qkv, o, gate_up, down a layer; LM head
         assert len(bf.packed_w) == n_mats
         assert id(bf.layers[0].gate_up) in bf.packed_w and id(bf.lm_head) in bf.packed_w
-    assert make_engine("llama", dtype="float32").model.packed_w == {}
+    # fp32 packs on AVX2 too; its (in, out) matrices are packed from their transpose
+    fp = make_engine("llama", dtype="float32").model
+    assert fp.transposed and cpu_caps.can_pack(fp.device, torch.float32)
+    assert len(fp.packed_w) == n_mats
+    w = fp.layers[0].gate_up  # (in, out)
+    x = torch.randn(5, w.shape[0], generator=torch.Generator().manual_seed(2))
+    got = llama.linear(x, w, None, True, False, fp.packed_w[id(w)])
+    torch.testing.assert_close(got, x @ w, rtol=1e-5, atol=1e-5)
+    assert torch.equal(llama.linear(x[:1], w, None, True, False, fp.packed_w[id(w)]), x[:1] @ w)

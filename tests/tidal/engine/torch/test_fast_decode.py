@@ -1,5 +1,5 @@
-"""The one-row decode step on native kernels (`tidal.engine.torch.fast_decode`) against the torch
-ops it replaces: each kernel alone, then whole decodes through the engine, both paths side by
+"""Decode steps on native kernels (`tidal.engine.torch.fast_decode`) against the torch
+ops they replace: each kernel alone, then whole decodes through the engine, both paths side by
 side."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tests.tidal.engine.torch.test_llama import greedy, prompt
 from tidal.engine.api import EngineRequest
-from tidal.engine.torch import fast_decode, native
+from tidal.engine.torch import attention, fast_decode, native
 from tidal.engine.torch.engine import TorchEngine
 
 BF = torch.bfloat16
@@ -86,6 +86,42 @@ def test_rope_kv_write_and_attention_match_torch() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_attention_rows_attend_each_row_over_its_own_context(dtype: str) -> None:
+    # a batch of decode rows, contexts of different lengths (the slot table padded past each),
+    # against SDPA row by row; fp32 (the `_f32io` kernel) to fp32 rounding
+    assert lib is not None
+    dt = getattr(torch, dtype)
+    sfx = "" if dt == BF else "_f32io"
+    g = torch.Generator().manual_seed(4)
+    H, Hk, D, slots_n = 9, 3, 64, 4000
+    lens = torch.tensor([1500, 1, 1200, 640])
+    B, Tmax = len(lens), int(lens.max())
+    width = (H + 2 * Hk) * D
+    qkv = torch.randn(B, width, generator=g).to(dt)
+    kc = torch.randn(slots_n, Hk, D, generator=g).to(dt)
+    vc = torch.randn(slots_n, Hk, D, generator=g).to(dt)
+    slots = torch.stack([torch.randperm(slots_n, generator=g)[:Tmax] for _ in range(B)])
+    for r, n in enumerate(lens.tolist()):
+        slots[r, n:] = slots[r, 0]  # padding reads the row's own first slot, as the runner's
+    out = torch.full((B, H * D), float("nan"), dtype=dt)
+    scores = torch.empty(8 * Tmax)
+    getattr(lib, "tidal_decode_attention_rows" + sfx)(
+        _p(qkv), width, _p(kc), _p(vc), _p(slots), _p(lens), Tmax, B, H, Hk, D, D**-0.5,
+        _p(scores), _p(out),
+    )  # fmt: skip
+    tol = 2e-2 if dt == BF else 1e-5
+    for r, n in enumerate(lens.tolist()):
+        q = qkv[r : r + 1, : H * D].view(1, Hk, H // Hk, D).float()
+        idx = slots[r, :n]
+        k = kc.index_select(0, idx).transpose(0, 1).unsqueeze(0).float()
+        v = vc.index_select(0, idx).transpose(0, 1).unsqueeze(0).float()
+        ref = F.scaled_dot_product_attention(q, k, v, scale=D**-0.5)
+        got = out[r].float().view(1, Hk, H // Hk, D)
+        torch.testing.assert_close(got, ref, atol=tol, rtol=0)
+
+
+@needs_native
 def test_attention_at_the_longest_native_context_matches_sdpa() -> None:
     # SmolLM2's heads (9 query, 3 KV, 64 wide) over 8,192 tokens in place, as a long chat's
     assert lib is not None
@@ -128,12 +164,13 @@ def _decode(engine: TorchEngine, rid: str, p: list[int], steps: int) -> tuple[li
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3-rope"])
 @pytest.mark.parametrize("context", ["span", "slots", "long"])
 def test_native_decode_decode_matches_the_torch_path(
-    make_engine: Any, monkeypatch: pytest.MonkeyPatch, arch: str, context: str
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch, arch: str, context: str, dtype: str
 ) -> None:
-    engine = make_engine(arch, dtype="bfloat16", chunk_size=7, token_budget=16)
+    engine = make_engine(arch, dtype=dtype, chunk_size=7, token_budget=16)
     model = engine.model
     assert model.native_decode is not None
     if context == "long":  # contexts past the kernel's limit go to torch's SDPA
@@ -160,8 +197,10 @@ def test_native_decode_decode_matches_the_torch_path(
 
 
 @needs_native
-def test_batched_decodes_match_the_torch_path(make_engine: Any) -> None:
-    engine = make_engine("qwen2", dtype="bfloat16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_batched_decodes_match_the_torch_path(make_engine: Any, dtype: str) -> None:
+    # contexts of three lengths decoded together: the native attention row by row (no gather)
+    engine = make_engine("qwen2", dtype=dtype)
     model = engine.model
     prompts = {"a": prompt(20, 7), "b": prompt(9, 8), "c": prompt(14, 9)}
 
@@ -181,13 +220,41 @@ def test_batched_decodes_match_the_torch_path(make_engine: Any) -> None:
         steps.append(batch.hidden.shape[0])
         return real(self, batch, *a)
 
+    torch_decodes: list[int] = []
+    real_attention = attention.ATTENTION
+
+    def attention_spy(q: Any, k: Any, v: Any, meta: Any, scale: float) -> Any:
+        if not meta.prefills:
+            torch_decodes.append(q.shape[0])
+        return real_attention(q, k, v, meta, scale)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fast_decode.NativeDecode, "run", spy)
+        mp.setattr(attention, "ATTENTION", attention_spy)
         got = run("n-")
     assert 3 in steps  # the three decoded together on the native path
-    native_decode, model.native_decode = model.native_decode, None
-    assert got == run("t-")
-    model.native_decode = native_decode
+    assert torch_decodes == []  # with the native attention, row by row
+    if dtype == "float32":  # the same tokens: both paths compute in fp32
+        native_decode, model.native_decode = model.native_decode, None
+        assert got == run("t-")
+        model.native_decode = native_decode
+        return
+    # bf16: the kernel rounds once where the torch path's batched matmuls round scores and
+    # probabilities to bf16 too, so a greedy decode of random weights may part ways; one step of
+    # the three rows on both paths gives the same values to bf16 rounding over the layers
+    for rid, p in prompts.items():
+        engine.add(EngineRequest(rid, p, greedy(10)))
+    while any(not s.is_decode for s in engine.seqs.values()):
+        engine.step()
+    items = [(engine.seqs[r], 1) for r in prompts]
+    outs = []
+    for native_decode in (model.native_decode, None):
+        model.native_decode = native_decode
+        batch, _ = engine.runner._build(items, [0] * len(items))
+        model.forward_layers(batch, engine.runner.kv, None)
+        outs.append(batch.hidden.float())
+    gap = (outs[0] - outs[1]).abs().amax(dim=1)
+    assert bool((gap <= 0.02 * outs[1].abs().amax(dim=1)).all()), gap
 
 
 @needs_native

@@ -40,10 +40,14 @@ _SIGNATURES = {
     "tidal_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
     "tidal_rope_kv_write": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I),
     "tidal_decode_attention": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P),
+    "tidal_decode_attention_rows": (_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P),
     "tidal_silu_mul": (_P, _P, _I, _I),
 }
-# the same kernels for an fp32 model with bf16 weight copies (fp32 residual, norms, KV)
-_SIGNATURES |= {f"{k}_f32": v for k, v in _SIGNATURES.items() if k != "tidal_silu_mul"}
+# the same kernels for an fp32 model: with bf16 weight copies (`_f32`: fp32 residual, norms, KV,
+# bf16 matmul inputs and outputs), and on its fp32 matmuls (`_f32io`: everything fp32)
+_SIGNATURES |= {f"{k}_f32": v for k, v in _SIGNATURES.items() if k != "tidal_silu_mul"} | {
+    f"{k}_f32io": v for k, v in _SIGNATURES.items()
+}
 
 
 def cache_dir() -> Path:

@@ -25,8 +25,9 @@ inline uint16_t f2bf(float f) {  // round to nearest even, as torch's bf16 conve
 inline float rb(float f) { return bf2f(f2bf(f)); }  // the value after a bf16 round trip
 
 // The model dtype T (residual stream, norms, RoPE tables, KV cache): uint16_t for a bf16 model,
-// float for an fp32 model whose small-row matmuls run on bf16 weight copies (llama.py's
-// `use_bf16_weights`). The matmuls' inputs and outputs are bf16 either way.
+// float for an fp32 one. IO, the matmuls' inputs and outputs (h, delta, qkv, attention out):
+// bf16 for a bf16 model and for an fp32 one whose small-row matmuls run on bf16 weight copies
+// (llama.py's `use_bf16_weights`), float for an fp32 model's fp32 matmuls.
 inline float ld(uint16_t u) { return bf2f(u); }
 inline float ld(float f) { return f; }
 template <typename T> inline T st(float f);
@@ -54,10 +55,10 @@ inline float exp_approx(float x) {
 
 // One query row's attention (see tidal_decode_attention). DC > 0 fixes the head size at compile
 // time, so the per-token loops over it unroll fully (2x faster at 64, measured); DC = 0 reads D.
-template <int DC, typename KV>
-void decode_attention(const uint16_t* q, const KV* k_cache, const KV* v_cache,
+template <int DC, typename KV, typename IO>
+void decode_attention(const IO* q, const KV* k_cache, const KV* v_cache,
                       const int64_t* slots, int64_t start, int64_t T, int64_t H, int64_t Hk,
-                      int64_t D_, float scale, float* scores, uint16_t* out) {
+                      int64_t D_, float scale, float* scores, IO* out) {
     const int64_t D = DC > 0 ? DC : D_;
     const int64_t G = H / Hk;
     float qf[8][256];
@@ -65,7 +66,7 @@ void decode_attention(const uint16_t* q, const KV* k_cache, const KV* v_cache,
     float acc[8][256];
     for (int64_t kh = 0; kh < Hk; ++kh) {
         for (int64_t g = 0; g < G; ++g)
-            for (int64_t d = 0; d < D; ++d) qf[g][d] = bf2f(q[(kh * G + g) * D + d]) * scale;
+            for (int64_t d = 0; d < D; ++d) qf[g][d] = ld(q[(kh * G + g) * D + d]) * scale;
         for (int64_t t = 0; t < T; ++t) {
             const int64_t s = slots != nullptr ? slots[t] : start + t;
             const KV* k = k_cache + (s * Hk + kh) * D;
@@ -103,19 +104,18 @@ void decode_attention(const uint16_t* q, const KV* k_cache, const KV* v_cache,
             }
         }
         for (int64_t g = 0; g < G; ++g)
-            for (int64_t d = 0; d < D; ++d) out[(kh * G + g) * D + d] = f2bf(acc[g][d] * inv[g]);
+            for (int64_t d = 0; d < D; ++d) out[(kh * G + g) * D + d] = st<IO>(acc[g][d] * inv[g]);
     }
 }
 
 // For each of `rows` rows of n: x += delta (rounded to T, as torch's add_), then
 // h = rms_norm(x) * w computed in fp32 and rounded once to bf16 (as F.rms_norm, then the bf16
 // matmul's input). delta may be null (no residual to add first). All three are (rows, n).
-template <typename T>
-void add_rms_norm(T* x, const uint16_t* delta, const T* w, uint16_t* h, int64_t rows, int64_t n,
-                  float eps) {
+template <typename T, typename IO>
+void add_rms_norm(T* x, const IO* delta, const T* w, IO* h, int64_t rows, int64_t n, float eps) {
     for (int64_t r = 0; r < rows; ++r, x += n, h += n) {
         if (delta != nullptr) {
-            for (int64_t i = 0; i < n; ++i) x[i] = st<T>(ld(x[i]) + bf2f(delta[i]));
+            for (int64_t i = 0; i < n; ++i) x[i] = st<T>(ld(x[i]) + ld(delta[i]));
             delta += n;
         }
         float ss = 0.f;
@@ -125,69 +125,99 @@ void add_rms_norm(T* x, const uint16_t* delta, const T* w, uint16_t* h, int64_t 
             ss += v * v;
         }
         const float rs = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-        for (int64_t i = 0; i < n; ++i) h[i] = f2bf(ld(x[i]) * rs * ld(w[i]));
+        for (int64_t i = 0; i < n; ++i) h[i] = st<IO>(ld(x[i]) * rs * ld(w[i]));
     }
 }
 
 // RoPE in place on each row's q and k heads of the bf16 qkv, rounding as llama.py's torch ops
 // do in T; k (rotated) and v go to the caches in T (see tidal_rope_kv_write).
-template <typename T>
-void rope_kv_write(uint16_t* qkv, int64_t stride, const T* cos_tab, const T* sin_tab,
+template <typename T, typename IO>
+void rope_kv_write(IO* qkv, int64_t stride, const T* cos_tab, const T* sin_tab,
                    const int64_t* positions, T* k_cache, T* v_cache, const int64_t* slots,
                    int64_t rows, int64_t H, int64_t Hk, int64_t D) {
     const int64_t half = D / 2;
     float tmp[512];
     for (int64_t r = 0; r < rows; ++r) {
-        uint16_t* row = qkv + r * stride;
+        IO* row = qkv + r * stride;
         const T* cos = cos_tab + positions[r] * D;
         const T* sin_rot = sin_tab + positions[r] * D;
         T* k_out = k_cache + slots[r] * Hk * D;
         for (int64_t h = 0; h < H + Hk; ++h) {
-            uint16_t* p = row + h * D;
+            IO* p = row + h * D;
             for (int64_t d = 0; d < half; ++d)  // roll(p, D/2): the halves swap
-                tmp[d] = rnd<T>(bf2f(p[d]) * ld(cos[d])) + bf2f(p[d + half]) * ld(sin_rot[d]);
+                tmp[d] = rnd<T>(ld(p[d]) * ld(cos[d])) + ld(p[d + half]) * ld(sin_rot[d]);
             for (int64_t d = half; d < D; ++d)
-                tmp[d] = rnd<T>(bf2f(p[d]) * ld(cos[d])) + bf2f(p[d - half]) * ld(sin_rot[d]);
-            for (int64_t d = 0; d < D; ++d) p[d] = f2bf(tmp[d]);
+                tmp[d] = rnd<T>(ld(p[d]) * ld(cos[d])) + ld(p[d - half]) * ld(sin_rot[d]);
+            for (int64_t d = 0; d < D; ++d) p[d] = st<IO>(tmp[d]);
             if (h >= H)
                 for (int64_t d = 0; d < D; ++d) k_out[(h - H) * D + d] = st<T>(tmp[d]);
         }
-        const uint16_t* v = row + (H + Hk) * D;
+        const IO* v = row + (H + Hk) * D;
         T* v_out = v_cache + slots[r] * Hk * D;
-        for (int64_t d = 0; d < Hk * D; ++d) v_out[d] = st<T>(bf2f(v[d]));
+        for (int64_t d = 0; d < Hk * D; ++d) v_out[d] = st<T>(ld(v[d]));
     }
 }
 
-template <typename T>
-void attention(const uint16_t* q, const T* k_cache, const T* v_cache, const int64_t* slots,
+template <typename T, typename IO>
+void attention(const IO* q, const T* k_cache, const T* v_cache, const int64_t* slots,
                int64_t start, int64_t T_, int64_t H, int64_t Hk, int64_t D, float scale,
-               float* scores, uint16_t* out) {
+               float* scores, IO* out) {
     if (D == 64)
-        decode_attention<64>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, scale, scores, out);
+        decode_attention<64, T, IO>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, scale, scores, out);
     else if (D == 128)
-        decode_attention<128>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, scale, scores, out);
+        decode_attention<128, T, IO>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, scale, scores, out);
     else
-        decode_attention<0>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, scale, scores, out);
+        decode_attention<0, T, IO>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, scale, scores, out);
+}
+
+// Decode attention for B rows, each over its own context: row r's q at q + r * q_stride, its
+// lens[r] tokens at slots[r * Tmax + t] (padding past lens[r] is not read), its output at
+// out + r * H * D. One thread, as every kernel here: splitting the rows over a second
+// std::thread made batch-32 steps slower, not faster (it contends with torch's OpenMP team).
+template <typename T, typename IO>
+void attention_rows(const IO* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+                    const int64_t* slots, const int64_t* lens, int64_t Tmax, int64_t B, int64_t H,
+                    int64_t Hk, int64_t D, float scale, float* scores, IO* out) {
+    for (int64_t r = 0; r < B; ++r)
+        attention<T, IO>(q + r * q_stride, k_cache, v_cache, slots + r * Tmax, 0, lens[r], H, Hk,
+                         D, scale, scores, out + r * H * D);
+}
+
+// out = IO(IO(silu(g)) * u) for each of `rows` rows gu = [g | u] (2 * n), as F.silu(g) * u
+// rounds; out is (rows, n).
+template <typename IO>
+void silu_mul(const IO* gu, IO* out, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const IO* __restrict g_row = gu + r * 2 * n;
+        const IO* __restrict u_row = g_row + n;
+        IO* __restrict o_row = out + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+            const float g = ld(g_row[i]);
+            const float s = rnd<IO>(g / (1.f + exp_approx(-g)));
+            o_row[i] = st<IO>(s * ld(u_row[i]));
+        }
+    }
 }
 
 }  // namespace
 
 extern "C" {
 
-// Each kernel comes twice: for a bf16 model (T = bf16, as uint16_t) and, suffixed _f32, for an
-// fp32 model whose small-row matmuls run on bf16 weight copies (T = float); the matmuls' inputs
-// and outputs (h, delta, qkv, attention out) are bf16 in both.
+// Each kernel comes for a bf16 model (T = IO = bf16, as uint16_t); suffixed _f32, for an fp32
+// model's rows on bf16 weight copies (T = float, IO = bf16); suffixed _f32io, for an fp32 model's
+// rows on its fp32 matmuls (T = IO = float).
 
 // For each of `rows` rows of n: x += delta (rounded to T, as torch's add_), then
 // h = rms_norm(x) * w computed in fp32 and rounded once (as F.rms_norm). delta may be null (no
 // residual to add first). All three are (rows, n) row-major.
 void tidal_add_rms_norm(uint16_t* x, const uint16_t* delta, const uint16_t* w, uint16_t* h,
                         int64_t rows, int64_t n, float eps) {
-    add_rms_norm<uint16_t>(x, delta, w, h, rows, n, eps);
+    add_rms_norm<uint16_t, uint16_t>(x, delta, w, h, rows, n, eps);
 }
 void tidal_add_rms_norm_f32(float* x, const uint16_t* delta, const float* w, uint16_t* h,
                             int64_t rows, int64_t n, float eps) {
-    add_rms_norm<float>(x, delta, w, h, rows, n, eps);
+    add_rms_norm<float, uint16_t>(x, delta, w, h, rows, n, eps);
 }
 
 // For each of `rows` rows of the fused qkv (row r at qkv + r * stride: H + Hk heads of D, then
@@ -199,14 +229,14 @@ void tidal_rope_kv_write(uint16_t* qkv, int64_t stride, const uint16_t* cos_tab,
                          const uint16_t* sin_tab, const int64_t* positions, uint16_t* k_cache,
                          uint16_t* v_cache, const int64_t* slots, int64_t rows, int64_t H,
                          int64_t Hk, int64_t D) {
-    rope_kv_write<uint16_t>(qkv, stride, cos_tab, sin_tab, positions, k_cache, v_cache, slots,
+    rope_kv_write<uint16_t, uint16_t>(qkv, stride, cos_tab, sin_tab, positions, k_cache, v_cache, slots,
                             rows, H, Hk, D);
 }
 void tidal_rope_kv_write_f32(uint16_t* qkv, int64_t stride, const float* cos_tab,
                              const float* sin_tab, const int64_t* positions, float* k_cache,
                              float* v_cache, const int64_t* slots, int64_t rows, int64_t H,
                              int64_t Hk, int64_t D) {
-    rope_kv_write<float>(qkv, stride, cos_tab, sin_tab, positions, k_cache, v_cache, slots, rows,
+    rope_kv_write<float, uint16_t>(qkv, stride, cos_tab, sin_tab, positions, k_cache, v_cache, slots, rows,
                          H, Hk, D);
 }
 
@@ -217,29 +247,68 @@ void tidal_rope_kv_write_f32(uint16_t* qkv, int64_t stride, const float* cos_tab
 void tidal_decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                             const int64_t* slots, int64_t start, int64_t T, int64_t H,
                             int64_t Hk, int64_t D, float scale, float* scores, uint16_t* out) {
-    attention<uint16_t>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
+    attention<uint16_t, uint16_t>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
 }
 void tidal_decode_attention_f32(const uint16_t* q, const float* k_cache, const float* v_cache,
                                 const int64_t* slots, int64_t start, int64_t T, int64_t H,
                                 int64_t Hk, int64_t D, float scale, float* scores,
                                 uint16_t* out) {
-    attention<float>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
+    attention<float, uint16_t>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores,
+                               out);
 }
 
 // out = bf16(bf16(silu(g)) * u) for each of `rows` rows gu = [g | u] (2 * n), as
 // F.silu(g) * u rounds; out is (rows, n).
 void tidal_silu_mul(const uint16_t* gu, uint16_t* out, int64_t rows, int64_t n) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t* __restrict g_row = gu + r * 2 * n;
-        const uint16_t* __restrict u_row = g_row + n;
-        uint16_t* __restrict o_row = out + r * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
-            const float g = bf2f(g_row[i]);
-            const float s = rb(g / (1.f + exp_approx(-g)));
-            o_row[i] = f2bf(s * bf2f(u_row[i]));
-        }
-    }
+    silu_mul<uint16_t>(gu, out, rows, n);
+}
+
+// B decode rows' attention, each over its own context (`attention_rows`): slots (B, Tmax),
+// lens (B,); q rows q_stride apart (inside qkv), out (B, H * D).
+void tidal_decode_attention_rows(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache,
+                                 const uint16_t* v_cache, const int64_t* slots,
+                                 const int64_t* lens, int64_t Tmax, int64_t B, int64_t H,
+                                 int64_t Hk, int64_t D, float scale, float* scores,
+                                 uint16_t* out) {
+    attention_rows<uint16_t, uint16_t>(q, q_stride, k_cache, v_cache, slots, lens, Tmax, B, H, Hk,
+                                       D, scale, scores, out);
+}
+void tidal_decode_attention_rows_f32(const uint16_t* q, int64_t q_stride, const float* k_cache,
+                                     const float* v_cache, const int64_t* slots,
+                                     const int64_t* lens, int64_t Tmax, int64_t B, int64_t H,
+                                     int64_t Hk, int64_t D, float scale, float* scores,
+                                     uint16_t* out) {
+    attention_rows<float, uint16_t>(q, q_stride, k_cache, v_cache, slots, lens, Tmax, B, H, Hk,
+                                    D, scale, scores, out);
+}
+
+// An fp32 model's fp32 matmuls (rows past its bf16 copies, or none): T and IO both float.
+void tidal_add_rms_norm_f32io(float* x, const float* delta, const float* w, float* h,
+                              int64_t rows, int64_t n, float eps) {
+    add_rms_norm<float, float>(x, delta, w, h, rows, n, eps);
+}
+void tidal_rope_kv_write_f32io(float* qkv, int64_t stride, const float* cos_tab,
+                               const float* sin_tab, const int64_t* positions, float* k_cache,
+                               float* v_cache, const int64_t* slots, int64_t rows, int64_t H,
+                               int64_t Hk, int64_t D) {
+    rope_kv_write<float, float>(qkv, stride, cos_tab, sin_tab, positions, k_cache, v_cache, slots,
+                                rows, H, Hk, D);
+}
+void tidal_decode_attention_f32io(const float* q, const float* k_cache, const float* v_cache,
+                                  const int64_t* slots, int64_t start, int64_t T, int64_t H,
+                                  int64_t Hk, int64_t D, float scale, float* scores, float* out) {
+    attention<float, float>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
+}
+void tidal_decode_attention_rows_f32io(const float* q, int64_t q_stride, const float* k_cache,
+                                       const float* v_cache, const int64_t* slots,
+                                       const int64_t* lens, int64_t Tmax, int64_t B, int64_t H,
+                                       int64_t Hk, int64_t D, float scale, float* scores,
+                                       float* out) {
+    attention_rows<float, float>(q, q_stride, k_cache, v_cache, slots, lens, Tmax, B, H, Hk, D,
+                                 scale, scores, out);
+}
+void tidal_silu_mul_f32io(const float* gu, float* out, int64_t rows, int64_t n) {
+    silu_mul<float>(gu, out, rows, n);
 }
 
 }  // extern "C"
