@@ -37,11 +37,14 @@ SEND_AT = 345
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     data = yaml.safe_load(config_path("classes.yaml").read_text())
-    data |= {"classes": CLASSES, "default_class": "standard", "policy": "aggregated"}
+    data |= {"classes": CLASSES, "default_class": "standard"}
     data["instances"] = [{"role": "aggregated", "chunk_size": 256}]
     path: Path = tmp_path_factory.mktemp("classes") / "small_kv.yaml"
     path.write_text(yaml.safe_dump(data))
-    extra = ("--kv-cache-tokens", str(KV_TOKENS), "--sim-step-model", "linear:0.01,0,0,0")
+    extra = (
+        "--policy", "aggregated", "--kv-cache-tokens", str(KV_TOKENS),
+        "--max-model-len", "1024", "--sim-step-model", "linear:0.01,0,0,0",
+    )  # fmt: skip
     with start_stack("--config", str(path), "--cpu-attn", "0", *extra) as st:
         yield st
 
