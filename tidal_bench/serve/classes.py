@@ -186,7 +186,7 @@ def run_sim(args: argparse.Namespace, cfg: ClusterConfig, load: list[Arrival]) -
     run_cfg = replace(
         cfg, duration_s=args.duration_s, drain_s=args.batch_timeout_s,
         batch_max_inflight=BATCH_MAX_INFLIGHT,
-        kv_capacity_tokens=args.kv_capacity_tokens or cfg.kv_capacity_tokens,
+        kv_capacity_tokens=getattr(args, "kv_capacity_tokens", 0) or cfg.kv_capacity_tokens,
     )  # fmt: skip
     model = parse_step_model(args.sim_step_model)
     everything = sorted(lines + reqs, key=lambda r: r.arrival_s)
