@@ -2,8 +2,9 @@
 
 tidal ctl status [--json]          cluster picture (every service, its load)
 tidal ctl offline pause|resume     stop / restart admitting offline requests
-tidal ctl preempt INSTANCE --blocks N | --req ID [--req ID ...] [--swap]
-                                   free KV there by preempting offline work
+tidal ctl preempt INSTANCE --blocks N | --req ID [--req ID ...] [--swap] [--below-priority P]
+                                   free KV there by preempting offline work (and, with
+                                   --below-priority, online work of a class below P)
 tidal ctl req SUBJECT [JSON]       any control subject, raw JSON reply
 """
 
@@ -100,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"tidal ctl: {exc}", file=sys.stderr)
             return 2
         body = {"req_ids": args.req or [], "num_blocks": args.blocks, "swap": args.swap}
+        if args.below_priority is not None:
+            body["below_priority"] = args.below_priority
         payload = json.dumps(body)
     else:
         subject, payload = args.subject, args.payload
@@ -151,6 +154,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--swap",
         action="store_true",
         help="swap victims without a checkpoint to host memory instead of recomputing them",
+    )
+    pre.add_argument(
+        "--below-priority",
+        type=int,
+        default=None,
+        metavar="P",
+        help="online requests of a class priority below P may be preempted too (by "
+        "recompute, after the offline work); default: offline work only",
     )
     raw = ctl.add_parser("req", help="send JSON to any control subject")
     raw.add_argument("subject", help="e.g. tidal.ctl.status")

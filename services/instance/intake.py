@@ -59,4 +59,5 @@ def to_engine_request(engine: ControllableEngine, req: GenerateRequest) -> Engin
         sampling=sampling,
         req_class=RequestClass(req.req_class),
         arrival_s=req.arrival_unix_s or time.time(),
+        priority=req.priority,
     )

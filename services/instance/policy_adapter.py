@@ -18,6 +18,7 @@ from tidal.cluster.view import report_of, sync_instance
 from tidal.engine.api import SeqSnapshot
 from tidal.perf.api import StepModel
 from tidal.policy.base import Policy, StepPlan
+from tidal.policy.class_preempt import class_preemption
 from tidal.policy.state import CpuPoolState, InstanceRole, InstanceState, ReqState, Slo
 from tidal.schemas.messages import InstanceReport
 from tidal.sim.models import CpuAttnRoofline
@@ -134,6 +135,12 @@ class PolicyAdapter:
         )
 
     def plan(self, now: float) -> StepPlan:
+        """The next step: first the evictions the higher classes here need (an eviction
+        plan with no compute; the next call plans the step), else the policy's plan. The
+        rule is the simulator's (`tidal.policy.class_preempt`)."""
+        pre = class_preemption(self.inst)
+        if pre is not None:
+            return pre.plan
         return self.policy.schedule(self.inst, now)
 
     # ---- tokens -> metadata ----

@@ -8,8 +8,9 @@ victims (`tidal.policy.preempt.plan_preemption`) and carries out a `StepPlan` wi
 eviction stages through the one interpreter (`tidal.engine.executor.execute`): `release` for a
 checkpointed request on an engine that keeps checkpoints, else `swap_out` (when asked) or
 `recompute`. The preempted requests resume as the policy plans them (swap_in, or prefill again).
-Online work is never preempted; a malformed or impossible request changes nothing and is
-answered with `error`.
+Online work is preempted only with `below_priority`, and only of a class below it (recomputed;
+the scheduler sends the arriving request's priority); a malformed or impossible request changes
+nothing and is answered with `error`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tidal.instance")
 
+MAX_PRIORITY = 2**31 - 1  # a request class's priority fits a signed 32-bit integer
+
 
 def parse(data: bytes) -> CtlPreempt:
     """A `CtlPreempt` from JSON; ValueError names what is wrong."""
@@ -43,6 +46,11 @@ def parse(data: bytes) -> CtlPreempt:
         raise ValueError(f"req_class {req.req_class!r}: only offline work is ever preempted")
     if req.num_blocks < 0:
         raise ValueError(f"num_blocks must be >= 0, got {req.num_blocks}")
+    if req.below_priority is not None and abs(req.below_priority) > MAX_PRIORITY:
+        raise ValueError(
+            f"below_priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], "
+            f"got {req.below_priority}"
+        )
     return req
 
 
@@ -96,6 +104,7 @@ class Preemptor:
                 can_release=caps.kv_checkpoint,
                 can_swap=not caps.swap_is_recompute,
                 swap=req.swap,
+                below_priority=req.below_priority,
             )
             try:
                 await inst.compute.run(execute, engine, pre.plan)

@@ -353,7 +353,10 @@ class Instance(Inbound, Publisher):
         meta = self.adapter.meta.get(req.req_id)
         arrival = meta.arrival_unix_s if meta is not None else time.time()
         n, max_out = len(req.prompt_token_ids), req.sampling.max_tokens
-        return ReqReport(req.req_id, str(req.req_class), SUBMITTED, arrival, n, max_out, 0, 0, 0)
+        cls = str(req.req_class)
+        return ReqReport(
+            req.req_id, cls, SUBMITTED, arrival, n, max_out, 0, 0, 0, priority=req.priority
+        )
 
     async def report(self, force: bool = False) -> None:
         """Publish the instance's state, at most every REPORT_MIN_INTERVAL_S unless forced."""

@@ -1,6 +1,7 @@
 """The scheduler's use of preemption as a bus signal (opt-in: `preempt_for_online` in the cluster
 config, or `--preempt-for-online`): an online request that no usable instance has the KV blocks
-free for is sent where offline work can make the room, after that instance preempted it
+free for is sent where offline work (and online work of a class below its own) can make the
+room, after that instance preempted it
 (`tidal.inst.<id>.preempt`, `services/instance/preempt.py`). The rule is the simulator's
 (`tidal.policy.preempt.room_for_online`); a refusal or a silent instance leaves the policy's
 route as it was.
@@ -46,7 +47,7 @@ async def room_by_preemption(
         return None
     slot, num_blocks = pick
     iid = cluster.instance_id(slot)
-    body = msgspec.json.encode(CtlPreempt(num_blocks=num_blocks))
+    body = msgspec.json.encode(CtlPreempt(num_blocks=num_blocks, below_priority=req.priority))
     try:
         msg = await nc.request(subjects.instance_preempt(iid), body, timeout=PREEMPT_TIMEOUT_S)
         reply = msgspec.json.decode(msg.data, type=CtlPreemptReply)
@@ -57,7 +58,7 @@ async def room_by_preemption(
         log.info("preempt on %s for %s refused: %s", iid, req.req_id, reply.error)
         return None
     log.info(
-        "online %s goes to %s: %d KV blocks freed from offline work (%s)",
+        "online %s goes to %s: %d KV blocks freed from lower work (%s)",
         req.req_id,
         iid,
         reply.freed_blocks,

@@ -31,6 +31,7 @@ from tidal.policy.state import (
     Phase,
     ReqState,
     Slo,
+    order_waiting,
 )
 from tidal.schemas.enums import RequestClass
 from tidal.schemas.messages import InstanceReport, ReqReport
@@ -90,6 +91,7 @@ def req_report(r: ReqState, phase: str | None = None) -> ReqReport:
         r.max_tbt_s,
         r.num_preemptions,
         r.num_migrations,
+        r.priority,
     )
 
 
@@ -164,6 +166,7 @@ def _update_req(r: ReqState, rr: ReqReport) -> None:
     r.max_tbt_s = rr.max_tbt_s
     r.num_preemptions = rr.num_preemptions
     r.num_migrations = rr.num_migrations
+    r.priority = rr.priority
 
 
 def _new_req(rr: ReqReport) -> ReqState:
@@ -310,6 +313,7 @@ def sync_instance(
         r.num_blocks = s.num_blocks
         r.num_checkpointed_tokens = s.num_checkpointed_tokens
         r.is_released = s.is_released
+        r.priority = s.priority
         r.instance_id = inst.instance_id
         phase = _SNAP_PHASE.get(s.status)
         if phase is None:
@@ -325,6 +329,7 @@ def sync_instance(
             offloaded.append(r)
         else:
             swapped.append(r)
+    order_waiting(waiting)  # the engine's arrival order, highest priority first
     inst.waiting, inst.running, inst.swapped = waiting, running, swapped
     inst.offloaded = offloaded
     inst.num_waiting_tokens = num_waiting_tokens

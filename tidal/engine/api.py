@@ -125,6 +125,8 @@ class EngineRequest:
     sampling: SamplingParams
     req_class: RequestClass = RequestClass.ONLINE
     arrival_s: float = 0.0  # caller's clock, for queueing metrics only
+    priority: int = 0  # its request class's priority (higher is served first; the policy's
+    # eviction of a lower class is checked against it, `tidal.plan.interpreter`)
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,7 @@ class SeqSnapshot:
     num_checkpointed_tokens: int = 0  # tokens whose KV is checkpointed in host memory (whole
     # blocks; `CheckpointingEngine.checkpoint`)
     is_released: bool = False  # swapped by `CheckpointingEngine.release`: its checkpoint is its KV
+    priority: int = 0  # the EngineRequest's priority (its request class's)
 
     @classmethod
     def of(cls, seq: SnapshotSource) -> SeqSnapshot:
@@ -247,6 +250,7 @@ class SeqSnapshot:
             num_blocks=seq.num_device_blocks,
             status=str(seq.status),
             forced_tokens=seq.forced_tokens,
+            priority=seq.req.priority,
         )
 
 

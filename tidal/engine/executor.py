@@ -44,10 +44,22 @@ class EngineKernel:
         self.engine = engine
         self.forced = forced or {}
         self.capabilities: EngineCapabilities = engine.capabilities
-        self._classes = {s.req_id: s.req_class for s in engine.snapshot()}
+        self._snaps = {s.req_id: s for s in engine.snapshot()}
 
     def is_online(self, req_id: str) -> bool:
-        return self._classes[req_id] is RequestClass.ONLINE
+        return self._snaps[req_id].req_class is RequestClass.ONLINE
+
+    def priority(self, req_id: str) -> int:
+        return self._snaps[req_id].priority
+
+    def top_priority(self) -> int | None:
+        here = ("waiting", "running")
+        online = RequestClass.ONLINE
+        snaps = self._snaps.values()
+        return max(
+            (s.priority for s in snaps if s.status in here and s.req_class is online),
+            default=None,
+        )
 
     def abort_no_kv(self, req_id: str) -> None:
         """The worker ends it with an error event (`Outcome.aborted`)."""

@@ -48,6 +48,15 @@ class PlanKernel(Protocol[R_co]):
         """KeyError when the request is unknown here."""
         ...
 
+    def priority(self, req_id: str) -> int:
+        """Its request class's priority (higher is served first). KeyError when unknown."""
+        ...
+
+    def top_priority(self) -> int | None:
+        """The highest priority of the online requests here, waiting or running (None:
+        none)."""
+        ...
+
     def abort_no_kv(self, req_id: str) -> None:
         """End the request: it cannot get KV memory (`StepPlan.abort_no_kv`)."""
         ...
@@ -90,8 +99,16 @@ class Outcome(Generic[R]):
     num_recalled: int = 0
 
 
-def check_plan(plan: StepPlan, caps: EngineCapabilities, is_online: Callable[[str], bool]) -> None:
-    """Refuse, before anything runs, a plan that no engine state could make valid here."""
+def check_plan(
+    plan: StepPlan,
+    caps: EngineCapabilities,
+    is_online: Callable[[str], bool],
+    priority: Callable[[str], int] | None = None,
+    top_priority: Callable[[], int | None] | None = None,
+) -> None:
+    """Refuse, before anything runs, a plan that no engine state could make valid here.
+    `priority` and `top_priority` (the kernel's): an online request may be evicted only for an
+    online request of a higher class here (without them, never)."""
     cpu = [*plan.offload, *plan.recall, *plan.cpu_decode]
     if cpu and not caps.cpu_attention:
         raise PlanRefused(
@@ -122,21 +139,61 @@ def check_plan(plan: StepPlan, caps: EngineCapabilities, is_online: Callable[[st
             seen: set[str] = set()
             twice = [r for r in group if r in seen or seen.add(r)]  # type: ignore[func-returns-value]
             raise PlanRefused(RefusalReason.DUPLICATE, f"{_names(twice)} named twice")
+    # Eviction by class: offline work may be evicted any time; an online request only by
+    # recompute, release or swap_out, and only while an online request of a higher priority
+    # is here, waiting or running, or on its way (`evict_below`): the class-over-class rule,
+    # `tidal.policy.class_preempt`. It is never offloaded nor checkpointed.
+    lower_only = (*plan.recompute, *plan.release, *plan.swap_out)
     offline_only = (
-        (plan.evicts, "online work is never recomputed, swapped or offloaded"),
+        (plan.offload, "online work is never offloaded by a plan"),
         (plan.checkpoint, "only offline work is checkpointed (and then released)"),
     )
+    top: list[int | None] = []  # the priority evicted for, asked once and only when needed
+    for rid in lower_only:
+        if _online(is_online, rid):
+            _check_outranked(rid, plan.evict_below, priority, top_priority, top)
     for rids, why in offline_only:
         for rid in rids:
-            try:
-                online = is_online(rid)
-            except KeyError:
-                raise PlanRefused(RefusalReason.UNKNOWN_REQUEST, f"{rid} is not here") from None
-            if online:
+            if _online(is_online, rid):
                 raise PlanRefused(RefusalReason.ONLINE_EVICTION, f"{rid} is online: {why}")
     for rid, n in plan.prefill.items():
         if n < 1:
             raise PlanRefused(RefusalReason.BAD_CHUNK, f"prefill of {n} tokens for {rid}")
+
+
+def _online(is_online: Callable[[str], bool], rid: str) -> bool:
+    try:
+        return is_online(rid)
+    except KeyError:
+        raise PlanRefused(RefusalReason.UNKNOWN_REQUEST, f"{rid} is not here") from None
+
+
+def _check_outranked(
+    rid: str,
+    evict_below: int | None,
+    priority: Callable[[str], int] | None,
+    top_priority: Callable[[], int | None] | None,
+    top: list[int | None],
+) -> None:
+    """Refuse the eviction of online `rid` unless it is of a lower priority than an online
+    request here or than the plan's `evict_below`."""
+    if priority is None or top_priority is None:
+        raise PlanRefused(
+            RefusalReason.ONLINE_EVICTION,
+            f"{rid} is online: online work is evicted only for a higher class, and this side "
+            "knows no priorities",
+        )
+    if not top:
+        known = [p for p in (top_priority(), evict_below) if p is not None]
+        top.append(max(known, default=None))
+    mine, best = priority(rid), top[0]
+    if best is None or mine >= best:
+        here = "no online request is here" if best is None else f"the highest is {best}"
+        raise PlanRefused(
+            RefusalReason.ONLINE_EVICTION,
+            f"{rid} is online (priority {mine}): online work is evicted only for a request of "
+            f"a higher priority here or on its way (evict_below), and {here}",
+        )
 
 
 def carry_out(kernel: PlanKernel[R], plan: StepPlan) -> Outcome[R]:
@@ -144,7 +201,7 @@ def carry_out(kernel: PlanKernel[R], plan: StepPlan) -> Outcome[R]:
     `tidal.plan.step`). Raises `PlanRefused`; by then every stage already run is undone, and a
     request whose undo failed has been recomputed (counted in `num_recomputed`)."""
     caps = kernel.capabilities
-    check_plan(plan, caps, kernel.is_online)
+    check_plan(plan, caps, kernel.is_online, kernel.priority, kernel.top_priority)
     out: Outcome[R] = Outcome(result=None)
     undo: list[tuple[Callable[[str], None], str]] = []  # (inverse, req_id), in order done
     stage = "abort_no_kv"

@@ -35,12 +35,17 @@ Stages run in this order; a request may appear in at most one list of a plan:
    repeated up to ``max_repeat`` times when the plan is decode-only, and cut at a layer
    boundary when ``layer_cut`` is set and an online request arrives.
 
-Eviction by class: ``recompute``, ``release``, ``swap_out`` and ``offload`` may name offline
-requests only (``checkpoint`` too);
-a plan that evicts an online request is refused (`RefusalReason.ONLINE_EVICTION`). When KV runs
-out for an online request and no offline work is left to evict, the online request waits for
-memory or, when nothing can free any, ends with `finish_reason` "error" and a message saying
-why; it never ends as a silent "length".
+Eviction by class: ``recompute``, ``release``, ``swap_out`` and ``offload`` may name any
+offline request (``checkpoint`` too). ``recompute``, ``release`` and ``swap_out`` may name an
+online request only of a lower priority (its request class's) than an online request on the
+instance (waiting for room, or running and short of KV for its next step), or than
+``evict_below`` (the preempt signal's, for a request on its way): a higher class preempts a
+lower one, never an equal or higher one (`tidal.policy.class_preempt` decides when). Online
+work is never offloaded or checkpointed by a plan. Any other plan that evicts an online
+request is refused (`RefusalReason.ONLINE_EVICTION`). When KV runs out for an online request
+and nothing of a lower class is left to evict, the online request waits for memory or, when
+nothing can free any, ends with `finish_reason` "error" and a message saying why; it never
+ends as a silent "length".
 
 Atomicity: when any stage fails, every request is put back as it was before the plan (a swap or
 an offload is undone by moving the KV back); a request that cannot be put back is recomputed
@@ -79,6 +84,9 @@ class StepPlan:
     # the simulator runs the steps as one span)
     layer_cut: bool = False  # True: an online request arriving at this instance during the step
     # cuts it at the next layer boundary (OOCO §3.4.1); set it only on offline-only steps
+    evict_below: int | None = None  # the priority of an online request on its way here that
+    # the evictions make room for (the preempt signal, sent before the request is routed): an
+    # online request of a lower priority may then be evicted though none waits here yet
 
     def __post_init__(self) -> None:
         if self.max_repeat < 1:

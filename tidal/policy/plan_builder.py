@@ -135,10 +135,11 @@ def make_room_for_decodes(
 
 
 def stuck_online(inst: InstanceState) -> tuple[str, ...]:
-    """The newest online request when nothing on `inst` can move for lack of KV memory: no
-    free block, no offline work holding any to evict, and every running request needs a new
-    block for its next token. The plan contract never evicts online work, so that request ends
-    with an error (`StepPlan.abort_no_kv`) and the others go on with its blocks."""
+    """The newest online request of the lowest priority when nothing on `inst` can move for
+    lack of KV memory: no free block, no offline work holding any to evict, and every running
+    request needs a new block for its next token. A policy never evicts online work (only a
+    higher class does, `tidal.policy.class_preempt`, before the policy plans), so that request
+    ends with an error (`StepPlan.abort_no_kv`) and the others go on with its blocks."""
     if inst.num_free_blocks > 0:
         return ()
     run = [r for r in inst.running if r.phase is Phase.RUNNING]
@@ -148,4 +149,5 @@ def stuck_online(inst: InstanceState) -> tuple[str, ...]:
     for r in run:
         if r.num_blocks * bs > r.num_computed_tokens:  # room in its last block: it can move
             return ()
-    return (run[-1].req_id,)
+    lowest = min(r.priority for r in run)
+    return (next(r for r in reversed(run) if r.priority == lowest).req_id,)

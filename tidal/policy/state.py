@@ -27,6 +27,7 @@ __all__ = [
     "ReqState",
     "RequestClass",
     "Slo",
+    "order_waiting",
 ]
 
 
@@ -174,7 +175,8 @@ class InstanceState:
     cpu: CpuPoolState | None = None  # CPU-attention workers this instance may use
     num_layers: int = 32  # layer boundaries a `StepPlan.layer_cut` step can be cut at (1: the
     # engine cannot cut a step; a policy then never sets `layer_cut`)
-    waiting: list[ReqState] = field(default_factory=list)  # FIFO; preempted ones at the head
+    waiting: list[ReqState] = field(default_factory=list)  # highest priority first, FIFO within
+    # a priority, preempted ones at the head of theirs (the caller keeps it so: `order_waiting`)
     running: list[ReqState] = field(default_factory=list)  # KV on GPU (prefilling or decoding)
     swapped: list[ReqState] = field(default_factory=list)
     offloaded: list[ReqState] = field(default_factory=list)
@@ -217,3 +219,26 @@ class ClusterView:
         """Time to move `req`'s KV from `src` to another instance."""
         nbytes = req.num_computed_tokens * src.kv_bytes_per_token
         return self.link_latency_s + nbytes / self.link_bytes_per_s
+
+
+def order_waiting(waiting: list[ReqState], at: int | None = None) -> None:
+    """Keep an instance's waiting list highest priority first (a stable sort: the caller's
+    order, FIFO with preempted ones first, stays within a priority). Every policy that admits
+    waiting work in list order so serves higher request classes first (docs/classes.md).
+
+    `at`: the index of the one request just put in a list that was in order; it is sorted only
+    if that request breaks the order (the usual case, one priority, costs two comparisons)."""
+    n = len(waiting)
+    if at is not None:
+        p = waiting[at].priority
+        if (at == 0 or waiting[at - 1].priority >= p) and (
+            at == n - 1 or waiting[at + 1].priority <= p
+        ):
+            return
+    elif all(waiting[i].priority >= waiting[i + 1].priority for i in range(n - 1)):
+        return
+    waiting.sort(key=_minus_priority)
+
+
+def _minus_priority(r: ReqState) -> int:
+    return -r.priority

@@ -183,6 +183,7 @@ class ReqReport(msgspec.Struct, frozen=True, array_like=True):
     max_tbt_s: float = 0.0
     num_preemptions: int = 0
     num_migrations: int = 0
+    priority: int = 0  # its request class's priority (0 from a peer that predates classes)
 
 
 class InstanceReport(msgspec.Struct, frozen=True):
@@ -380,13 +381,17 @@ class CtlPreempt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`tidal.inst.<id>.preempt` (JSON request/reply, from the scheduler or a person): free KV
     on the instance now by preempting offline work at its next step boundary. Name the requests
     (`req_ids`), or ask for `num_blocks` KV blocks and the instance picks offline victims
-    (checkpointed ones first, then the latest arrivals). Online work is never preempted."""
+    (checkpointed ones first, then the latest arrivals). With `below_priority`, online work of
+    a request class whose priority is below it may go too (after the offline work: lowest
+    priority first, then the latest arrivals); without it online work is never preempted."""
 
-    req_ids: list[str] = []  # these running offline requests
+    req_ids: list[str] = []  # these running offline requests (or lower-class online ones)
     req_class: str = "offline"  # the class to preempt from; only "offline" is allowed
     num_blocks: int = 0  # with no req_ids: free at least this many KV blocks, else nothing
-    swap: bool = False  # a victim without a checkpoint is swapped to host memory (nothing
-    # lost; for policies that swap requests back in) instead of recomputed
+    swap: bool = False  # an offline victim without a checkpoint is swapped to host memory
+    # (nothing lost; for policies that swap requests back in) instead of recomputed
+    below_priority: int | None = None  # online requests of a class priority below this may
+    # be preempted too, by recompute (None: offline work only)
 
 
 class Preempted(msgspec.Struct, frozen=True):

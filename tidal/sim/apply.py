@@ -21,7 +21,8 @@ from tidal.plan import (
     StepPlan,
     carry_out,
 )
-from tidal.policy.state import InstanceState, Phase, ReqState
+from tidal.policy.class_preempt import class_preemption
+from tidal.policy.state import InstanceState, Phase, ReqState, order_waiting
 from tidal.sim.recorder import Recorder
 from tidal.sim.span import (
     Span,
@@ -72,6 +73,15 @@ class SimKernel:
     def is_online(self, req_id: str) -> bool:
         return self.reqs[req_id].is_online
 
+    def priority(self, req_id: str) -> int:
+        return self.reqs[req_id].priority
+
+    def top_priority(self) -> int | None:
+        inst = self.inst
+        return max(
+            (r.priority for r in (*inst.waiting, *inst.running) if r.is_online), default=None
+        )
+
     def abort_no_kv(self, req_id: str) -> None:
         inst = self.inst
         r = self.reqs.get(req_id)
@@ -111,8 +121,13 @@ class SimKernel:
         r.queued_s = self.now
         r.num_preemptions += 1
         inst.num_waiting_tokens += r.num_prefill_left
-        inst.waiting.insert(self.head, r)  # vLLM recompute: preempted requests go first
-        self.head += 1
+        # vLLM recompute: preempted requests go first, at the head of their priority
+        wq, i = inst.waiting, self.head
+        while i < len(wq) and wq[i].priority > r.priority:
+            i += 1
+        wq.insert(i, r)
+        order_waiting(wq, i)
+        self.head = i + 1
         self.rec.num_preemptions += 1
 
     def _park(self, req_id: str, to: Phase) -> None:
@@ -215,6 +230,19 @@ class SimKernel:
         return compute_span(
             self.inst, plan, self.reqs, self.now, self.copy_tokens, self.bg_copy_tokens
         )
+
+
+def evict_for_classes(
+    inst: InstanceState, reqs: dict[str, ReqState], now: float, rec: Recorder
+) -> None:
+    """At `inst`'s step boundary, before its policy plans: a higher class waiting for KV evicts
+    lower ones (`tidal.policy.class_preempt`, the live instance's rule), at no cost in time, as
+    the live instance carries out an eviction-only plan with no compute step."""
+    pre = class_preemption(inst)
+    if pre is None:
+        return
+    carry_out(SimKernel(inst, reqs, now, rec), pre.plan)
+    rec.num_class_evictions += sum(1 for v in pre.victims if reqs[v.req_id].is_online)
 
 
 def start_span(

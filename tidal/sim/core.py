@@ -26,9 +26,10 @@ from tidal.policy.state import (
     InstanceState,
     Phase,
     ReqState,
+    order_waiting,
 )
 from tidal.schemas.enums import RequestClass
-from tidal.sim.apply import start_span
+from tidal.sim.apply import evict_for_classes, start_span
 from tidal.sim.batch_gate import BatchGate
 from tidal.sim.classes import ClassGate, hold
 from tidal.sim.integrity import check_invariants
@@ -300,6 +301,7 @@ class Simulator:
         r.instance_id = inst_id
         r.queued_s = now
         inst.waiting.append(r)
+        order_waiting(inst.waiting, len(inst.waiting) - 1)
         inst.num_waiting_tokens += r.num_prefill_left
         if r.is_online:  # routed at once: it does not wait for a hand-out to land
             self._handout_until[inst_id] = 0.0
@@ -320,6 +322,7 @@ class Simulator:
     def _start(self, inst: InstanceState, now: float) -> None:
         if self.signals is not None:
             self.signals.take(inst, self.reqs, now, self.rec)
+        evict_for_classes(inst, self.reqs, now, self.rec)
         plan = self.policy.schedule(inst, now)
         if plan.is_empty:
             cpu = inst.cpu

@@ -1,4 +1,5 @@
-"""The simulator's invariants: every GPU KV block accounted for, every request in one place.
+"""The simulator's invariants: every GPU KV block accounted for, every request in one place,
+every waiting list highest priority first.
 
 `Simulator(check=True)` (the tests) asserts them after every event; a failure is a bug in the
 simulator (`tidal.sim.core`, `tidal.sim.apply`, `tidal.sim.transfers`), not in a policy.
@@ -48,6 +49,10 @@ def check_invariants(
             f"{reserved[i]} reserved != {inst.num_blocks}"
         )
         assert inst.num_waiting_tokens == sum(r.num_prefill_left for r in inst.waiting)
+        w = inst.waiting
+        assert all(w[k].priority >= w[k + 1].priority for k in range(len(w) - 1)), (
+            f"instance {i}: waiting list not highest priority first"
+        )
         ckpt = sum(r.num_checkpointed_tokens for lst in (inst.running, inst.swapped) for r in lst)
         assert ckpt == inst.ckpt_tokens <= max(inst.ckpt_capacity_tokens, 0), (
             f"instance {i}: {ckpt} checkpointed tokens, {inst.ckpt_tokens} counted, "

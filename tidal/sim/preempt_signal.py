@@ -1,8 +1,9 @@
 """The scheduler's preempt signal in the simulator (`preempt_for_online`, the live scheduler's
 `services/scheduler/preempt.py`): an online request that no prefill instance has the KV blocks
-free for goes to the instance whose offline work can make the room
-(`tidal.policy.preempt.room_for_online`, the live rule), which preempts that work at its next
-step boundary (live: when the instance takes its engine lock) by release or recompute
+free for goes to the instance whose offline work (and online work of a class below its own)
+can make the room (`tidal.policy.preempt.room_for_online`, the live rule), which preempts that
+work at its next step boundary (live: when the instance takes its engine lock) by release or
+recompute, with `below_priority` = the request's priority
 (`plan_preemption`, carried out through the one interpreter). Both cost no time: the live
 signal's round trip is tens of milliseconds, in the bus latency a route already pays.
 
@@ -29,7 +30,7 @@ class PreemptSignals:
     """Signals sent and not yet taken in (slot -> KV blocks to free at its next boundary)."""
 
     def __init__(self) -> None:
-        self.pending: dict[int, int] = {}
+        self.pending: dict[int, tuple[int, int]] = {}  # slot -> (blocks, below_priority)
 
     def route(self, req: ReqState, route: Route, view: ClusterView) -> Route:
         """The policy's `route` of `req`, or the slot a signal makes room on for it."""
@@ -45,20 +46,24 @@ class PreemptSignals:
         if pick is None:
             return None
         slot, num_blocks = pick
-        self.pending[slot] = self.pending.get(slot, 0) + num_blocks
+        blocks, below = self.pending.get(slot, (0, req.priority))
+        self.pending[slot] = (blocks + num_blocks, min(below, req.priority))
         return slot
 
     def take(
         self, inst: InstanceState, reqs: dict[str, ReqState], now: float, rec: Recorder
     ) -> None:
         """At `inst`'s step boundary: preempt what its pending signal asks for."""
-        num_blocks = self.pending.pop(inst.instance_id, 0)
+        num_blocks, below = self.pending.pop(inst.instance_id, (0, 0))
         if not num_blocks:
             return
         rec.num_preempt_signals += 1
         try:
             pre = plan_preemption(
-                inst, num_blocks=num_blocks, can_release=inst.ckpt_capacity_tokens > 0
+                inst,
+                num_blocks=num_blocks,
+                can_release=inst.ckpt_capacity_tokens > 0,
+                below_priority=below,
             )
         except PreemptRefused:
             return  # the offline work it counted on is gone: nothing to do

@@ -26,7 +26,8 @@ class Recorder:
         self.num_checkpoint_lost_tokens = 0  # tokens past a checkpoint released (recomputed)
         self.num_restored_tokens = 0  # tokens copied back from checkpoints
         self.num_preempt_signals = 0  # preempt signals taken in (`preempt_for_online`)
-        self.num_preempt_signal_victims = 0  # offline requests they preempted
+        self.num_preempt_signal_victims = 0  # requests they preempted
+        self.num_class_evictions = 0  # online requests a higher class evicted on its instance
         self.num_offloads = 0
         self.num_migrations = 0
         self.num_migrations_refused = 0

@@ -11,6 +11,10 @@ waits for the batch. Then the simulator runs the
 same arrivals, class table, step model and policy (`tidal.sim.classes`) and the two tables are
 printed side by side. Live figures are the sim engine's (emulated step times, real serving
 path); the simulator's are simulated.
+
+`--sim-only` runs the simulator alone (no stack), and only then may `--kv-capacity-tokens` shrink
+each instance's KV pool: a small pool shows a higher class evicting a lower one (the `evicted`
+column; docs/classes.md).
 """
 
 from __future__ import annotations
@@ -182,6 +186,7 @@ def run_sim(args: argparse.Namespace, cfg: ClusterConfig, load: list[Arrival]) -
     run_cfg = replace(
         cfg, duration_s=args.duration_s, drain_s=args.batch_timeout_s,
         batch_max_inflight=BATCH_MAX_INFLIGHT,
+        kv_capacity_tokens=getattr(args, "kv_capacity_tokens", 0) or cfg.kv_capacity_tokens,
     )  # fmt: skip
     model = parse_step_model(args.sim_step_model)
     everything = sorted(lines + reqs, key=lambda r: r.arrival_s)
@@ -191,6 +196,7 @@ def run_sim(args: argparse.Namespace, cfg: ClusterConfig, load: list[Arrival]) -
     return {
         "rows": [vars(r) | {"attainment": r.attainment} for r in rows],
         "batch": {"completed": done, "lines": args.batch_lines},
+        "num_class_evictions": rec.num_class_evictions,
     }
 
 
@@ -253,9 +259,40 @@ def _rates(specs: list[str], cfg: ClusterConfig) -> dict[str, float]:
     return rates
 
 
+def report_sim(cfg: ClusterConfig, sim: dict[str, Any]) -> list[str]:
+    """The simulator's table alone (`--sim-only`)."""
+    out = [f"{'class':12s} | {'asked':>6s} | {'served':>6s} | {'attained':>14s} | "
+           f"{'demoted':>7s} | {'rejected':>8s} | {'evicted':>7s}"]  # fmt: skip
+    for r in sim["rows"]:
+        met = r["num_attained"] if r["has_slo"] else 0
+        att = _fmt_att(met, r["num_served"] - met) if r["has_slo"] else "–"
+        out.append(
+            f"{r['name']:12s} | {r['num_asked']:6d} | {r['num_served']:6d} | {att:>14s} | "
+            f"{r['num_demoted']:7d} | {r['num_rejected']:8d} | {r['num_preemptions']:7d}"
+        )
+    sb = sim["batch"]
+    out.append(f"Batch lines ({cfg.classes.lowest.name}): {sb['completed']} of {sb['lines']}")
+    out.append(f"evictions of an SLO class by a higher one: {sim['num_class_evictions']}")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
+    if args.kv_capacity_tokens and not args.sim_only:
+        raise SystemExit("--kv-capacity-tokens applies to the simulator alone: add --sim-only")
     load = arrivals(_rates(args.rate or list(DEFAULT_RATES), cfg), args.duration_s, args.seed)
+    if args.sim_only:
+        sim = run_sim(args, cfg, load)
+        kv = args.kv_capacity_tokens or cfg.kv_capacity_tokens
+        print(
+            f"Request classes, SIMULATED only ({args.config}, policy {cfg.policy}; {len(load)} "
+            f"requests over {args.duration_s:g} s, {args.prompt_tokens} prompt + "
+            f"{args.max_tokens} output tokens each; step model {args.sim_step_model}; KV pool "
+            f"{kv} tokens per instance)."
+        )
+        print("\n".join(report_sim(cfg, sim)))
+        save_json(args.json, {"args": args, "simulated": sim})
+        return 0
     live = run_live(args, load)
     sim = run_sim(args, cfg, load)
     print(
@@ -293,4 +330,11 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--sim-step-model", default=DEFAULT_STEP, help="emulated step time, both")
     p.add_argument("--seed", type=int, default=0, help="arrival times")
     p.add_argument("--json", default="", help="also write the figures here as JSON")
+    p.add_argument("--sim-only", action="store_true", help="the simulator alone (no stack)")
+    p.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        default=0,
+        help="with --sim-only: KV pool per instance, tokens (default: the config's)",
+    )
     p.set_defaults(func=run)

@@ -1,5 +1,6 @@
 """`tidal ctl preempt` against a live sim instance over a real nats-server: it sends the JSON a
-person would send with the NATS CLI and prints the instance's answer; exit 1 on a refusal."""
+person would send with the NATS CLI and prints the instance's answer; exit 1 on a refusal;
+`--below-priority` preempts an online request of a lower class."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ async def test_ctl_preempt_frees_offline_work_and_reports_refusals(
 ) -> None:
     async with running(nats_url, sim_kind(), *ONE_BY_ONE) as nc:
         off = await start(nc, "a", 60)
-        await decoding(off)
+        on = await start(nc, "on", 60, req_class="online")  # priority 0
+        await decoding(off, on)
         url = ("--nats-url", nats_url)
         rc, reply = await ctl(capsys, *url, "preempt", "inst-p", "--req", "a", "--swap")
         assert rc == 0 and reply["error"] == ""
@@ -37,6 +39,15 @@ async def test_ctl_preempt_frees_offline_work_and_reports_refusals(
         assert rc == 1 and "fewer than the 100000 asked for" in str(reply["error"])
         rc, reply = await ctl(capsys, *url, "preempt", "inst.p", "--blocks", "1")
         assert rc == 2 and "instance id" in str(reply["stderr"])
+        rc, reply = await ctl(
+            capsys, *url, "preempt", "inst-p", "--req", "on", "--below-priority", "0"
+        )
+        assert rc == 1 and "priority 0, not below 0" in str(reply["error"])
+        rc, reply = await ctl(
+            capsys, *url, "preempt", "inst-p", "--req", "on", "--below-priority", "1"
+        )
+        assert rc == 0 and reply["preempted"][0]["how"] == "recompute", reply  # type: ignore[index]
         async with asyncio.timeout(30):
-            await off.done.wait()
+            await asyncio.gather(off.done.wait(), on.done.wait())
         off.assert_complete(60)
+        on.assert_complete(60)

@@ -1,7 +1,8 @@
 """Preemption as a bus signal (`tidal.inst.<id>.preempt`, `services/instance/preempt.py`) on a
 live instance over a real nats-server: offline work freed at the next step boundary by recompute,
-swap or (torch, checkpoints on) release; online work never; a malformed request answered with
-an error; every preempted request still completes, and on the torch engine with the same text."""
+swap or (torch, checkpoints on) release; online work only below `below_priority`; a malformed
+request answered with an error; every preempted request still completes, and on the torch
+engine with the same text."""
 
 from __future__ import annotations
 
@@ -113,6 +114,9 @@ async def test_offline_work_is_freed_by_the_signal_and_still_completes(nats_url:
             (b'{"req_ids": ["a", "on"]}', "online work is never preempted"),
             (b'{"num_blocks": 100000}', "fewer than the 100000 asked for"),
             (b"{}", "name req_ids, or num_blocks >= 1"),
+            (b'{"num_blocks": 1, "below_priority": "high"}', "$.below_priority"),
+            (b'{"num_blocks": 1, "below_priority": 99999999999}', "below_priority must be"),
+            (b'{"req_ids": ["on"], "below_priority": 0}', "priority 0, not below 0"),
         ]
         for body, why in bad:
             rep = await preempt(nc, body)
@@ -128,6 +132,10 @@ async def test_offline_work_is_freed_by_the_signal_and_still_completes(nats_url:
         rep = await preempt(nc, b'{"req_ids": ["a"], "swap": true}')
         assert [(p.req_id, p.how, p.tokens_lost) for p in rep.preempted] == [("a", "swap", 0)]
         assert rep.freed_blocks >= 1
+
+        # a higher class's signal: the online request (priority 0) is recomputed
+        rep = await preempt(nc, b'{"req_ids": ["on"], "below_priority": 1}')
+        assert [(p.req_id, p.how) for p in rep.preempted] == [("on", "recompute")], rep
 
         async with asyncio.timeout(30):
             await asyncio.gather(online.done.wait(), a.done.wait(), b.done.wait())

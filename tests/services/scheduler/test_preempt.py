@@ -2,7 +2,9 @@
 live services over a real nats-server (sim engine): an online request that finds no KV room
 where the policy routes it (an instance full of online work, which is never preempted) fails
 there for lack of KV; with the signal it goes to the instance whose offline work the scheduler
-had preempted, and runs at once; the offline work still completes, every token once."""
+had preempted, and runs at once; the offline work still completes, every token once. With
+request classes, an online request of a higher class gets its room the same way from a lower
+class's online work (`below_priority`), never from its own class's."""
 
 from __future__ import annotations
 
@@ -87,7 +89,9 @@ async def stack(nats_url: str, preempt: bool) -> AsyncIterator[NATS]:
         await asyncio.gather(*tasks)
 
 
-async def submit(nc: NATS, iid: str, req_id: str, req_class: str, max_tokens: int) -> Stream:
+async def submit(
+    nc: NATS, iid: str, req_id: str, req_class: str, max_tokens: int, priority: int = 0
+) -> Stream:
     s = Stream()
     subject = subjects.gateway_tokens(f"gw-{req_id}")
     await nc.subscribe(subject, cb=s.on_chunk)
@@ -98,6 +102,7 @@ async def submit(nc: NATS, iid: str, req_id: str, req_class: str, max_tokens: in
         reply_subject=subject,
         req_class=req_class,
         prompt=PROMPT,
+        priority=priority,
     )
     reply = await nc.request(subjects.instance_submit(iid), codec.encode(req), timeout=10)
     assert codec.decode(reply.data, GenerateAck).ok
@@ -115,8 +120,10 @@ async def known(nc: NATS) -> None:
         await asyncio.sleep(0.2)  # and their reports
 
 
-async def route(nc: NATS, req_id: str) -> RouteReply:
-    ask = RouteRequest(req_id, "tidal-sim", "online", 10, len(PROMPT), num_prompt_tokens=60)
+async def route(nc: NATS, req_id: str, priority: int = 0) -> RouteReply:
+    ask = RouteRequest(
+        req_id, "tidal-sim", "online", 10, len(PROMPT), num_prompt_tokens=60, priority=priority
+    )
     msg = await nc.request(subjects.ROUTE, codec.encode(ask), timeout=5)
     return codec.decode(msg.data, RouteReply)
 
@@ -160,3 +167,34 @@ async def test_an_online_request_gets_room_by_a_preempt_signal(
             assert signals == []
             [end] = online.chunks  # ended for lack of KV: the hog grew into all of it
             assert end.finish_reason == "error" and "out of KV memory" in end.error
+
+
+async def test_a_higher_class_gets_room_from_a_lower_class_by_the_signal(nats_url: str) -> None:
+    async with stack(nats_url, True) as nc:
+        signals: list[tuple[str, CtlPreempt]] = []
+        for iid in IIDS:
+
+            async def on_signal(msg: Msg, iid: str = iid) -> None:
+                signals.append((iid, msgspec.json.decode(msg.data, type=CtlPreempt)))
+
+            await nc.subscribe(subjects.instance_preempt(iid), cb=on_signal)
+        await nc.flush()
+        await known(nc)
+        # inst-0: a standard (priority 1) request holds the KV; inst-1: an interactive one (2)
+        std = await submit(nc, "inst-0", "std", "online", 100, priority=1)
+        top = await submit(nc, "inst-1", "top", "online", 100, priority=2)
+        async with asyncio.timeout(20):
+            while min(std.num_tokens, top.num_tokens) < 45:  # 7 of 10 blocks held on each
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        reply = await route(nc, "on", priority=2)  # interactive: standard's KV may go
+        online = await submit(nc, reply.instance_id, "on", "online", 10, priority=2)
+        async with asyncio.timeout(30):
+            await asyncio.gather(online.done.wait(), std.done.wait(), top.done.wait())
+        assert reply.instance_id == "inst-0"
+        assert [(iid, s.num_blocks, s.below_priority) for iid, s in signals] == [("inst-0", 1, 2)]
+        assert online.num_tokens == 10 and online.chunks[-1].finish_reason == "length"
+        assert online.first_s < std.done_s  # it did not wait for the standard request
+        for s in (std, top):  # the evicted standard request recomputed: nothing lost, no repeat
+            assert s.num_tokens == 100 and s.chunks[-1].finish_reason == "length"
+            assert [c.seq for c in s.chunks] == list(range(len(s.chunks)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 
@@ -38,6 +40,7 @@ FIELDS = (
     "max_tbt_s",
     "num_preemptions",
     "num_migrations",
+    "priority",
 )
 
 
@@ -250,3 +253,24 @@ def test_submitted_and_migrating_requests_are_known_but_only_submitted_ones_queu
     assert waiting["sub"].phase is Phase.WAITING  # queued at its instance, not yet in its engine
     listed = {r.req_id for i in view.instances for lst in (i.waiting, i.running) for r in lst}
     assert "mig" not in listed  # leaving now: in no queue a policy acts on
+
+
+def test_priorities_are_mirrored_ordered_and_reported() -> None:
+    """The engine's arrival order becomes highest priority first in the instance's waiting
+    list; the report carries each request's priority to the scheduler's view."""
+    inst = make_instance(0)
+    reqs: dict[str, ReqState] = {}
+    snaps = [
+        dataclasses.replace(snap(rid, status, *run), priority=p)
+        for rid, status, p, run in (("s1", "waiting", 1, ()), ("i1", "waiting", 2, ()),
+                                    ("s2", "waiting", 1, ()), ("r", "running", 1, (310, 11, 20)),
+                                    ("i2", "waiting", 2, ()))
+    ]  # fmt: skip
+    sync_instance(inst, snaps, reqs, 60)
+    assert [r.req_id for r in inst.waiting] == ["i1", "i2", "s1", "s2"]
+    assert reqs["i1"].priority == 2 and reqs["r"].priority == 1
+    view = build_cluster_view([report_of(inst, "a", T0, 1, step_model="m")], {"m": MODEL}, 1e9)
+    assert {r.req_id: r.priority for r in view.instances[0].waiting} == {
+        "i1": 2, "i2": 2, "s1": 1, "s2": 1
+    }  # fmt: skip
+    assert view.instances[0].running[0].priority == 1

@@ -1,15 +1,20 @@
 """The scheduler's preempt signal in the simulator (`preempt_for_online`,
 `tidal/sim/preempt_signal.py`): the live scenario of `tests/services/scheduler/test_preempt.py`
 on the simulator, with the same outcome: the online request that would end for lack of KV on
-the instance its policy picks runs at once where the offline work was preempted for it."""
+the instance its policy picks runs at once where the offline work was preempted for it; with
+request classes, where a lower class's work was."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.tidal.sim.test_core import OFF, make_policy_for, make_setup, req
+from tests.tidal.sim.test_core import OFF, SLO, make_policy_for, make_setup, req
+from tidal.config.classes import parse_classes
 from tidal.policy.state import InstanceRole, Phase
+from tidal.schemas.enums import RequestClass
+from tidal.sim.classes import ClassGate
 from tidal.sim.core import Simulator
+from tidal.workload.mix import SimRequest
 
 AGG2 = (InstanceRole.AGGREGATED, InstanceRole.AGGREGATED)
 
@@ -62,3 +67,42 @@ def test_with_checkpoints_the_signal_releases_and_loses_under_two_blocks() -> No
     assert 0 < rec.num_checkpoint_lost_tokens < 2 * 16 * rec.num_releases
     assert by_id["on"].instance_id == 1 and by_id["on"].num_output_tokens == 10
     assert by_id["off"].num_output_tokens == 100
+
+
+def test_a_higher_class_gets_room_from_a_lower_class_never_its_own() -> None:
+    """The live scenario of the scheduler's class test: standard work fills instance 0, an
+    interactive request instance 1; a second interactive request goes where the signal (with
+    `below_priority` = its priority) preempts the standard one, not its own class."""
+    table = parse_classes(
+        [
+            {"name": "interactive", "priority": 2, "ttft_ms": 1000},
+            {"name": "standard", "priority": 1, "ttft_ms": 1000},
+            {"name": "batch", "priority": 0, "best_effort": True},
+        ]
+    )
+    sim = Simulator(
+        [make_setup(num_blocks=10), make_setup(num_blocks=10)],
+        make_policy_for("aggregated", AGG2),
+        check=True,
+        preempt_for_online=True,
+        classes=ClassGate(table, SLO),
+    )
+
+    def asks(rid: str, t: float, out: int, cls: str) -> SimRequest:
+        return SimRequest(rid, RequestClass.ONLINE, t, 60, out, class_name=cls)
+
+    rec = sim.run(
+        [
+            asks("std", 0.0, 100, "standard"),  # instance 0 (the tie's first)
+            asks("top", 0.0, 100, "interactive"),  # instance 1
+            asks("on", 0.7, 10, "interactive"),  # 2 blocks free on each, 4 needed
+        ]
+    )
+    by_id = {r.req_id: r for r in rec.requests}
+    std, top, on = by_id["std"], by_id["top"], by_id["on"]
+    assert rec.num_preempt_signals == 1 and rec.num_preempt_signal_victims == 1
+    assert on.instance_id == 0 and on.num_output_tokens == 10
+    assert on.first_token_s is not None and std.finish_s is not None
+    assert on.first_token_s < std.finish_s  # it did not wait for the standard request
+    assert std.num_preemptions >= 1 and top.num_preemptions == 0
+    assert all(r.phase is Phase.FINISHED for r in (std, top, on))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from tidal.config.cluster import load_config
-from tidal_bench.serve.classes import DEFAULT_STEP, arrivals, report, run_sim
+from tidal_bench.serve.classes import DEFAULT_STEP, arrivals, report, report_sim, run_sim
 
 
 def test_arrivals_are_poisson_per_class_in_time_order_and_repeatable() -> None:
@@ -42,3 +42,24 @@ def test_the_simulated_overload_demotes_standard_and_completes_the_batch() -> No
     std = next(line for line in table if line.startswith("standard"))
     assert f"{asked} / {asked}" in std and "75.0% of 4 / " in std
     assert table[-1].startswith("Batch API lines (batch): live 10 of 10 completed")
+
+
+def test_sim_only_on_a_small_pool_the_interactive_class_evicts_standard() -> None:
+    """`--sim-only --config classes-preempt.yaml`: standard work fills the 2048-token pools;
+    interactive requests take their room by evicting it and all meet their SLO."""
+    cfg = load_config("classes-preempt.yaml")
+    args = argparse.Namespace(prompt_tokens=200, max_tokens=64, batch_lines=40, duration_s=20.0,
+                              batch_timeout_s=120.0, sim_step_model=DEFAULT_STEP,
+                              kv_capacity_tokens=0)  # fmt: skip
+    load = arrivals({"interactive": 2.0, "standard": 8.0}, 20.0, seed=0)
+    sim = run_sim(args, cfg, load)
+    rows = {r["name"]: r for r in sim["rows"]}
+    assert sim["num_class_evictions"] > 0
+    assert rows["standard"]["num_preemptions"] >= sim["num_class_evictions"]
+    assert rows["interactive"]["num_preemptions"] == 0
+    assert rows["interactive"]["attainment"] == 1.0
+    assert rows["interactive"]["num_served"] == rows["interactive"]["num_asked"]
+    table = report_sim(cfg, sim)
+    assert table[0].split() == ["class", "|", "asked", "|", "served", "|", "attained", "|",
+                                "demoted", "|", "rejected", "|", "evicted"]  # fmt: skip
+    assert table[-1] == f"evictions of an SLO class by a higher one: {sim['num_class_evictions']}"

@@ -91,6 +91,7 @@ class _Payload(msgspec.Struct, forbid_unknown_fields=True):
     partial_tokens: int
     partial_layer: int
     text: str
+    priority: int = 0  # its request class's priority
 
 
 def kv_digest(token_ids: list[int], num_tokens: int) -> bytes:
@@ -120,6 +121,7 @@ def encode_state(seq: SimSeq, model: str) -> bytes:
             partial_tokens=seq.partial_tokens,
             partial_layer=seq.partial_layer,
             text=seq.text,
+            priority=seq.req.priority,
         )
     )
 
@@ -143,7 +145,9 @@ def decode_state(data: bytes, model: str, num_layers: int) -> SimSeq:
         raise ValueError(f"{p.req_id!r}: inconsistent computed/partial token counts")
     if p.partial_tokens and not 0 < p.partial_layer < num_layers:
         raise ValueError(f"{p.req_id!r}: partial chunk at layer {p.partial_layer} of {num_layers}")
-    req = EngineRequest(p.req_id, p.prompt_token_ids, p.sampling, p.req_class, p.arrival_s)
+    req = EngineRequest(
+        p.req_id, p.prompt_token_ids, p.sampling, p.req_class, p.arrival_s, p.priority
+    )
     return SimSeq(
         req=req,
         token_ids=token_ids,

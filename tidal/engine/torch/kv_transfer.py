@@ -37,6 +37,7 @@ def request_to_dict(req: EngineRequest) -> dict[str, Any]:
         "sampling": sp,
         "req_class": str(req.req_class),
         "arrival_s": req.arrival_s,
+        "priority": req.priority,
     }
 
 
@@ -51,4 +52,5 @@ def request_from_dict(d: dict[str, Any]) -> EngineRequest:
         sampling=SamplingParams(**sp),
         req_class=RequestClass(d["req_class"]),
         arrival_s=float(d["arrival_s"]),
+        priority=int(d.get("priority", 0)),
     )
