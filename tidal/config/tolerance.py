@@ -56,22 +56,31 @@ class Tolerance:
         return f"{self.metric}={self.ratio:g}"
 
     def value(self, summary: Mapping[str, Any]) -> float:
-        """The metric of one run, seconds. A run with no sample of it is an error: its
-        tolerance cannot be judged."""
+        """The metric of one run, seconds; NaN when the run has no sample of it (no online
+        request got a first token, or no step carried an online decode)."""
         key, stat = METRICS[self.metric]
-        v = float(summary["online"][key][stat])
-        if math.isnan(v):
-            raise ValueError(f"the run has no {self.metric} sample (no online requests served?)")
-        return v
+        return float(summary["online"][key][stat])
+
+    def reference(self, pure_online: Mapping[str, Any]) -> float:
+        """The metric under pure online serving. A reference with no sample of it is an
+        error: there is nothing to be tolerant of."""
+        ref = self.value(pure_online)
+        if math.isnan(ref):
+            raise ValueError(f"pure online serving has no {self.metric} sample (no online load?)")
+        return ref
 
     def bound(self, pure_online: Mapping[str, Any]) -> float:
         """The SLO in seconds: (1 + ratio) x the metric under pure online serving."""
-        return (1.0 + self.ratio) * self.value(pure_online)
+        return (1.0 + self.ratio) * self.reference(pure_online)
 
     def meets(self, summary: Mapping[str, Any], pure_online: Mapping[str, Any]) -> bool:
-        """Whether a co-located run stays within the tolerance."""
-        return self.value(summary) <= self.bound(pure_online)
+        """Whether a co-located run stays within the tolerance; a run with no sample of the
+        metric (its online requests never started) does not."""
+        v = self.value(summary)
+        return not math.isnan(v) and v <= self.bound(pure_online)
 
     def interference(self, summary: Mapping[str, Any], pure_online: Mapping[str, Any]) -> float:
-        """The run's metric over pure online's, minus one (0.05 = 5 % interference)."""
-        return self.value(summary) / self.value(pure_online) - 1.0
+        """The run's metric over pure online's, minus one (0.05 = 5 % interference; inf when
+        the run has no sample)."""
+        v = self.value(summary)
+        return math.inf if math.isnan(v) else v / self.reference(pure_online) - 1.0

@@ -37,7 +37,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--iters", type=int, default=4, help="bisection steps of both searches")
     t.add_argument(
         "--budget-range",
-        default="0.005,0.2",
+        default="0.01,0.1",
         metavar="LO,HI",
         help="latency budgets (s) the profiler searches, from HI down",
     )
@@ -92,6 +92,7 @@ def tolerance_cmd(
                 on_probe,
             )
             rows.append(res.row())
+            _print_row(console, rows[-1])
     best = {
         k: max((r[k] for r in rows if r[k] is not None), default=None)
         for k in ("total_vs_pure_online", "generated_vs_pure_online", "offline_vs_rate_policy")
@@ -119,24 +120,26 @@ def tolerance_cmd(
         f"\\[simulated] pure online ({args.online_policy}): "
         f"{ref['online']['total_tokens_per_s']:.0f} tok/s (prompt + output)"
     )
-    for r in rows:
-        star, hy = r["rate_policy"], r["budget_policy"]
-        budget = hy["latency_budget_s"]
-        console.print(
-            f"\\[simulated] {r['tolerance']} (bound {1e3 * r['bound_s']:.1f} ms): "
-            f"{star['policy']} {star['offline_qps']:.3g} QPS, {star['offline_tokens_per_s']:.0f} "
-            f"offline tok/s; {hy['policy']} budget "
-            + ("none" if budget is None else f"{1e3 * budget:.1f} ms")
-            + f", {hy['offline_tokens_per_s']:.0f} offline tok/s; total vs pure online "
-            f"{_x(r['total_vs_pure_online'])}, offline vs {star['policy']} "
-            f"{_x(r['offline_vs_rate_policy'])}"
-        )
     console.print(
         f"\\[simulated] best: total vs pure online {_x(best['total_vs_pure_online'])}, "
         f"offline vs {args.rate_policy} {_x(best['offline_vs_rate_policy'])}"
     )
     console.print(f"wrote {out / 'summary.json'}")
     return 0
+
+
+def _print_row(console: Console, r: dict[str, Any]) -> None:
+    star, hy = r["rate_policy"], r["budget_policy"]
+    budget = hy["latency_budget_s"]
+    console.print(
+        f"\\[simulated] {r['tolerance']} (bound {1e3 * r['bound_s']:.1f} ms): "
+        f"{star['policy']} {star['offline_qps']:.3g} QPS, {star['offline_tokens_per_s']:.0f} "
+        f"offline tok/s; {hy['policy']} budget "
+        + ("none" if budget is None else f"{1e3 * budget:.1f} ms")
+        + f", {hy['offline_tokens_per_s']:.0f} offline tok/s; total vs pure online "
+        f"{_x(r['total_vs_pure_online'])}, offline vs {star['policy']} "
+        f"{_x(r['offline_vs_rate_policy'])}"
+    )
 
 
 def _x(v: float | None) -> str:

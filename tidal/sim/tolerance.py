@@ -113,7 +113,7 @@ class ToleranceResult:
         hy_off = float(hy.get("offline", {}).get("tokens_per_s", 0.0))
         return {
             "tolerance": tol.label,
-            "reference_s": tol.value(ref),
+            "reference_s": tol.reference(ref),
             "bound_s": tol.bound(ref),
             "pure_online_total_tokens_per_s": ref_total,
             "rate_policy": {
@@ -161,7 +161,7 @@ def tolerance_search(
     start_qps: float = 0.25,
     max_qps: float = 64.0,
     qps_iters: int = 4,
-    budget_range_s: tuple[float, float] = (0.005, 0.2),
+    budget_range_s: tuple[float, float] = (0.01, 0.1),
     budget_iters: int = 4,
     on_probe: OnProbe | None = None,
 ) -> ToleranceResult:

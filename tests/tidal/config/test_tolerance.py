@@ -53,9 +53,13 @@ def test_bad_tolerances_say_what_is_wrong(text: str, message: str) -> None:
         Tolerance.parse(text)
 
 
-def test_a_run_without_the_metric_cannot_be_judged() -> None:
-    with pytest.raises(ValueError, match="no tbt_mean sample"):
-        Tolerance("tbt_mean", 0.1).value(summary(float("nan"), 0.04, 0.3, 1.0))
+def test_a_run_without_the_metric_fails_and_a_reference_without_it_is_an_error() -> None:
+    # A budget below one decode step starts no online prompt: no TTFT sample at all.
+    starved = summary(0.02, 0.04, float("nan"), float("nan"))
+    tol = Tolerance("ttft_p99", 0.1)
+    assert not tol.meets(starved, PURE) and tol.interference(starved, PURE) == float("inf")
+    with pytest.raises(ValueError, match="pure online serving has no ttft_p99 sample"):
+        tol.meets(PURE, starved)
 
 
 BASE = """
