@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import yaml
 
 from tidal.config.classes import ClassTable, default_table, parse_classes
+from tidal.config.tolerance import Tolerance
 from tidal.configs import config_path
 from tidal.policy.state import InstanceRole, Slo
 from tidal.workload.mix import StreamConfig
@@ -86,6 +87,9 @@ class ClusterConfig:
     policy: str = "aggregated"  # default for `tidal sim run`
     policies: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> params
     slo_variants: Mapping[str, Slo] = field(default_factory=dict)  # e.g. TaiChi SLO1 / SLO2
+    # HyGen §5.2's SLOs: tolerances on one aggregate online metric over pure online serving
+    # (`tidal.config.tolerance`), judged by `tidal sim tolerance`; the per-request `slo` is not
+    slo_tolerances: tuple[Tolerance, ...] = ()
     description: str = ""
     tp: int = 1  # tensor parallel GPUs per instance
     latency_model: str = "roofline"  # roofline | regression | modulewise (tidal.perf)
@@ -196,6 +200,12 @@ def parse_config(data: Mapping[str, Any], where: str = "config") -> ClusterConfi
         k: build(Slo, v, f"{where}.slo_variants.{k}")
         for k, v in (d.get("slo_variants") or {}).items()
     }
+    tols = d.get("slo_tolerances") or []
+    if not isinstance(tols, list):
+        raise ValueError(f"{where}.slo_tolerances: expected a list of {{metric, ratio}}")
+    d["slo_tolerances"] = tuple(
+        build(Tolerance, t, f"{where}.slo_tolerances[{i}]") for i, t in enumerate(tols)
+    )
     for k in ("online", "offline"):
         if d.get(k) is not None:
             d[k] = build(StreamConfig, d[k], f"{where}.{k}")

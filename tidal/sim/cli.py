@@ -1,4 +1,4 @@
-"""``tidal sim run | max-offline | goodput | max-online``: the simulator's commands (simulated)."""
+"""``tidal sim run | max-offline | goodput | max-online | tolerance``: the simulator (simulated)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tidal.config.cluster import ClusterConfig, load_config, override_streams
+from tidal.sim.cli_tolerance import add_arguments as add_tolerance_arguments
 
 console = Console(stderr=True)
 
@@ -79,6 +80,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     o.add_argument("--max-scale", type=float, default=64.0, help="stop growing the scale here")
     o.add_argument("--iters", type=int, default=6, help="bisection steps")
     o.set_defaults(func=cmd_max_online)
+    t = sp.add_parser(
+        "tolerance",
+        help="HyGen §5.2: throughput within a tolerance on one aggregate metric vs pure online",
+    )
+    _common(t)
+    add_tolerance_arguments(t)
+    t.set_defaults(func=cmd_tolerance)
 
 
 def _config(args: argparse.Namespace) -> ClusterConfig:
@@ -167,6 +175,12 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     from tidal.sim.cli_search import search_cmd
 
     return search_cmd(args, "goodput", _config(args), console, _search_progress, _write)
+
+
+def cmd_tolerance(args: argparse.Namespace) -> int:
+    from tidal.sim.cli_tolerance import tolerance_cmd
+
+    return tolerance_cmd(args, _config(args), console, _search_progress, _write)
 
 
 def _search_progress() -> Any:

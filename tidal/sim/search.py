@@ -102,12 +102,16 @@ def max_offline(
     max_qps: float = 256.0,
     iters: int = 5,
     on_probe: Callable[[str, float, dict[str, Any]], None] | None = None,
+    within: Callable[[dict[str, Any]], bool] | None = None,
 ) -> SearchResult:
-    """OOCO §5.2 for one policy."""
+    """OOCO §5.2 for one policy. `within(summary)` replaces the SLO check (online violation
+    <= `violation_pct`), e.g. HyGen's tolerance on an aggregate metric (`tidal.sim.tolerance`)."""
 
     probe = _prober(cfg, policy, lambda qps: with_offline_rate(cfg, qps), "offline_qps", on_probe)
 
     def ok(s: dict[str, Any]) -> bool:
+        if within is not None:
+            return within(s)
         return bool(s["online"]["violation_pct"] <= violation_pct)
 
     def saturated(qps: float, s: dict[str, Any]) -> bool:

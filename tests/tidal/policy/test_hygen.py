@@ -11,6 +11,7 @@ from tidal.policy.hygen import (
     HyReq,
     OfflineOrder,
     PrefixTrie,
+    profile_budget_from_above,
     profile_latency_budget,
     reconcile_on_arrival,
     two_phase_schedule,
@@ -115,3 +116,28 @@ def test_profiler_binary_searches_the_largest_compliant_budget() -> None:
     got = profile_latency_budget(lambda b: b <= 0.073, 0.01, 0.2, iterations=20)
     assert got is not None and got == pytest.approx(0.073, abs=1e-6) and got <= 0.073
     assert profile_latency_budget(lambda b: False, 0.01, 0.2) is None
+
+
+def test_profiler_from_above_finds_the_largest_budget_when_the_bottom_fails_too() -> None:
+    # A TTFT-like SLO: met only in [0.03, 0.073] (too small a budget starves online prefill).
+    seen: list[float] = []
+
+    def meets(b: float) -> bool:
+        seen.append(b)
+        return 0.03 <= b <= 0.073
+
+    got = profile_budget_from_above(meets, 0.005, 0.2, shrink=0.5, iterations=10)
+    # 0.2 and 0.1 fail, 0.05 meets; bisection between 0.05 and 0.1 closes on 0.073.
+    assert seen[:3] == [0.2, 0.1, 0.05]
+    assert got is not None and got <= 0.073 and got == pytest.approx(0.073, abs=1e-4)
+    # profile_latency_budget tests the bottom first and gives up on the same SLO.
+    assert profile_latency_budget(lambda b: 0.03 <= b <= 0.073, 0.005, 0.2) is None
+
+
+def test_profiler_from_above_takes_the_top_or_reports_none() -> None:
+    assert profile_budget_from_above(lambda b: True, 0.01, 0.2) == 0.2
+    calls: list[float] = []
+    assert profile_budget_from_above(lambda b: bool(calls.append(b)), 0.01, 0.2, 0.5) is None
+    assert min(calls) >= 0.01 and len(calls) == 5  # 0.2, 0.1, 0.05, 0.025, 0.0125
+    with pytest.raises(ValueError, match="shrink"):
+        profile_budget_from_above(lambda b: True, 0.01, 0.2, shrink=1.0)

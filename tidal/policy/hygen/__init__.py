@@ -18,7 +18,7 @@ from tidal.policy.hygen.batch import (
 )
 from tidal.policy.hygen.config import HygenConfig
 from tidal.policy.hygen.prefix_order import FreshnessIndex, OfflineOrder, PrefixTrie
-from tidal.policy.hygen.profiler import profile_latency_budget
+from tidal.policy.hygen.profiler import profile_budget_from_above, profile_latency_budget
 
 __all__ = [
     "Budget",
@@ -28,6 +28,7 @@ __all__ = [
     "HygenConfig",
     "OfflineOrder",
     "PrefixTrie",
+    "profile_budget_from_above",
     "profile_latency_budget",
     "reconcile_on_arrival",
     "slo_aware_schedule",
