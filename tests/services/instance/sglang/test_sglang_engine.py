@@ -310,6 +310,9 @@ def test_the_policy_never_preempts_a_request_sglang_has_not_answered_yet(
         try:
             eng.add(req("off", 8))
             eng.step(StepPlan(prefill={"off": len(PROMPT)}))
+            deadline = time.monotonic() + 10  # the submission's POST lands on the server's thread
+            while not slow.bodies and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert slow.bodies, "submitted"
             slo = Slo(1.0, 0.25)
             policy = make_policy("tidal", PolicyContext(2, (role, role), slo, {}, seed=0))
