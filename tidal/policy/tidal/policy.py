@@ -25,11 +25,13 @@ from tidal.policy.taichi.routing import PrefillTarget, route_prefill
 from tidal.policy.tidal.budget import strict_step_budget
 from tidal.policy.tidal.config import TidalConfig
 from tidal.policy.tidal.overflow import cpu_overflow_step, offline_prefill_candidates
+from tidal.policy.tidal.relaxed import keep_uncut
 
 
 class TidalPolicy(OocoPolicy):
     def __init__(self, ctx: PolicyContext, cfg: TidalConfig, params: dict[str, object]) -> None:
-        ocfg = ooco_config(ctx, {"gating_enabled": cfg.gating, **params})
+        base = {"gating_enabled": cfg.gating, "offline_step_cap_s": cfg.relaxed_step_s}
+        ocfg = ooco_config(ctx, {**base, **params})
         super().__init__(ctx, ocfg)
         self.tcfg = cfg
         self.omni = OmniConfig()
@@ -132,7 +134,12 @@ class TidalPolicy(OocoPolicy):
     def offline_step(
         self, inst: InstanceState, dec: Sequence[ReqState], pre: Sequence[ReqState]
     ) -> StepPlan:
-        plan = super().offline_step(inst, dec, pre)
+        plan = keep_uncut(
+            inst,
+            super().offline_step(inst, dec, pre),
+            self.cfg.ttft_slo_s,
+            self.tcfg.relaxed_uncut_ttft,
+        )
         if not self._cpu(inst):
             return plan
         if plan.recompute:  # out of KV: decode the victim on the CPU instead of recomputing it
