@@ -54,14 +54,17 @@ class TidalConfig:
     strict_kv_reserve: float = 0.2
     """Fraction of a strict instance's KV blocks kept free of new offline prefills, for online
     requests pushed after their prefill (OOCO §3.4.3 push)."""
-    relaxed_step_s: float = 0.05
+    relaxed_step_s: float = 0.15
     """Longest offline step on a latency-relaxed instance, seconds (OOCO's `offline_step_cap_s`,
-    which an `ooco:` section may still set). OOCO §3.2.1 does not restrict a relaxed step's
-    time; each step pays the fixed per-step overhead (`tidal.policy.tidal.relaxed`)."""
-    relaxed_uncut_ttft: float = 0.0
+    0.05, which an `ooco:` section may still set). OOCO §3.2.1 does not restrict a relaxed
+    step's time; each step pays the fixed per-step overhead (`tidal.policy.tidal.relaxed`), so
+    a longer one spends less of the instance on it, up to the instance's chunk. Longer steps
+    only pay with `relaxed_uncut_ttft`: a step an online arrival cuts is redone."""
+    relaxed_uncut_ttft: float = 0.1
     """An offline step on a relaxed instance lasting at most this fraction of the TTFT SLO is
     not cut at a layer boundary by an arriving online prefill (OOCO §3.4.1): the prefill waits
-    for its end, and its work is kept. 0 keeps every such step preemptible (OOCO's rule)."""
+    for its end (at most 0.2 s at a 2 s TTFT SLO), and its work is kept. 0 keeps every such
+    step preemptible (OOCO's rule)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.utility_ratio <= 1.0:
