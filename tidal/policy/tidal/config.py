@@ -65,6 +65,11 @@ class TidalConfig:
     not cut at a layer boundary by an arriving online prefill (OOCO §3.4.1): the prefill waits
     for its end (at most 0.2 s at a 2 s TTFT SLO), and its work is kept. 0 keeps every such
     step preemptible (OOCO's rule)."""
+    relaxed_fill: bool = True
+    """HyGen §4.1's hybrid batch on relaxed instances: an online prefill step that takes every
+    online prompt waiting there is topped up with offline prefill chunks while it stays within
+    `relaxed_step_s` and `relaxed_uncut_ttft` x TTFT (so the online prompts' TTFT grows by at
+    most that); False runs online prefill alone (OOCO §3.4.1)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.utility_ratio <= 1.0:

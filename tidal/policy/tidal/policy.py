@@ -25,7 +25,7 @@ from tidal.policy.taichi.routing import PrefillTarget, route_prefill
 from tidal.policy.tidal.budget import strict_step_budget
 from tidal.policy.tidal.config import TidalConfig
 from tidal.policy.tidal.overflow import cpu_overflow_step, offline_prefill_candidates
-from tidal.policy.tidal.relaxed import keep_uncut
+from tidal.policy.tidal.relaxed import fill_online_step, keep_uncut
 
 
 class TidalPolicy(OocoPolicy):
@@ -130,6 +130,13 @@ class TidalPolicy(OocoPolicy):
         if n <= 0:
             return plan
         return dataclasses.replace(plan, cpu_decode=oldest_first(inst.offloaded, n))
+
+    def online_prefill_step(self, inst: InstanceState, online: Sequence[ReqState]) -> StepPlan:
+        plan = super().online_prefill_step(inst, online)
+        if not self.tcfg.relaxed_fill:
+            return plan
+        bound = min(self.cfg.offline_step_cap_s, self.tcfg.relaxed_uncut_ttft * self.cfg.ttft_slo_s)
+        return fill_online_step(inst, plan, online, bound)
 
     def offline_step(
         self, inst: InstanceState, dec: Sequence[ReqState], pre: Sequence[ReqState]

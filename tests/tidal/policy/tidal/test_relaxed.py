@@ -1,6 +1,6 @@
-"""Offline steps of `tidal` on a latency-relaxed instance (`tidal.policy.tidal.relaxed`): their
-length cap (`relaxed_step_s`) and which of them an arriving online prefill may cut
-(`relaxed_uncut_ttft`)."""
+"""Steps of `tidal` on a latency-relaxed instance (`tidal.policy.tidal.relaxed`): the offline
+steps' length cap (`relaxed_step_s`), which of them an arriving online prefill may cut
+(`relaxed_uncut_ttft`), and offline prefill topping up an online prefill step (`relaxed_fill`)."""
 
 from __future__ import annotations
 
@@ -122,3 +122,35 @@ def test_in_the_simulator_an_uncut_step_keeps_its_work_and_the_online_prefill_wa
 def plan_shape_of_prefill(n: int):  # type: ignore[no-untyped-def]
     inst = relaxed(prompt("x", n))
     return plan_shape(inst, StepPlan(prefill={"x": n}))
+
+
+def online(rid: str, n: int) -> ReqState:
+    r = ReqState(rid, RequestClass.ONLINE, 0.0, n, 8, SLO)
+    r.phase = Phase.WAITING
+    return r
+
+
+def test_an_online_prefill_step_is_topped_up_with_offline_prefill_within_the_bound() -> None:
+    inst = relaxed(online("on", 500), prompt("a", 3000))
+    # Bound min(0.11 s, 0.1 x 2 s): 500 online tokens (35 ms) and then offline up to 110 ms.
+    plan = plan_of(inst, relaxed_step_s=0.11, relaxed_uncut_ttft=0.1)
+    assert plan.prefill["on"] == 500
+    assert plan.prefill["a"] == pytest.approx(1500, abs=1)
+    assert not plan.layer_cut  # an online step is never cut
+    assert plan_of(inst, relaxed_step_s=0.11, relaxed_fill=False).prefill == {"on": 500}
+    assert plan_of(inst, relaxed_step_s=0.11, relaxed_uncut_ttft=0.0).prefill == {"on": 500}
+
+
+def test_no_offline_fill_while_online_prompt_tokens_still_wait() -> None:
+    # 5,000 online tokens: the 4,096-token chunk is all online, the rest waits for the next step.
+    plan = plan_of(relaxed(online("on", 5000), prompt("a", 3000)), relaxed_step_s=0.11)
+    assert plan.prefill == {"on": 4096}
+    # Two online prompts: both whole in the step, then offline; a third that does not fit
+    # whole within the chunk leaves no room for offline work.
+    two = plan_of(relaxed(online("o1", 300), online("o2", 200), prompt("a", 3000)))
+    assert (two.prefill["o1"], two.prefill["o2"]) == (300, 200)
+    assert two.prefill["a"] > 0
+    three = plan_of(
+        relaxed(online("o1", 300), online("o2", 3700), online("o3", 500), prompt("a", 3000))
+    )
+    assert "a" not in three.prefill
