@@ -58,8 +58,8 @@ class TidalConfig:
     """Longest offline step on a latency-relaxed instance, seconds (OOCO's `offline_step_cap_s`,
     0.05, which an `ooco:` section may still set). OOCO §3.2.1 does not restrict a relaxed
     step's time; each step pays the fixed per-step overhead (`tidal.policy.tidal.relaxed`), so
-    a longer one spends less of the instance on it, up to the instance's chunk. Longer steps
-    only pay with `relaxed_uncut_ttft`: a step an online arrival cuts is redone."""
+    a longer one spends less of the instance on it, up to the instance's chunk. In the
+    simulator longer steps only pay with `relaxed_uncut_ttft`: it runs a cut step again whole."""
     relaxed_uncut_ttft: float = 0.1
     """An offline step on a relaxed instance lasting at most this fraction of the TTFT SLO is
     not cut at a layer boundary by an arriving online prefill (OOCO §3.4.1): the prefill waits

@@ -4,8 +4,9 @@ OOCO §3.2.1: a latency-relaxed instance's step time "is not restricted", yet ev
 fixed per-step cost (launches, scheduling: the roofline's O_p, OOCO §3.3), so an offline step
 capped at tens of milliseconds spends a share of the instance on it that a longer step does not
 (`TidalConfig.relaxed_step_s`). OOCO §3.4.1 lets an arriving online prefill cut an offline step
-at a layer boundary so that its TTFT is what pure P/D serving gives; the cut step's work is
-redone. A step that ends within a small share of the TTFT SLO anyway delays the online prefill
+at a layer boundary so that its TTFT is what pure P/D serving gives. The simulator runs a cut
+step again whole; the engines keep its finished layers and resume the chunk, paying one more
+step. A step that ends within a small share of the TTFT SLO anyway delays the online prefill
 by no more than that ("acceptable compared to the seconds-level TTFT SLO", §3.4.1's own measure
 for a layer's wait), so `tidal` leaves such a step uncut and keeps its work
 (`TidalConfig.relaxed_uncut_ttft`). An online prefill step with room left under the same bound
