@@ -25,11 +25,13 @@ from tidal.policy.taichi.routing import PrefillTarget, route_prefill
 from tidal.policy.tidal.budget import strict_step_budget
 from tidal.policy.tidal.config import TidalConfig
 from tidal.policy.tidal.overflow import cpu_overflow_step, offline_prefill_candidates
+from tidal.policy.tidal.relaxed import fill_online_step, keep_uncut
 
 
 class TidalPolicy(OocoPolicy):
     def __init__(self, ctx: PolicyContext, cfg: TidalConfig, params: dict[str, object]) -> None:
-        ocfg = ooco_config(ctx, {"gating_enabled": cfg.gating, **params})
+        base = {"gating_enabled": cfg.gating, "offline_step_cap_s": cfg.relaxed_step_s}
+        ocfg = ooco_config(ctx, {**base, **params})
         super().__init__(ctx, ocfg)
         self.tcfg = cfg
         self.omni = OmniConfig()
@@ -129,10 +131,22 @@ class TidalPolicy(OocoPolicy):
             return plan
         return dataclasses.replace(plan, cpu_decode=oldest_first(inst.offloaded, n))
 
+    def online_prefill_step(self, inst: InstanceState, online: Sequence[ReqState]) -> StepPlan:
+        plan = super().online_prefill_step(inst, online)
+        if not self.tcfg.relaxed_fill:
+            return plan
+        bound = min(self.cfg.offline_step_cap_s, self.tcfg.relaxed_uncut_ttft * self.cfg.ttft_slo_s)
+        return fill_online_step(inst, plan, online, bound)
+
     def offline_step(
         self, inst: InstanceState, dec: Sequence[ReqState], pre: Sequence[ReqState]
     ) -> StepPlan:
-        plan = super().offline_step(inst, dec, pre)
+        plan = keep_uncut(
+            inst,
+            super().offline_step(inst, dec, pre),
+            self.cfg.ttft_slo_s,
+            self.tcfg.relaxed_uncut_ttft,
+        )
         if not self._cpu(inst):
             return plan
         if plan.recompute:  # out of KV: decode the victim on the CPU instead of recomputing it
