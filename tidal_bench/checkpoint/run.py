@@ -1,5 +1,5 @@
 """`tidal bench checkpoint`: preemption cost of offline decodes with and without KV checkpoints
-(ConServe; issue 39 item 3), on the torch engine (measured, wall time on this machine) and in
+(ConServe), on the torch engine (measured, wall time on this machine) and in
 the simulator (simulated: roofline step times, copies at --pcie-gb-per-s).
 
     tidal bench checkpoint [--requests 4] [--context 1024] [--decode 40] [--after 8]
@@ -7,16 +7,20 @@ the simulator (simulated: roofline step times, copies at --pcie-gb-per-s).
                            [--skip-engine] [--live] [--json PATH]
 
 N offline requests with `--context`-token prompts decode `--decode` tokens, are preempted all at
-once, resume, and decode `--after` more; three ways to preempt:
-  recompute   drop the KV; prompt + output prefilled again on resume
-  swap        all KV copied to host at the preemption, back on resume
-  checkpoint  full blocks copied to host every decode step (the step's cost includes it); the
-              preemption frees the blocks with no copy; resume copies the checkpoint back and
-              prefills the tail past its last full block
-Per mode: a decode step before the preemption, the time from preemption to every block free,
-from resume to every request decoding again, KV tokens recomputed, host bytes held, and (engine)
-whether the greedy tokens equal an uninterrupted run. `--live`: the same preemption sent as the
-bus signal (`tidal.inst.<id>.preempt`) to a live torch instance (`live.py`).
+once, resume, and decode `--after` more; four ways to preempt:
+  recompute        drop the KV; prompt + output prefilled again on resume
+  swap             all KV copied to host at the preemption, back on resume
+  checkpoint       full blocks queued every decode step and copied to host in the background,
+                   beside the step (engine: a worker thread); the preemption frees the blocks
+                   with no copy; resume copies the checkpoint back and prefills the tail past
+                   its last full block
+  checkpoint-sync  the same, the copy done before the step, inside the plan's checkpoint stage
+Per mode: the median, first (its checkpoint is the whole prompt's) and mean decode step before
+the preemption, and the step overhead against `recompute` (no checkpoints: its decode steps are
+the plain ones), the time spent copying checkpoints, the time from preemption to every block
+free, from resume to every request decoding again, KV tokens recomputed, host bytes held, and
+(engine) whether the greedy tokens equal an uninterrupted run. `--live`: the same preemption
+sent as the bus signal (`tidal.inst.<id>.preempt`) to a live torch instance (`live.py`).
 """
 
 from __future__ import annotations
@@ -31,14 +35,19 @@ from tidal_bench.checkpoint import sim
 from tidal_bench.kit import save_json
 
 
-def _row(f: Any, label: str) -> str:
-    eq = getattr(f, "equal_to_uninterrupted", None)
-    same = "" if eq is None else f"  same tokens {'yes' if eq else 'NO'}"
-    return (
-        f"  {f.mode:10s} decode step {f.decode_step_ms:8.2f} ms  free {f.free_ms:8.3f} ms  "
-        f"resume {f.resume_ms:9.2f} ms  recomputed {f.tokens_recomputed:6d} tok  "
-        f"host {f.host_bytes / 2**20:8.2f} MiB{same}  ({label})"
-    )
+def _rows(figs: list[Any], label: str) -> None:
+    base = next(f for f in figs if f.mode == "recompute")  # no checkpoints: the plain steps
+    for f in figs:
+        eq = getattr(f, "equal_to_uninterrupted", None)
+        same = "" if eq is None else f"  same tokens {'yes' if eq else 'NO'}"
+        over = f.mean_step_ms - base.mean_step_ms
+        print(
+            f"  {f.mode:15s} decode step median {f.decode_step_ms:8.2f} / first "
+            f"{f.first_step_ms:8.2f} / mean {f.mean_step_ms:8.2f} ms ({over:+7.2f} ms mean vs "
+            f"none)  copying {f.copy_ms:8.2f} ms  free {f.free_ms:8.3f} ms  resume "
+            f"{f.resume_ms:9.2f} ms  recomputed {f.tokens_recomputed:6d} tok  host "
+            f"{f.host_bytes / 2**20:8.2f} MiB{same}  ({label})"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,16 +74,14 @@ def run(args: argparse.Namespace) -> int:
         print(where)
         ref = eng.uninterrupted(base, sc)
         rows = [eng.measure(base, sc, m, ref) for m in eng.MODES]
-        for f in rows:
-            print(_row(f, "measured"))
+        _rows(rows, "measured")
         report["engine"] = {"where": where, "modes": [dataclasses.asdict(f) for f in rows]}
     where = f"simulator, {args.sim_model} on {args.sim_hardware}, PCIe {args.pcie_gb_per_s} GB/s"
     print(where + ": simulated")
     srows = [
         sim.measure(sc, m, args.sim_model, args.sim_hardware, args.pcie_gb_per_s) for m in eng.MODES
     ]
-    for s in srows:
-        print(_row(s, "simulated"))
+    _rows(srows, "simulated")
     report["simulator"] = {"where": where, "modes": [dataclasses.asdict(s) for s in srows]}
     if args.live:
         report["live"] = _live(args, sc)

@@ -1,4 +1,4 @@
-"""`tidal bench checkpoint`: the three ways to preempt, on the torch engine (a tiny random Llama
+"""`tidal bench checkpoint`: the four ways to preempt, on the torch engine (a tiny random Llama
 here) and in the simulator, with the figures each must show: no copy and a short recompute with
 checkpoints, everything copied at the preemption with swap, everything recomputed without."""
 
@@ -34,14 +34,20 @@ def test_checkpoints_free_without_copying_and_recompute_only_tails(
         # 2 requests of 40 + 20 decoded: 60 tokens of KV each when preempted
         assert by["recompute"]["tokens_recomputed"] == 2 * 60
         assert by["swap"]["tokens_recomputed"] == 0 and by["swap"]["host_bytes"] > 0
-        # checkpointed through the last full block (48 of 60): 12 recomputed each
-        assert by["checkpoint"]["tokens_recomputed"] == 2 * 12
-        assert by["checkpoint"]["host_bytes"] == by["swap"]["host_bytes"] * 48 // 60
-        assert by["recompute"]["host_bytes"] == 0
+        # checkpointed through the last full block (48 of 60): 12 recomputed each (the copy
+        # of that block was queued 12 steps before the preemption: done by then)
+        for mode in ("checkpoint", "checkpoint-sync"):
+            assert by[mode]["tokens_recomputed"] == 2 * 12
+            assert by[mode]["host_bytes"] == by["swap"]["host_bytes"] * 48 // 60
+            assert by[mode]["copy_ms"] > 0
+        assert by["recompute"]["host_bytes"] == by["recompute"]["copy_ms"] == 0
     sim = {m["mode"]: m for m in report["simulator"]["modes"]}
     assert sim["checkpoint"]["free_ms"] == pytest.approx(0, abs=1e-9)  # no copy
     assert sim["swap"]["free_ms"] > 0.1  # 120 tokens of a 7B model's KV at 25 GB/s
     assert sim["checkpoint"]["resume_ms"] < sim["recompute"]["resume_ms"]
+    # simulated: a copy beside the step hides under it; before it, it adds to it
+    assert sim["checkpoint"]["first_step_ms"] < sim["checkpoint-sync"]["first_step_ms"]
+    assert sim["checkpoint"]["mean_step_ms"] == pytest.approx(sim["recompute"]["mean_step_ms"])
     assert all(m["equal_to_uninterrupted"] for m in report["engine"]["modes"])
 
 

@@ -66,7 +66,7 @@ class CheckpointCopier:
         self._queue: deque[CopyJob] = deque()
         self._thread: threading.Thread | None = None
         self.paused = False  # tests: hold the worker before its next job (`resume()`)
-        self.busy_s = 0.0  # seconds the worker spent copying, in all
+        self.busy_s = 0.0  # seconds spent copying, in all (the worker's or `copy_now`'s)
 
     def submit(self, job: CopyJob) -> None:
         if self._cuda:
@@ -83,11 +83,13 @@ class CheckpointCopier:
 
     def copy_now(self, job: CopyJob) -> None:
         """The synchronous path: copy `job` on the caller's thread (and stream), done."""
+        start = time.perf_counter()
         out = self.kv.index_select(2, job.slots.to(self.kv.device)).to("cpu")
         if out.data_ptr() == self.kv.data_ptr():  # NOTE: never a view of the pool
             out = out.clone()
         job.result = out
         job.state = JobState.DONE
+        self.busy_s += time.perf_counter() - start
 
     def settle(self, jobs: Iterable[CopyJob]) -> None:
         """Cancel those of `jobs` not started, and wait for the one under way (if any)."""

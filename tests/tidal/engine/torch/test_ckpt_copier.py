@@ -73,7 +73,7 @@ def test_background_copies_equal_synchronous_ones(make: Factory) -> None:
             e.check_integrity()  # exact while copies are queued
             e.wait_checkpoints()
         else:  # copied inside the stage
-            assert not seq.ckpt_jobs and e.ckpt_copier.busy_s == 0.0
+            assert not seq.ckpt_jobs and e.ckpt_copier.num_queued == 0
         assert seq.num_ckpt_tokens == 2 * JOB and [c.shape[2] for c in seq.ckpt] == [JOB, JOB]
         copies.append(torch.cat(seq.ckpt, dim=2))
         e.check_integrity()
