@@ -51,6 +51,7 @@ class TorchCheckpointMixin:
     block_size: int
     kv: torch.Tensor
     kv_bytes_per_token: float
+    exporting: dict[str, Sequence]  # requests leaving (`migrate`): their checkpoint goes at the end
 
     if TYPE_CHECKING:
 
@@ -271,7 +272,8 @@ class TorchCheckpointMixin:
             assert s.num_ckpt_tokens + queued == s.num_ckpt_queued <= s.num_computed, (
                 f"{s.req_id}: checkpoint {s.num_ckpt_tokens} + {queued} queued"
             )
-        held = sum(int(s.num_ckpt_queued * self.kv_bytes_per_token) for s in self.seqs.values())
+        owners = [*self.seqs.values(), *self.exporting.values()]  # one leaving keeps its own
+        held = sum(int(s.num_ckpt_queued * self.kv_bytes_per_token) for s in owners)
         assert held == self.num_checkpoint_bytes <= self.config.checkpoint_host_bytes
 
     def _offline_running(self, req_id: str, what: str) -> Sequence:

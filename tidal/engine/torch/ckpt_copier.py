@@ -5,9 +5,11 @@ The engine queues a `CopyJob` (one request's token range, its pool slots resolve
 time) and goes on; one worker thread takes the jobs in order and copies them. On CUDA it copies
 on a side stream after an event recorded on the engine's stream when the job was queued (the
 KV written by the steps before it is complete), into pinned host memory, and waits for that
-copy before it marks the job done; on a CPU engine it is a plain `index_select` off the pool
-(one torch thread, so it takes one core of the step's). The thread exits when the queue is
-empty and starts again with the next job: an idle engine holds no thread.
+copy before it marks the job done; on a CPU engine it is a plain `index_select` off the pool,
+on the cores the step uses. (NOTE: the worker leaves torch's thread count alone: under OpenMP
+`torch.set_num_threads` in one thread also sets the count of every thread started later.) The
+thread exits when the queue is empty and starts again with the next job: an idle engine holds
+no thread.
 
 Safety: a full block's KV never changes while its request holds it, so the copy may run beside
 a step that writes other slots of the same pool. The engine must not free (and so let the
@@ -127,7 +129,6 @@ class CheckpointCopier:
             return len(self._queue)
 
     def _work(self) -> None:
-        torch.set_num_threads(1)  # one core: the step keeps the rest
         while True:
             with self._cond:
                 while self.paused and self._queue:
