@@ -4,7 +4,7 @@ the simulator (simulated: roofline step times, copies at --pcie-gb-per-s).
 
     tidal bench checkpoint [--requests 4] [--context 1024] [--decode 40] [--after 8]
                            [--model ""] [--sim-model qwen2.5-7b] [--sim-hardware a100-80gb]
-                           [--skip-engine] [--live] [--json PATH]
+                           [--skip-engine] [--own] [--live] [--json PATH]
 
 N offline requests with `--context`-token prompts decode `--decode` tokens, are preempted all at
 once, resume, and decode `--after` more; four ways to preempt:
@@ -19,8 +19,10 @@ Per mode: the median, first (its checkpoint is the whole prompt's) and mean deco
 the preemption, and the step overhead against `recompute` (no checkpoints: its decode steps are
 the plain ones), the time spent copying checkpoints, the time from preemption to every block
 free, from resume to every request decoding again, KV tokens recomputed, host bytes held, and
-(engine) whether the greedy tokens equal an uninterrupted run. `--live`: the same preemption
-sent as the bus signal (`tidal.inst.<id>.preempt`) to a live torch instance (`live.py`).
+(engine) whether the greedy tokens equal an uninterrupted run. `--own`: the engines' own
+eviction (no policy) with and without a checkpoint budget (`own.py`). `--live`: the same
+preemption sent as the bus signal (`tidal.inst.<id>.preempt`) to a live torch instance
+(`live.py`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"scenario": dataclasses.asdict(sc)}
     print(f"{sc.num_requests} offline requests, {sc.context}-token prompts, preempted after "
           f"{sc.decode} decoded tokens, {sc.after} more after resuming")  # fmt: skip
+    base: Any = None
+    ref: Any = None
     if not args.skip_engine:
         import torch
 
@@ -83,10 +87,38 @@ def run(args: argparse.Namespace) -> int:
     ]
     _rows(srows, "simulated")
     report["simulator"] = {"where": where, "modes": [dataclasses.asdict(s) for s in srows]}
+    if args.own:
+        report["own"] = _own(args, sc, base, ref)
     if args.live:
         report["live"] = _live(args, sc)
     save_json(args.json, report)
     return 0
+
+
+def _own(args: argparse.Namespace, sc: eng.Scenario, base: Any, ref: Any) -> dict[str, Any]:
+    """The engines' own eviction with and without a checkpoint budget (`own.py`)."""
+    from tidal_bench.checkpoint import own
+
+    out: dict[str, Any] = {}
+    sides: list[tuple[str, str, Any]] = []
+    if base is not None:
+        sides.append(("torch", "measured", lambda c: own.measure_torch(base, sc, c, ref)))
+    sim_of = lambda c: own.measure_sim(sc, c, args.sim_model, args.sim_hardware)  # noqa: E731
+    sides.append(("sim", "emulated", sim_of))
+    for name, label, measure in sides:
+        print(f"{name} engine, its own eviction (an online prompt of half the KV pool): {label}")
+        figs = [measure(c) for c in (False, True)]
+        for f in figs:
+            eq = f.equal_to_uninterrupted
+            same = "" if eq is None else f"  same tokens {'yes' if eq else 'NO'}"
+            print(
+                f"  {f.mode:10s} released {f.releases} recomputed {f.recomputes}  evict "
+                f"{f.evict_ms:7.3f} ms  recomputed {f.tokens_recomputed:6d} tok  host peak "
+                f"{f.host_bytes_peak / 2**20:8.2f} MiB  online first token "
+                f"{f.online_ttft_ms:9.2f} ms  all finished {f.finish_s:8.3f} s{same}  ({label})"
+            )
+        out[name] = {"label": label, "modes": [dataclasses.asdict(f) for f in figs]}
+    return out
 
 
 def _live(args: argparse.Namespace, sc: eng.Scenario) -> dict[str, Any]:
@@ -125,6 +157,11 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", help="the engine's dtype (greedy equality)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
     p.add_argument("--skip-engine", action="store_true", help="the simulator only")
+    p.add_argument(
+        "--own",
+        action="store_true",
+        help="also the engines' own eviction (no policy) with and without a checkpoint budget",
+    )
     p.add_argument(
         "--live",
         action="store_true",

@@ -16,7 +16,8 @@ from tidal_bench.checkpoint import run as bench
 def args(tmp_path: Path, model: str, **kw: object) -> argparse.Namespace:
     base = dict(
         requests=2, context=40, decode=20, after=3, model=model, device="cpu",
-        dtype="float32", threads=1, skip_engine=False, live=False, sim_model="qwen2.5-7b",
+        dtype="float32", threads=1, skip_engine=False, live=False, own=False,
+        sim_model="qwen2.5-7b",
         sim_hardware="a100-80gb", pcie_gb_per_s=25.0, json=str(tmp_path / "ckpt.json"),
     )  # fmt: skip
     return argparse.Namespace(**(base | kw))
@@ -49,6 +50,24 @@ def test_checkpoints_free_without_copying_and_recompute_only_tails(
     assert sim["checkpoint"]["first_step_ms"] < sim["checkpoint-sync"]["first_step_ms"]
     assert sim["checkpoint"]["mean_step_ms"] == pytest.approx(sim["recompute"]["mean_step_ms"])
     assert all(m["equal_to_uninterrupted"] for m in report["engine"]["modes"])
+
+
+def test_the_own_eviction_releases_with_checkpoints_and_recomputes_without(
+    tiny_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    assert bench.run(args(tmp_path, str(tiny_dirs["llama"]), own=True)) == 0
+    own = json.loads((tmp_path / "ckpt.json").read_text())["own"]
+    assert own["torch"]["label"] == "measured" and own["sim"]["label"] == "emulated"
+    for side in ("torch", "sim"):
+        by = {m["mode"]: m for m in own[side]["modes"]}
+        bare, ckpt = by["recompute"], by["checkpoint"]
+        assert bare["releases"] == 0 < bare["recomputes"] and bare["host_bytes_peak"] == 0
+        assert ckpt["recomputes"] == 0 < ckpt["releases"] and ckpt["host_bytes_peak"] > 0
+        # a release loses the tail past its last full block; a recompute all of its KV
+        assert ckpt["tokens_recomputed"] < 16 * ckpt["releases"]
+        assert bare["tokens_recomputed"] >= 40 * bare["recomputes"]
+        assert ckpt["online_ttft_ms"] > 0 and bare["online_ttft_ms"] > 0
+    assert all(m["equal_to_uninterrupted"] for m in own["torch"]["modes"])
 
 
 def test_bad_sizes_are_refused_with_a_message(tmp_path: Path) -> None:

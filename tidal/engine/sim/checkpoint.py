@@ -41,6 +41,7 @@ class SimCheckpointMixin:
         self.num_restored_tokens = 0  # tokens swap_in brought back from checkpoints
         self.num_checkpoint_releases = 0  # checkpointed requests the own eviction released
         self.num_checkpoint_copied_tokens = 0  # tokens checkpointed, in all
+        self.num_recompute_lost_tokens = 0  # KV tokens the own eviction's recomputes dropped
 
     @property
     def checkpoint_capacity_bytes(self) -> int:
@@ -100,6 +101,7 @@ class SimCheckpointMixin:
             self.num_checkpoint_releases += 1
             return
         self._release(seq)
+        self.num_recompute_lost_tokens += seq.num_computed
         seq.num_computed = seq.num_ckpt_tokens = 0
         self.num_recompute_preemptions += 1
 

@@ -70,6 +70,8 @@ class TorchCheckpointMixin:
         self.num_checkpoint_copied_tokens = 0  # tokens whose copy to host completed, in all
         self.num_restored_tokens = 0  # tokens copied back from checkpoints by swap_in
         self.num_checkpoint_releases = 0  # checkpointed requests the own eviction released
+        self.num_own_evictions = 0  # requests the own eviction took blocks from (either way)
+        self.own_evict_s = 0.0  # the time those took, call to blocks free, in all
         self.last_release_s: float | None = None  # last release: call to blocks freed, seconds
         self.ckpt_copier = CheckpointCopier(self.kv)
 
@@ -165,12 +167,15 @@ class TorchCheckpointMixin:
     def _evict_offline(self, seq: Sequence) -> None:
         """Take an offline request's blocks for others: released to its checkpoint when it holds
         one (its blocks free at once, only the tail past it recomputed), else recomputed."""
+        t0 = time.perf_counter()
         self._settle_checkpoint(seq)  # its copy under way is kept, the rest cancelled
         if seq.status == SeqStatus.RUNNING and seq.num_ckpt_tokens:
             self._release(seq)
             self.num_checkpoint_releases += 1
         else:
             self._preempt_recompute(seq)
+        self.num_own_evictions += 1
+        self.own_evict_s += time.perf_counter() - t0
 
     def _own_checkpoints(self) -> None:
         """Queue the copy of every running offline request's full blocks not yet saved, the

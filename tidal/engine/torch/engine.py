@@ -134,6 +134,7 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin, TorchCheckpo
         self.last_step_preempted = False
         self.last_preempt_latency_s: float | None = None
         self.num_recompute_preemptions = 0  # requests that lost their KV to memory pressure
+        self.num_recompute_lost_tokens = 0  # the KV tokens they dropped, to compute again
         self._last_step_s = 0.0
         self._init_migration()
         self._init_checkpoints()

@@ -25,6 +25,7 @@ class TorchKvMixin:
     allocator: BlockAllocator
     block_size: int
     num_recompute_preemptions: int
+    num_recompute_lost_tokens: int
 
     def _free(self, seq: Sequence) -> None:
         raise NotImplementedError
@@ -141,6 +142,7 @@ class TorchKvMixin:
 
     def _preempt_recompute(self, seq: Sequence) -> None:
         self.num_recompute_preemptions += 1
+        self.num_recompute_lost_tokens += seq.num_computed
         self._release_blocks(seq)
         self._drop_checkpoint(seq)
         seq.num_computed = 0
