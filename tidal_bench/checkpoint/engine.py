@@ -166,3 +166,55 @@ def measure(base: TorchEngine, sc: Scenario, mode: str, ref: dict[str, list[int]
         host_bytes=host,
         equal_to_uninterrupted=out == ref,
     )
+
+
+STEP_MODES = ("none", "checkpoint", "checkpoint-sync")
+
+
+@dataclass
+class StepFigures:
+    mode: str  # none | checkpoint (background) | checkpoint-sync
+    median_ms: float  # decode step, call to return
+    first_ms: float  # the first: its checkpoint is the whole prompt's KV
+    mean_ms: float
+    mean_with_wait_ms: float  # background: + the wait for copies still running after it
+    copy_ms: float  # time spent copying, in all
+
+
+def step_overhead(base: TorchEngine, sc: Scenario) -> list[StepFigures]:
+    """The decode steps of the same requests with no checkpoints, background and synchronous
+    ones, side by side: three engines stepped in turn (the order rotating every step), so a
+    change in the machine's load falls on all three alike. A background engine's copies still
+    running when its step returns are waited for before the next engine steps (counted apart:
+    beside a next step of its own they would overlap it)."""
+    from tidal.engine.executor import execute
+    from tidal.plan import StepPlan
+
+    engines = {
+        m: make_engine(base, sc, 0 if m == "none" else 1 << 40, background=m == "checkpoint")
+        for m in STEP_MODES
+    }
+    vocab = base.model.config.vocab_size
+    rids = {m: tuple(_start(e, sc, vocab)) for m, e in engines.items()}
+    steps: dict[str, list[float]] = {m: [] for m in STEP_MODES}
+    waits: dict[str, list[float]] = {m: [] for m in STEP_MODES}
+    for i in range(sc.decode):
+        for m in STEP_MODES[i % 3 :] + STEP_MODES[: i % 3]:
+            e, r = engines[m], rids[m]
+            t0 = time.perf_counter()
+            execute(e, StepPlan(decode=r, checkpoint=() if m == "none" else r))
+            t1 = time.perf_counter()
+            e.wait_checkpoints()
+            steps[m].append(t1 - t0)
+            waits[m].append(time.perf_counter() - t1)
+    return [
+        StepFigures(
+            mode=m,
+            median_ms=statistics.median(steps[m]) * 1e3,
+            first_ms=steps[m][0] * 1e3,
+            mean_ms=statistics.fmean(steps[m]) * 1e3,
+            mean_with_wait_ms=(statistics.fmean(steps[m]) + statistics.fmean(waits[m])) * 1e3,
+            copy_ms=engines[m].ckpt_copier.busy_s * 1e3,
+        )
+        for m in STEP_MODES
+    ]

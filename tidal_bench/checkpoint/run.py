@@ -79,7 +79,21 @@ def run(args: argparse.Namespace) -> int:
         ref = eng.uninterrupted(base, sc)
         rows = [eng.measure(base, sc, m, ref) for m in eng.MODES]
         _rows(rows, "measured")
-        report["engine"] = {"where": where, "modes": [dataclasses.asdict(f) for f in rows]}
+        print("  decode steps side by side (three engines stepped in turn): measured")
+        steps = eng.step_overhead(base, sc)
+        none = steps[0]
+        for f in steps:
+            print(
+                f"  {f.mode:15s} median {f.median_ms:8.2f} / first {f.first_ms:8.2f} / mean "
+                f"{f.mean_ms:8.2f} ms ({f.mean_ms - none.mean_ms:+7.2f} ms, "
+                f"{f.mean_ms / none.mean_ms - 1:+6.1%} vs none)  with the wait for its copies "
+                f"{f.mean_with_wait_ms:8.2f} ms  copying {f.copy_ms:8.2f} ms  (measured)"
+            )
+        report["engine"] = {
+            "where": where,
+            "modes": [dataclasses.asdict(f) for f in rows],
+            "steps_side_by_side": [dataclasses.asdict(f) for f in steps],
+        }
     where = f"simulator, {args.sim_model} on {args.sim_hardware}, PCIe {args.pcie_gb_per_s} GB/s"
     print(where + ": simulated")
     srows = [

@@ -50,6 +50,10 @@ def test_checkpoints_free_without_copying_and_recompute_only_tails(
     assert sim["checkpoint"]["first_step_ms"] < sim["checkpoint-sync"]["first_step_ms"]
     assert sim["checkpoint"]["mean_step_ms"] == pytest.approx(sim["recompute"]["mean_step_ms"])
     assert all(m["equal_to_uninterrupted"] for m in report["engine"]["modes"])
+    side = {m["mode"]: m for m in report["engine"]["steps_side_by_side"]}
+    assert set(side) == {"none", "checkpoint", "checkpoint-sync"}
+    assert side["none"]["copy_ms"] == 0 < side["checkpoint"]["copy_ms"]
+    assert side["checkpoint-sync"]["copy_ms"] > 0
 
 
 def test_the_own_eviction_releases_with_checkpoints_and_recomputes_without(

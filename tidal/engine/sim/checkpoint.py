@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from tidal.engine.api import RequestClass
 from tidal.engine.sim.config import SimEngineConfig
-from tidal.engine.sim.seq import RUNNING, SWAPPED, WAITING, SimSeq
+from tidal.engine.sim.seq import RUNNING, SWAPPED, SimSeq
 from tidal.plan import PlanRefused, RefusalReason
 
 __all__ = ["SimCheckpointMixin"]
@@ -121,10 +121,11 @@ class SimCheckpointMixin:
                 seq.num_ckpt_tokens = end
 
     def _resume_released(self) -> None:
-        """Restore released requests (arrival order) while no online request waits and each
-        fits with a block of room for every running request (with none running: if it fits)."""
+        """Restore released requests (arrival order) while no online request is still to
+        prefill and each fits with a block of room for every running request (with none
+        running: if it fits)."""
         seqs = sorted(self.seqs.values(), key=lambda s: s.req.arrival_s)
-        if any(s.status == WAITING and s.req.req_class is RequestClass.ONLINE for s in seqs):
+        if any(s.req.req_class is RequestClass.ONLINE and not s.is_decode for s in seqs):
             return
         for seq in seqs:
             if seq.status != SWAPPED or not seq.is_released:

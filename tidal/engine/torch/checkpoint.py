@@ -194,12 +194,12 @@ class TorchCheckpointMixin:
                 self._queue_checkpoint(seq, end)
 
     def _resume_released(self) -> None:
-        """Restore released requests (arrival order) while no online request waits for KV and
+        """Restore released requests (arrival order) while no online request is still to
+        prefill (it comes first: its blocks are not handed back to offline work under it) and
         each fits with a block of room for every running request to grow (so that it is not
         released again at once); with nothing running, when it fits at all."""
         if any(
-            s.status == SeqStatus.WAITING and s.req.req_class is RequestClass.ONLINE
-            for s in self.seqs.values()
+            s.req.req_class is RequestClass.ONLINE and not s.is_decode for s in self.seqs.values()
         ):
             return
         for seq in list(self.seqs.values()):
