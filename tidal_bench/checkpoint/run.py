@@ -4,7 +4,7 @@ the simulator (simulated: roofline step times, copies at --pcie-gb-per-s).
 
     tidal bench checkpoint [--requests 4] [--context 1024] [--decode 40] [--after 8]
                            [--model ""] [--sim-model qwen2.5-7b] [--sim-hardware a100-80gb]
-                           [--skip-engine] [--own] [--live] [--json PATH]
+                           [--skip-engine] [--steps-only] [--own] [--live] [--json PATH]
 
 N offline requests with `--context`-token prompts decode `--decode` tokens, are preempted all at
 once, resume, and decode `--after` more; four ways to preempt:
@@ -76,23 +76,19 @@ def run(args: argparse.Namespace) -> int:
             f"{torch.get_num_threads()} threads, load average {load:.1f} at start: measured"
         )
         print(where)
-        ref = eng.uninterrupted(base, sc)
+        ref = None if args.steps_only else eng.uninterrupted(base, sc)
+        if args.steps_only:
+            steps = _steps(base, sc)
+            report["engine"] = {"where": where, "steps_side_by_side": steps}
+            save_json(args.json, report)
+            return 0
         rows = [eng.measure(base, sc, m, ref) for m in eng.MODES]
         _rows(rows, "measured")
-        print("  decode steps side by side (three engines stepped in turn): measured")
-        steps = eng.step_overhead(base, sc)
-        none = steps[0]
-        for f in steps:
-            print(
-                f"  {f.mode:15s} median {f.median_ms:8.2f} / first {f.first_ms:8.2f} / mean "
-                f"{f.mean_ms:8.2f} ms ({f.mean_ms - none.mean_ms:+7.2f} ms, "
-                f"{f.mean_ms / none.mean_ms - 1:+6.1%} vs none)  with the wait for its copies "
-                f"{f.mean_with_wait_ms:8.2f} ms  copying {f.copy_ms:8.2f} ms  (measured)"
-            )
+        steps = _steps(base, sc)
         report["engine"] = {
             "where": where,
             "modes": [dataclasses.asdict(f) for f in rows],
-            "steps_side_by_side": [dataclasses.asdict(f) for f in steps],
+            "steps_side_by_side": steps,
         }
     where = f"simulator, {args.sim_model} on {args.sim_hardware}, PCIe {args.pcie_gb_per_s} GB/s"
     print(where + ": simulated")
@@ -109,6 +105,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _steps(base: Any, sc: eng.Scenario) -> list[dict[str, Any]]:
+    print("  decode steps side by side (three engines stepped in turn): measured")
+    steps = eng.step_overhead(base, sc)
+    none = steps[0]
+    for f in steps:
+        print(
+            f"  {f.mode:15s} median {f.median_ms:8.2f} / first {f.first_ms:8.2f} / mean "
+            f"{f.mean_ms:8.2f} ms ({f.mean_ms - none.mean_ms:+7.2f} ms, "
+            f"{f.mean_ms / none.mean_ms - 1:+6.1%} vs none)  with the wait for its copies "
+            f"{f.mean_with_wait_ms:8.2f} ms  copying {f.copy_ms:8.2f} ms  (measured)"
+        )
+    return [dataclasses.asdict(f) for f in steps]
+
+
 def _own(args: argparse.Namespace, sc: eng.Scenario, base: Any, ref: Any) -> dict[str, Any]:
     """The engines' own eviction with and without a checkpoint budget (`own.py`)."""
     from tidal_bench.checkpoint import own
@@ -121,7 +131,9 @@ def _own(args: argparse.Namespace, sc: eng.Scenario, base: Any, ref: Any) -> dic
     sides.append(("sim", "emulated", sim_of))
     for name, label, measure in sides:
         print(f"{name} engine, its own eviction (an online prompt of half the KV pool): {label}")
-        figs = [measure(c) for c in (False, True)]
+        # each twice, in the order none, checkpoints, checkpoints, none: on a shared machine a
+        # change of load shows as a gap between a mode's two runs
+        figs = [measure(c) for c in (False, True, True, False)]
         for f in figs:
             eq = f.equal_to_uninterrupted
             same = "" if eq is None else f"  same tokens {'yes' if eq else 'NO'}"
@@ -171,6 +183,11 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", help="the engine's dtype (greedy equality)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
     p.add_argument("--skip-engine", action="store_true", help="the simulator only")
+    p.add_argument(
+        "--steps-only",
+        action="store_true",
+        help="only the torch engine's decode steps side by side (no, background, sync copies)",
+    )
     p.add_argument(
         "--own",
         action="store_true",

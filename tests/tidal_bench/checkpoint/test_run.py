@@ -17,6 +17,7 @@ def args(tmp_path: Path, model: str, **kw: object) -> argparse.Namespace:
     base = dict(
         requests=2, context=40, decode=20, after=3, model=model, device="cpu",
         dtype="float32", threads=1, skip_engine=False, live=False, own=False,
+        steps_only=False,
         sim_model="qwen2.5-7b",
         sim_hardware="a100-80gb", pcie_gb_per_s=25.0, json=str(tmp_path / "ckpt.json"),
     )  # fmt: skip
