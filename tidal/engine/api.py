@@ -359,7 +359,8 @@ class ControllableEngine(Engine, Protocol):
 class CheckpointingEngine(ControllableEngine, Protocol):
     """An engine that saves offline KV to host memory block by block while it decodes, so a
     preemption frees its GPU blocks at once (ConServe; `EngineCapabilities.kv_checkpoint`).
-    `torch` implements it; the others refuse such plans (`RefusalReason.NO_KV_CHECKPOINT`)."""
+    `torch` implements it (`sim` emulates it, with `SimEngineConfig.checkpoint_host_bytes`);
+    without a budget, or on the others, such plans are refused (`NO_KV_CHECKPOINT`)."""
 
     def checkpoint(self, req_id: str) -> None:
         """Copy the full KV blocks of a running request not yet saved to host memory;

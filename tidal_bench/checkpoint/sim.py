@@ -1,6 +1,8 @@
 """The simulator half of `tidal bench checkpoint`: the same scenario on one simulated instance
 of a catalogue model and GPU (the simulator's kernel, `tidal.sim.apply`: step times from the
-roofline model, copies at `pcie_gb_per_s`). Every figure is simulated."""
+roofline model, copies at `pcie_gb_per_s`). `checkpoint` copies beside each decode step (the
+step takes the longer of the two); `checkpoint-sync` copies before it, in a span of its own,
+counted in the step. Every figure is simulated."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from tidal_bench.checkpoint.engine import MODES, Scenario
 class SimFigures:
     mode: str
     decode_step_ms: float  # a decode step before the preemption (checkpoint copy beside it)
+    first_step_ms: float  # the first decode step: its checkpoint is the whole prompt's KV
+    mean_step_ms: float
+    copy_ms: float  # checkpoint copies while decoding, at PCIe speed
     free_ms: float  # the preemption's copy time before its blocks are free
     resume_ms: float  # from resume to every request decoding again
     tokens_recomputed: int
@@ -37,7 +42,7 @@ def measure(sc: Scenario, mode: str, model: str, hardware: str, pcie_gb_per_s: f
     inst = InstanceState(
         0, InstanceRole.AGGREGATED, chunk, 256, sc.block_size, blocks, blocks,
         make_step_model(model, hardware), kvb, pcie_gb_per_s * 1e9,
-        ckpt_capacity_tokens=blocks * sc.block_size if mode == "checkpoint" else 0,
+        ckpt_capacity_tokens=blocks * sc.block_size if mode.startswith("checkpoint") else 0,
     )  # fmt: skip
     rec = Recorder(1, 1.0)
     reqs: dict[str, ReqState] = {}
@@ -60,12 +65,18 @@ def measure(sc: Scenario, mode: str, model: str, hardware: str, pcie_gb_per_s: f
 
     idle_s = run(StepPlan())  # an empty step: what a moves-only plan costs beyond its copies
     ckpt = rids if mode == "checkpoint" else ()
-    steps = [run(StepPlan(decode=rids, checkpoint=ckpt)) for _ in range(sc.decode)]
+    sync = mode == "checkpoint-sync"
+    steps = []
+    for _ in range(sc.decode):  # a sync copy: a span of its own before the step, counted in it
+        took = run(StepPlan(checkpoint=rids)) - idle_s if sync else 0.0
+        steps.append(took + run(StepPlan(decode=rids, checkpoint=ckpt)))
     before = sum(r.num_computed_tokens for r in reqs.values())
+    copy_ms = rec.num_checkpoint_tokens * kvb / (pcie_gb_per_s * 1e9) * 1e3
     preempt = {
         "recompute": StepPlan(recompute=rids),
         "swap": StepPlan(swap_out=rids),
         "checkpoint": StepPlan(release=rids),
+        "checkpoint-sync": StepPlan(release=rids),
     }[mode]
     free_s = run(preempt) - idle_s
     assert inst.num_free_blocks == inst.num_blocks
@@ -73,6 +84,7 @@ def measure(sc: Scenario, mode: str, model: str, hardware: str, pcie_gb_per_s: f
         "recompute": 0,
         "swap": before,
         "checkpoint": inst.ckpt_tokens,
+        "checkpoint-sync": inst.ckpt_tokens,
     }[mode] * kvb
     restored = sum(r.num_computed_tokens for r in reqs.values())  # what survived, on host
     t0 = now
@@ -90,6 +102,9 @@ def measure(sc: Scenario, mode: str, model: str, hardware: str, pcie_gb_per_s: f
     return SimFigures(
         mode=mode,
         decode_step_ms=sorted(steps)[len(steps) // 2] * 1e3,
+        first_step_ms=steps[0] * 1e3,
+        mean_step_ms=sum(steps) / len(steps) * 1e3,
+        copy_ms=copy_ms,
         free_ms=free_s * 1e3,
         resume_ms=(now - t0) * 1e3,
         tokens_recomputed=before - restored,

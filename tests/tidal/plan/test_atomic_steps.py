@@ -74,7 +74,7 @@ def test_an_online_request_is_never_evicted_by_a_plan() -> None:
 
 
 def test_an_engine_without_checkpoints_refuses_them_typed() -> None:
-    eng = make_engine()  # the sim engine declares no `kv_checkpoint`
+    eng = make_engine()  # no checkpoint budget: the sim engine declares no `kv_checkpoint`
     before = eng.snapshot()
     for plan in (StepPlan(checkpoint=("r0",)), StepPlan(release=("r0",), decode=("r3",))):
         with pytest.raises(PlanRefused) as err:

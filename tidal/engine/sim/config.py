@@ -24,6 +24,7 @@ class SimEngineConfig:
     kv_payload_bytes_per_token: int = -1
     realtime: bool = False  # step() blocks for the emulated step time (cut at layer boundaries)
     tokenizer: str = ""  # "" = the embedded SmolLM2's; a GGUF or HF dir; "bytes" = SimTokenizer
+    checkpoint_host_bytes: int = 0  # host memory for offline KV checkpoints (0: none)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -32,6 +33,8 @@ class SimEngineConfig:
             raise ValueError("max_num_seqs, max_batch_tokens and chunk_size must be >= 1")
         if min(self.block_size, self.num_kv_blocks, self.num_layers) < 1:
             raise ValueError("block_size, num_kv_blocks and num_layers must be >= 1")
+        if self.checkpoint_host_bytes < 0:
+            raise ValueError("checkpoint_host_bytes must be >= 0 (0: no checkpoints)")
         if self.kv_bytes_per_token < 0:
             raise ValueError("kv_bytes_per_token must be >= 0")
         if self.kv_payload_bytes_per_token < -1:

@@ -17,7 +17,8 @@ response and metric accordingly.
 Own planner (`step()` with no plan): the torch engine's `FcfsChunkedPlanner`
 (`tidal.engine.scheduler`: decodes, then online prefills, then offline ones, each in arrival
 order). Entries whose KV does not fit are left out; an online one left out, or nothing
-fitting, takes the blocks of the latest offline arrival holding KV (recompute); online work
+fitting, takes the blocks of the latest offline arrival holding KV (released to its KV
+checkpoint when it holds one, `tidal.engine.sim.checkpoint`, else recomputed); online work
 is never evicted: with only online holders and nothing fitting, the newest ends with an "out
 of KV memory" error event (as in the torch engine).
 An explicit plan that does not fit raises MemoryError instead: policies plan with block budgets,
@@ -26,6 +27,7 @@ and nothing is changed behind their back.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import TextIO
@@ -44,6 +46,7 @@ from tidal.engine.api import (
 )
 from tidal.engine.preemption import LayerPreemption
 from tidal.engine.scheduler import SeqView
+from tidal.engine.sim.checkpoint import SimCheckpointMixin
 from tidal.engine.sim.config import SimEngineConfig
 from tidal.engine.sim.migrate import SimMigrateMixin
 from tidal.engine.sim.plan import Item, SimOwnPlanMixin, batch_shape, layer_times, tokens_of
@@ -71,7 +74,7 @@ __all__ = [
 ]
 
 
-class SimEngine(SimOwnPlanMixin, SimMigrateMixin, RealtimeMixin):
+class SimEngine(SimOwnPlanMixin, SimMigrateMixin, RealtimeMixin, SimCheckpointMixin):
     """Implements `tidal.engine.api.ControllableEngine` with emulated step times."""
 
     name = "sim"
@@ -111,6 +114,7 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin, RealtimeMixin):
         self.step_trace: TextIO | None = None
         self._step_start_s = 0.0  # perf_counter() the running step's emulated time counts from
         self._init_migration()
+        self._init_checkpoints()
 
     # ---- Engine protocol -------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
@@ -133,7 +137,8 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin, RealtimeMixin):
         return True
 
     def has_work(self) -> bool:
-        return any(s.status != SWAPPED for s in self.seqs.values())
+        """Anything but swapped-out requests (a released one counts: a step restores it)."""
+        return any(s.status != SWAPPED or s.is_released for s in self.seqs.values())
 
     def load(self) -> EngineLoad:
         seqs = list(self.seqs.values())
@@ -154,13 +159,18 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin, RealtimeMixin):
         unknown or swapped request or cutting a forced chunk; MemoryError when its KV does not
         fit. Either way nothing has changed."""
         with self.preemption.step():
+            own = plan is None
             if plan is None:
+                self._resume_released()
                 num_tokens = self._own_plan()
             elif plan.cpu_decode or plan.offload or plan.recall:
                 raise ValueError("the sim engine has no CPU-attention path (offload/cpu_decode)")
             else:
                 num_tokens = tokens_of(plan)
-            res = self._run(self._prepare(num_tokens))
+            items = self._prepare(num_tokens)
+            if own:
+                self._own_checkpoints()
+            res = self._run(items)
             ended, self._ended = self._ended, []
             if not ended:
                 return res
@@ -174,6 +184,7 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin, RealtimeMixin):
             num_layers=self.config.num_layers,
             migration=MigrationMode.KV,
             priority=True,  # the own planner runs online requests first
+            kv_checkpoint=self.config.checkpoint_host_bytes > 0,
         )
 
     def offload(self, req_id: str) -> None:
@@ -195,7 +206,7 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin, RealtimeMixin):
         if seq.status == SWAPPED:
             raise ValueError(f"{req_id!r} is swapped out; swap it in or abort it")
         self._release(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_ckpt_tokens = 0
 
     def swap_out(self, req_id: str) -> None:
         seq = self.seqs[req_id]
@@ -211,13 +222,21 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin, RealtimeMixin):
             raise ValueError(f"{req_id!r} is not swapped out")
         self._place(seq, seq.num_host_tokens)
         seq.num_host_tokens = 0
+        self._restored(seq)
 
     def _num_layers(self) -> int:
         return self.config.num_layers
 
     def snapshot(self) -> list[SeqSnapshot]:
         seqs = sorted(self.seqs.values(), key=lambda s: s.req.arrival_s)
-        return [SeqSnapshot.of(s) for s in seqs]
+        return [
+            dataclasses.replace(
+                SeqSnapshot.of(s),
+                num_checkpointed_tokens=s.num_ckpt_tokens,
+                is_released=s.is_released,
+            )
+            for s in seqs
+        ]
 
     def num_free_blocks(self) -> int:
         return self._free_blocks
@@ -239,6 +258,7 @@ class SimEngine(SimOwnPlanMixin, SimMigrateMixin, RealtimeMixin):
                 assert s.num_blocks == 0, f"{s.req_id}: {s.status} but holds KV blocks"
             host = s.num_kv_tokens if s.status == SWAPPED else 0
             assert s.num_host_tokens == host, f"{s.req_id}: host KV"
+        self._check_checkpoints()
 
     # ---- internals -------------------------------------------------------------------------
     def _blocks_needed(self, seq: SimSeq, n: int) -> int:

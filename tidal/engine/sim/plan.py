@@ -5,7 +5,7 @@ layer."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.engine.api import OUT_OF_KV_ERROR, FinishReason, TokenEvent
 from tidal.engine.scheduler import FcfsChunkedPlanner, SeqView
@@ -87,9 +87,14 @@ class SimOwnPlanMixin:
     def _release(self, seq: SimSeq, keep_partial: bool = False) -> None:
         raise NotImplementedError
 
+    if TYPE_CHECKING:
+
+        def _evict_offline(self, seq: SimSeq) -> None: ...
+
     def _own_plan(self) -> dict[str, int]:
         """The online-first plan, made to fit: an online entry left out for lack of blocks
-        takes them from offline holders (recompute, latest arrival first); when nothing fits
+        takes them from offline holders (latest arrival first: released to its checkpoint when
+        it holds one, else recomputed); when nothing fits
         and no offline request holds KV, the newest online holder ends out of KV memory
         (`self._ended`). Online work is never evicted."""
         cfg = self.config
@@ -110,9 +115,8 @@ class SimOwnPlanMixin:
             if not left or (fitted and not online_left):
                 return fitted
             offline = [s for s in self.seqs.values() if s.num_blocks and not _online(s)]
-            if offline:  # the latest offline arrival holding KV recomputes later
-                self.recompute(max(offline, key=lambda s: s.req.arrival_s).req_id)
-                self.num_recompute_preemptions += 1
+            if offline:  # the latest offline arrival holding KV: released or recomputed
+                self._evict_offline(max(offline, key=lambda s: s.req.arrival_s))
                 continue
             online = [s for s in self.seqs.values() if s.num_blocks and _online(s)]
             if fitted or not online or not online_left:

@@ -43,6 +43,8 @@ class SimSeq:
     partial_layer: int = 0  # ... whose layers [0, partial_layer) have run
     num_host_tokens: int = 0  # KV tokens in host memory (SWAPPED only)
     text: str = ""  # output text emitted so far (stop strings are matched against it)
+    num_ckpt_tokens: int = 0  # tokens checkpointed to host memory: whole blocks (`checkpoint`)
+    is_released: bool = False  # SWAPPED by `release`: its checkpoint is its host KV
 
     @property
     def req_id(self) -> str:

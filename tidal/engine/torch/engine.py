@@ -18,8 +18,11 @@ instance service may call:
   another engine continues it with identical output (push/pull migration).
 - `swap_out(req_id)` / `swap_in(req_id)` — move a request's KV to host memory and back.
 - `checkpoint(req_id)` / `release(req_id)` (`tidal.engine.torch.checkpoint`, with
-  `EngineConfig.checkpoint_host_bytes`) — offline KV saved to host memory block by block, and a
-  preemption that frees the GPU blocks at once; `swap_in` restores a released request.
+  `EngineConfig.checkpoint_host_bytes`) — offline KV saved to host memory block by block, in
+  the background beside the next step, and a preemption that frees the GPU blocks at once;
+  `swap_in` restores a released request; `wait_checkpoints()` waits for the copies queued.
+  With no plan, the engine checkpoints its running offline requests itself, its own eviction
+  releases the checkpointed ones, and it restores them when KV allows.
 - `free_kv_tokens()`, `check_integrity()`.
 
 Per-step `StepTelemetry` is in every `StepResult`; with `EngineConfig.step_log` each completed
@@ -131,6 +134,7 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin, TorchCheckpo
         self.last_step_preempted = False
         self.last_preempt_latency_s: float | None = None
         self.num_recompute_preemptions = 0  # requests that lost their KV to memory pressure
+        self.num_recompute_lost_tokens = 0  # the KV tokens they dropped, to compute again
         self._last_step_s = 0.0
         self._init_migration()
         self._init_checkpoints()
@@ -179,7 +183,10 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin, TorchCheckpo
         return True
 
     def has_work(self) -> bool:
-        return any(s.status != SeqStatus.SWAPPED for s in self.seqs.values())
+        """Anything but swapped-out requests (a released one counts: a step restores it)."""
+        return any(
+            s.status != SeqStatus.SWAPPED or s.swapped_kv is None for s in self.seqs.values()
+        )
 
     def load(self) -> EngineLoad:
         seqs = list(self.seqs.values())
@@ -210,12 +217,17 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin, TorchCheckpo
 
     def _step(self, plan: StepPlan | None, t0: float) -> StepResult:
         with self.preemption.step():
+            self._harvest_checkpoints()
+            own = plan is None
             if plan is None:
+                self._resume_released()
                 plan = self.planner.plan(
                     self.schedulable(), self.allocator.num_free, self.block_size
                 )
             self._requeue_lost()
             items, ended = self._prepare(plan)
+            if own:  # queued now, copied while this step computes
+                self._own_checkpoints()
             events = [self.runner.finish_event(s, "error", OUT_OF_KV_ERROR) for s in ended]
             module_s: dict[str, float] | None = {} if self.config.profile_modules else None
             piggy = self._piggyback(plan.cpu_decode, not items, self.preemption.is_set)
@@ -282,16 +294,19 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin, TorchCheckpo
 
     def snapshot(self) -> list[SeqSnapshot]:
         self._requeue_lost()  # the policy plans with what the workers still hold
+        self._harvest_checkpoints()
         return [self._snapshot_of(s) for s in self.seqs.values()]
 
     @staticmethod
     def _snapshot_of(seq: Sequence) -> SeqSnapshot:
+        """Checkpointed tokens as queued (copied or being copied: what the host budget holds,
+        and what a release keeps unless a copy had not started; `checkpoint.release`)."""
         snap = SeqSnapshot.of(seq)
-        if not seq.num_ckpt_tokens:
-            return snap
         released = seq.status == SeqStatus.SWAPPED and seq.swapped_kv is None
+        if not seq.num_ckpt_queued and not released:
+            return snap
         return dataclasses.replace(
-            snap, num_checkpointed_tokens=seq.num_ckpt_tokens, is_released=released
+            snap, num_checkpointed_tokens=seq.num_ckpt_queued, is_released=released
         )
 
     def num_free_blocks(self) -> int:
@@ -322,13 +337,9 @@ class TorchEngine(TorchKvMixin, CpuOffloadMixin, TorchMigrateMixin, TorchCheckpo
             held = self._kv_tokens(s)
             if s.status == SeqStatus.RUNNING:
                 assert len(s.block_ids) * self.block_size >= held, f"{s.req_id}: KV past blocks"
-            if s.status == SeqStatus.SWAPPED and s.swapped_kv is None:  # released
-                assert s.num_ckpt_tokens == held, f"{s.req_id}: released past its checkpoint"
-            elif s.status == SeqStatus.SWAPPED:
-                assert s.swapped_kv is not None and s.swapped_kv.shape[2] == held
-            assert sum(c.shape[2] for c in s.ckpt) == s.num_ckpt_tokens <= s.num_computed
-        ckpt = sum(int(s.num_ckpt_tokens * self.kv_bytes_per_token) for s in self.seqs.values())
-        assert ckpt == self.num_checkpoint_bytes <= self.config.checkpoint_host_bytes
+            if s.status == SeqStatus.SWAPPED and s.swapped_kv is not None:
+                assert s.swapped_kv.shape[2] == held, f"{s.req_id}: swapped KV of another size"
+        self._check_checkpoints()
 
     # ---- KV movement -----------------------------------------------------------------------
     def swap_out(self, req_id: str) -> None:

@@ -22,6 +22,8 @@ class EngineConfig:
     step_log: str | None = None  # append each step's telemetry as a JSON line to this path
     checkpoint_host_bytes: int = 0  # host memory for offline KV checkpoints (ConServe), bytes;
     # 0: none, and plans with `checkpoint`/`release` are refused (`no_kv_checkpoint`)
+    checkpoint_background: bool = True  # copy checkpoints on a worker thread (CUDA: a side
+    # stream) beside the next step; False: synchronously, inside the `checkpoint` stage
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_cache_tokens < self.block_size:

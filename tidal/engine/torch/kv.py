@@ -1,8 +1,10 @@
 """The torch engine's KV admission under memory pressure, by class (the contract:
 `tidal.plan.step`, docs/plan-contract.md): when blocks run out, offline requests give theirs
-back by recompute, latest arrival first; an online request is never evicted. It waits for room,
-and when nothing in a step can run and only online requests hold KV, the newest of them ends
-with an "out of KV memory" error event (`api.OUT_OF_KV_ERROR`), never a silent "length"."""
+back, latest arrival first: released to their KV checkpoint when they hold one
+(`tidal.engine.torch.checkpoint`), else by recompute; an online request is never evicted. It
+waits for room, and when nothing in a step can run and only online requests hold KV, the newest
+of them ends with an "out of KV memory" error event (`api.OUT_OF_KV_ERROR`), never a silent
+"length"."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ class TorchKvMixin:
     allocator: BlockAllocator
     block_size: int
     num_recompute_preemptions: int
+    num_recompute_lost_tokens: int
 
     def _free(self, seq: Sequence) -> None:
         raise NotImplementedError
@@ -31,12 +34,16 @@ class TorchKvMixin:
 
         def _drop_checkpoint(self, seq: Sequence) -> None: ...
 
+        def _settle_checkpoint(self, seq: Sequence) -> None: ...
+
+        def _evict_offline(self, seq: Sequence) -> None: ...
+
     def _prepare(self, plan: StepPlan) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
         """Check the plan, admit and allocate KV. When blocks run out, offline requests give
-        theirs back (recompute), latest arrival first; an online request is never evicted: it
-        waits for room, and when nothing in the step can run and only online requests hold KV,
-        the newest of them ends for lack of KV memory. Returns (items to run, requests ended
-        out of KV memory, already removed)."""
+        theirs back (released to a checkpoint, else recompute), latest arrival first; an
+        online request is never evicted: it waits for room, and when nothing in the step can
+        run and only online requests hold KV, the newest of them ends for lack of KV memory.
+        Returns (items to run, requests ended out of KV memory, already removed)."""
         items: list[tuple[Sequence, int]] = []
         ended: list[Sequence] = []
         if plan.offload or plan.recall:
@@ -79,7 +86,10 @@ class TorchKvMixin:
     def _allocate(self, seq: Sequence, n: int, items: list[tuple[Sequence, int]]) -> bool:
         """Give `seq` the blocks for `n` more tokens and add it to `items`, taking them from
         offline requests if need be: for an online request from any (latest arrival first),
-        for an offline one from later arrivals, then from itself. False: it waits."""
+        for an offline one from later arrivals, then from itself (released to its checkpoint
+        when it holds one, else recomputed). False: it waits."""
+        if seq.status == SeqStatus.SWAPPED:
+            return False  # released this step to make room for another
         if not seq.block_ids:
             self._admit(seq)
         n = min(n, seq.num_pending)
@@ -98,11 +108,11 @@ class TorchKvMixin:
             )
             if victim is None or victim is seq:
                 if not online and seq.block_ids:
-                    self._preempt_recompute(seq)  # an offline request makes room for others
+                    self._evict_offline(seq)  # an offline request makes room for others
                 elif not seq.block_ids:
                     seq.status = SeqStatus.WAITING
                 return False
-            self._preempt_recompute(victim)
+            self._evict_offline(victim)
             items[:] = [(s, k) for s, k in items if s is not victim]
         seq.block_ids += self.allocator.allocate(need)
         items.append((seq, n))
@@ -132,14 +142,16 @@ class TorchKvMixin:
 
     def _preempt_recompute(self, seq: Sequence) -> None:
         self.num_recompute_preemptions += 1
+        self.num_recompute_lost_tokens += seq.num_computed
         self._release_blocks(seq)
-        self._drop_checkpoint(seq)  # NOTE: it could restore from it instead; a release does
+        self._drop_checkpoint(seq)
         seq.num_computed = 0
         seq.partial = None
         seq.hashes = []
         seq.status = SeqStatus.WAITING
 
     def _release_blocks(self, seq: Sequence) -> None:
+        self._settle_checkpoint(seq)  # no block is freed while a checkpoint copy reads it
         self.allocator.free(seq.block_ids)
         seq.block_ids = []
         seq.num_registered = 0

@@ -9,6 +9,7 @@ import torch
 
 from tidal.engine.api import EngineRequest
 from tidal.engine.detokenizer import Detokenizer
+from tidal.engine.torch.ckpt_copier import CopyJob
 
 
 class SeqStatus(enum.StrEnum):
@@ -61,6 +62,9 @@ class Sequence:
     ckpt: list[torch.Tensor] = field(default_factory=list)  # host copies of its first
     # `num_ckpt_tokens` tokens' KV, (L, 2, T_i, Hk, D) each, in order (`torch.checkpoint`)
     num_ckpt_tokens: int = 0  # tokens checkpointed: whole blocks, <= num_computed
+    num_ckpt_queued: int = 0  # tokens checkpointed or queued for the copier (budget reserved)
+    ckpt_jobs: list[CopyJob] = field(default_factory=list)  # its copies not yet in `ckpt`,
+    # in order (`torch.ckpt_copier`): done ones wait for the engine's thread to take them
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     cpu: CpuProgress | None = None  # while OFFLOADED: its worker and its token's progress
 
