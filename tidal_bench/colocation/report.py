@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,11 @@ def table(report: dict[str, Any]) -> str:
             f"{r['cpu_attn_workers']} CPU-attn worker(s) ({r['cpu_attn_workers_usable']} usable "
             f"by the engine); batch lines in flight <= {r['batch_max_inflight']}; "
             f"{r['host_cores']} host cores, {pinning(r)}"
+        )
+    if h := report.get("host"):
+        lines.append(
+            f"  host: {h['cpu_model']}, {h['cores']} cores, shared; load average (1/5/15 min) "
+            f"{h['loadavg_start']} at the start, {h.get('loadavg_end', '?')} at the end"
         )
     return "\n".join(lines)
 
@@ -185,6 +191,17 @@ def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (/proc/cpuinfo), or "unknown"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def search_caps(args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
     """`--batch-max-inflight` and `--max-qps` as given, or derived from the load
     (`tidal_bench.colocation.caps`)."""
@@ -257,6 +274,11 @@ def run_search(args: argparse.Namespace) -> int:
         "search": {"start_qps": args.start_qps, "max_qps": args.max_qps, "iters": args.iters},
         "batch_max_inflight": args.batch_max_inflight,  # live and simulated alike
         "caps": caps,  # how --batch-max-inflight and --max-qps were reached
+        "host": {
+            "cpu_model": cpu_model(),
+            "cores": os.cpu_count(),
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        },
         "policies": {},
     }
     earlier = None
@@ -278,6 +300,7 @@ def run_search(args: argparse.Namespace) -> int:
         for name, policy, workers in cs.variants(args):
             report["policies"][name] = cs.run_policy(args, cfg, cfg_path, policy, workers, prog)
     report["wall_s"] = time.perf_counter() - t0
+    report["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     if earlier is not None:
         report = merged(earlier, report)
     print(table(report))
