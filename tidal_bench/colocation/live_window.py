@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import io
 import json
+import os
 import time
 from typing import Any
 
@@ -163,7 +164,7 @@ async def measure_window(
     c0 = await snapshot(warmup_s)
     clock = CpuClock(procs) if procs else None
     c1 = await snapshot(end_s)
-    cpu = cpu_row(clock.read()) if clock else None
+    cpu = cpu_row(clock.read()) | {"loadavg_1m": os.getloadavg()[0]} if clock else None
     measured_s = end_s - warmup_s
     try:
         await asyncio.gather(*tasks)

@@ -106,7 +106,8 @@ def limit_lines(report: dict[str, Any]) -> list[str]:
         cores = ", ".join(f"core {c} {100 * b:.0f}%" for c, b in cpu["core_busy"].items())
         out.append(
             f"    {name} at its maximum, CPU s/s (median window): stack + load generator "
-            f"{cpu['stack_and_loadgen_cpu_s_per_s']:.2f} ({procs}); busy: {cores}"
+            f"{cpu['stack_and_loadgen_cpu_s_per_s']:.2f} ({procs}); busy: {cores}; "
+            f"load average {cpu.get('loadavg_1m', float('nan')):.1f}"
         )
     return out
 

@@ -248,6 +248,7 @@ def point_cpu(p: Point) -> dict[str, Any] | None:
         "cpu_s_per_s": {n: med([r["cpu_s_per_s"].get(n, 0.0) for r in rows]) for n in names},
         "stack_and_loadgen_cpu_s_per_s": med([r["stack_and_loadgen_cpu_s_per_s"] for r in rows]),
         "core_busy": {c: med([r["core_busy"].get(c, 0.0) for r in rows]) for c in cores},
+        "loadavg_1m": med([r.get("loadavg_1m", float("nan")) for r in rows]),
     }
 
 
