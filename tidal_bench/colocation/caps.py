@@ -71,6 +71,12 @@ def limit_basis(engine: str, sim_step_model: str, cfg: ClusterConfig) -> str:
     """What the limit is computed from, beside what the engine's step times are."""
     roofline = cfg.step_model_spec()
     if engine == "torch":
+        if cfg.profile:
+            return (
+                f"derived from the config's roofline step model calibrated by {cfg.profile} "
+                f"({roofline}): the engine's own steps only as far as that profile was fitted "
+                f"to them"
+            )
         return (
             f"derived from the config's roofline step model ({roofline}; a CPU roofline is "
             f"measured with numpy when first needed), not from the torch engine's own steps"

@@ -98,6 +98,16 @@ def limit_lines(report: dict[str, Any]) -> list[str]:
     if basis:
         out.append(f"    the limit is {basis}")
     for name, e in report["policies"].items():
+        pts = e.get("simulator", {}).get("at_live_probes") or []
+        if pts:
+            each = ", ".join(
+                f"{p['offline_qps']:g}: {p['live_offline_tokens_per_s']:.0f} / "
+                f"{p['sim_offline_tokens_per_s']:.0f}"
+                + (f" ({p['live_over_sim']:.2f})" if p["live_over_sim"] is not None else "")
+                for p in pts
+            )
+            out.append(f"    {name}, live / simulator tok/s at each live load (QPS): {each}")
+    for name, e in report["policies"].items():
         cpu = e.get("cpu")
         if not cpu:
             continue

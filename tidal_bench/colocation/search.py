@@ -232,6 +232,38 @@ def point_row(p: Point) -> dict[str, Any]:
     }
 
 
+def at_loads(
+    cfg: ClusterConfig, policy: str, args: argparse.Namespace, workers: int, out: Outcome
+) -> list[dict[str, Any]]:
+    """The simulator's window (emulated; same config, resources and lines in flight) at every
+    load the live search probed, beside the live figure: live / simulator point by point."""
+    c = dataclasses.replace(
+        cfg,
+        cpu_workers=dataclasses.replace(cfg.cpu_workers, count=workers),
+        batch_max_inflight=args.batch_max_inflight,
+    )
+    rows = []
+    for p in out.probes:
+        if p.load_qps <= 0:
+            continue
+        m = sim_window(c, policy, p.load_qps, args.warmup_s)
+        rows.append(
+            {
+                "offline_qps": p.load_qps,
+                "live_offline_tokens_per_s": p.offline_tokens_per_s,
+                "sim_offline_tokens_per_s": m.offline_tokens_per_s,
+                "live_over_sim": (
+                    p.offline_tokens_per_s / m.offline_tokens_per_s
+                    if m.offline_tokens_per_s > 0
+                    else None
+                ),
+                "live_attainment_pct": p.attainment_pct,
+                "sim_attainment_pct": m.attainment_pct,
+            }
+        )
+    return rows
+
+
 def point_cpu(p: Point) -> dict[str, Any] | None:
     """The median over a point's windows of each process's CPU s/s, of their sum and of each
     core's busy share; None where no window measured CPU (the simulator's)."""
@@ -284,6 +316,7 @@ def run_policy(
             out = live_search(args, cfg, base, model, on_window, procs)
     prog.update(task, description=f"{policy} (cpu-attn {cpu_attn}): simulating")
     sim = simulated(cfg, policy, args, res["cpu_attn_workers_usable"])
+    sim["at_live_probes"] = at_loads(cfg, policy, args, res["cpu_attn_workers_usable"], out)
     prog.update(task, description=f"{policy} (cpu-attn {cpu_attn}): done")
     best = out.best
     entry: dict[str, Any] = {

@@ -75,6 +75,8 @@ def test_the_limits_basis_is_named_for_each_engine_and_step_model(tmp_path: Path
     cfg = _cfg(tmp_path)
     assert "a different step model" in caps.limit_basis("sim", "linear", cfg)
     assert "torch engine's own steps" in caps.limit_basis("torch", "", cfg)
+    fitted = dataclasses.replace(cfg, profile="steps.json")
+    assert "calibrated by steps.json" in caps.limit_basis("torch", "", fitted)
 
 
 def test_a_config_off_the_roofline_needs_an_explicit_max_qps(tmp_path: Path) -> None:

@@ -232,3 +232,20 @@ def test_a_points_cpu_is_the_median_of_its_windows() -> None:
     assert cpu["stack_and_loadgen_cpu_s_per_s"] == pytest.approx(0.5)
     assert cpu["core_busy"] == {"0": 0.9, "1": 0.5}
     assert cs.point_cpu(Point(1.0, (Measurement(100.0, 1.0, 1.0),))) is None
+
+
+def test_the_simulator_is_run_at_every_load_the_live_search_probed(tmp_path: Path) -> None:
+    from tidal_bench.colocation.max_offline import Measurement, Outcome, Point
+
+    args = _args(set=["offline.max_output_tokens=16"], batch_max_inflight=64)
+    cfg, _ = cs.write_config(args, str(tmp_path))
+    live = [
+        Point(0.0, (Measurement(100.0, 0.0, 0.0),)),
+        Point(2.0, (Measurement(100.0, 20.0, 2.0),)),
+    ]
+    rows = cs.at_loads(cfg, "ooco", args, 0, Outcome(live[1], live))
+    assert [r["offline_qps"] for r in rows] == [2.0]  # not the zero-load point
+    (row,) = rows
+    sim = cs.sim_window(dataclasses.replace(cfg, batch_max_inflight=64), "ooco", 2.0, 2.0)
+    assert row["sim_offline_tokens_per_s"] == sim.offline_tokens_per_s > 0
+    assert row["live_over_sim"] == pytest.approx(20.0 / sim.offline_tokens_per_s)
