@@ -14,13 +14,14 @@ import asyncio
 import contextlib
 import io
 import json
+import os
 import time
 from typing import Any
 
 from tidal.config.cluster import ClusterConfig
 from tidal.workload.mix import SimRequest
 from tidal_bench.colocation.max_offline import Measurement
-from tidal_bench.kit import metric_samples, pct, prompt_maker
+from tidal_bench.kit import CpuClock, metric_samples, pct, prompt_maker
 
 
 async def _submit(client: Any, model: str, lines: list[tuple[int, int]]) -> str:
@@ -100,9 +101,12 @@ async def measure_window(
     offline: list[SimRequest],
     warmup_s: float,
     settle_s: float = 90.0,
+    procs: dict[str, int] | None = None,
 ) -> Measurement:
     """One window: the online trace streamed and the offline lines submitted as batches at their
-    arrival times; counted from `warmup_s` on; every batch cancelled and drained at the end."""
+    arrival times; counted from `warmup_s` on; every batch cancelled and drained at the end.
+    `procs` (name -> pid: the stack's processes and the load generator): their CPU over the
+    measured part goes into the measurement."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
@@ -157,7 +161,10 @@ async def measure_window(
         groups.setdefault(int(r.arrival_s), []).append(r)
     tasks = [asyncio.create_task(one(r)) for r in online]
     tasks += [asyncio.create_task(submit(s, g)) for s, g in groups.items()]
-    c0, c1 = await asyncio.gather(snapshot(warmup_s), snapshot(end_s))
+    c0 = await snapshot(warmup_s)
+    clock = CpuClock(procs) if procs else None
+    c1 = await snapshot(end_s)
+    cpu = cpu_row(clock.read()) | {"loadavg_1m": os.getloadavg()[0]} if clock else None
     measured_s = end_s - warmup_s
     try:
         await asyncio.gather(*tasks)
@@ -180,4 +187,18 @@ async def measure_window(
         num_online=len(rows),
         ttft_p99_s=pct(ttft, 99),
         tpot_p99_s=pct(tpot, 99),
+        cpu=cpu,
     )
+
+
+def cpu_row(read: dict[str, Any]) -> dict[str, Any]:
+    """A `CpuClock.read()` as CPU seconds a second per process, their sum, and each core's busy
+    share (everything on the core, this machine's other work included)."""
+    span = max(read["window_s"], 1e-9)
+    per = {n: round(s / span, 3) for n, s in sorted(read["cpu_s"].items())}
+    return {
+        "window_s": read["window_s"],
+        "cpu_s_per_s": per,
+        "stack_and_loadgen_cpu_s_per_s": round(sum(per.values()), 3),
+        "core_busy": {str(c): b for c, b in sorted(read["core_busy"].items())},
+    }

@@ -5,7 +5,8 @@ QPS from zero; the largest load at which online SLO attainment stays >= the targ
 policy's maximum effective offline throughput. Live, every point is measured `repeats` times
 (a live run is not deterministic) and judged on the median; the spread (min, max) is kept.
 The load grows geometrically from `start` until a point fails (or stops completing what it is
-offered, or reaches `max_load`), then `iters` bisection steps narrow it down: few points, so a
+offered, or reaches `max_load`, which is probed itself when the doubling steps over it), then
+`iters` bisection steps narrow it down: few points, so a
 search over three policies fits in minutes.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,9 @@ class Measurement:
     num_online: int = 0  # online requests counted
     ttft_p99_s: float = float("nan")  # online TTFT p99
     tpot_p99_s: float = float("nan")  # online TPOT p99
+    # CPU over the measured part: each stack process's and the load generator's CPU s/s, and
+    # each core's busy share (`tidal_bench.kit.CpuClock`); None when not measured
+    cpu: dict[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,29 @@ class Outcome:
     best: Point  # the largest load that kept the target (the zero-load point if none did)
     probes: list[Point] = field(default_factory=list)  # in the order measured
     saturated: bool = False  # offline completions stopped following the offered load
+    failed_at: float | None = None  # the lowest load found to miss the target, if any
+
+    @property
+    def bound(self) -> str:
+        """What ended the search: "saturated" (offline completions fell behind the offered load
+        while the SLO held), "slo" (a larger load missed the SLO), "online-alone" (the zero-load
+        point missed it) or "cap" (every load up to the largest allowed held)."""
+        if self.saturated:
+            return "saturated"
+        if self.failed_at is None:
+            return "cap"
+        return "online-alone" if self.failed_at == 0.0 else "slo"
+
+    def describe(self) -> str:
+        """ "saturated at X", "SLO-bound at X (fails at Y)", ... for the printed table."""
+        x, bound = f"{self.best.load_qps:g}", self.bound
+        if bound == "saturated":
+            return f"saturated at {x}"
+        if bound == "slo":
+            return f"SLO-bound at {x} (fails at {self.failed_at:g})"
+        if bound == "online-alone":
+            return "online alone misses the SLO"
+        return f"held at the cap {x}"
 
     @property
     def max_offline_tokens_per_s(self) -> float:
@@ -99,7 +127,8 @@ def search_max_offline(
 ) -> Outcome:
     """The largest offline QPS in {0} U [start, max_load] at which the online attainment of
     `measure(qps)`'s repeats (their requests pooled) stays >= `target_pct`. Grows by 2x from
-    `start`, then bisects `iters` times between the last good and the first bad load."""
+    `start` (the last step clipped to `max_load`), then bisects `iters` times between the last
+    good and the first bad load."""
     if not 0 < start <= max_load:
         raise ValueError(f"need 0 < start ({start}) <= max_load ({max_load})")
     if iters < 0:
@@ -117,10 +146,10 @@ def search_max_offline(
     base = probe(0.0)
     best = base
     if not ok(base):  # online alone misses the target: no offline load is acceptable
-        return Outcome(base, probes)
+        return Outcome(base, probes, failed_at=0.0)
     bad: float | None = None
     x = start
-    while x <= max_load:
+    while True:
         p = probe(x)
         if not ok(p):
             bad = x
@@ -128,7 +157,9 @@ def search_max_offline(
         best = p
         if is_saturated(p):
             return Outcome(best, probes, saturated=True)
-        x *= 2
+        if x >= max_load:
+            break
+        x = min(2 * x, max_load)
     if bad is None:
         return Outcome(best, probes)
     for _ in range(iters):
@@ -137,7 +168,7 @@ def search_max_offline(
         if ok(p):
             best = p
             if is_saturated(p):
-                return Outcome(best, probes, saturated=True)
+                return Outcome(best, probes, saturated=True, failed_at=bad)
         else:
             bad = mid
-    return Outcome(best, probes)
+    return Outcome(best, probes, failed_at=bad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from services.cli.up_args import parse_pinning
 from tidal_bench.colocation import search as cs
+from tidal_bench.colocation.caps import derive
 
 console = Console(stderr=True)
 
@@ -49,6 +51,7 @@ def table(report: dict[str, Any]) -> str:
             f"{sat:12s} {e['max_offline_qps']:6.3g}  {e['attainment']:6.1f} [{alo:5.1f}, "
             f"{ahi:5.1f}] {sim}"
         )
+    lines += limit_lines(report)
     lines.append("  resources (per policy):")
     for name, e in report["policies"].items():
         r = e["resources"]
@@ -61,7 +64,62 @@ def table(report: dict[str, Any]) -> str:
             f"by the engine); batch lines in flight <= {r['batch_max_inflight']}; "
             f"{r['host_cores']} host cores, {pinning(r)}"
         )
+    if h := report.get("host"):
+        lines.append(
+            f"  host: {h['cpu_model']}, {h['cores']} cores, shared; load average (1/5/15 min) "
+            f"{h['loadavg_start']} at the start, {h.get('loadavg_end', '?')} at the end"
+        )
     return "\n".join(lines)
+
+
+def limit_lines(report: dict[str, Any]) -> list[str]:
+    """Per policy: what ended each side's search, live / simulator, and both as shares of the
+    computed offline limit (simulated), with what the limit is derived from; then the CPU the
+    stack and the load generator used at the live maximum."""
+    out = ["  against the computed offline limit (simulated, same config, window, resources):"]
+    basis = ""
+    for name, e in report["policies"].items():
+        live, sim = e["max_offline_tokens_per_s"], e["sim_max_offline_tokens_per_s"]
+        ratio = f"{live / sim:.2f}" if sim > 0 else "n/a"
+        lim = e.get("limit") or {}
+        sim_bound = e.get("simulator", {}).get("bound_text", "?")
+        if "tokens_per_s" in lim:
+            basis = lim["basis"]
+            share = (
+                f"limit {lim['tokens_per_s']:.0f} tok/s: live {100 * e['share_of_limit']:.1f}%, "
+                f"simulator {100 * e['sim_share_of_limit']:.1f}%"
+            )
+        else:
+            share = f"no limit: {lim.get('error', 'not computed')}"
+        out.append(
+            f"    {name}: live {e.get('bound_text', '?')} lines/s, simulator {sim_bound}; "
+            f"live / simulator {ratio}; {share}"
+        )
+    if basis:
+        out.append(f"    the limit is {basis}")
+    for name, e in report["policies"].items():
+        pts = e.get("simulator", {}).get("at_live_probes") or []
+        if pts:
+            each = ", ".join(
+                f"{p['offline_qps']:g}: {p['live_offline_tokens_per_s']:.0f} / "
+                f"{p['sim_offline_tokens_per_s']:.0f}"
+                + (f" ({p['live_over_sim']:.2f})" if p["live_over_sim"] is not None else "")
+                for p in pts
+            )
+            out.append(f"    {name}, live / simulator tok/s at each live load (QPS): {each}")
+    for name, e in report["policies"].items():
+        cpu = e.get("cpu")
+        if not cpu:
+            continue
+        top = sorted(cpu["cpu_s_per_s"].items(), key=lambda kv: -kv[1])[:6]
+        procs = ", ".join(f"{n} {v:.2f}" for n, v in top)
+        cores = ", ".join(f"core {c} {100 * b:.0f}%" for c, b in cpu["core_busy"].items())
+        out.append(
+            f"    {name} at its maximum, CPU s/s (median window): stack + load generator "
+            f"{cpu['stack_and_loadgen_cpu_s_per_s']:.2f} ({procs}); busy: {cores}; "
+            f"load average {cpu.get('loadavg_1m', float('nan')):.1f}"
+        )
+    return out
 
 
 def pinning(r: dict[str, Any]) -> str:
@@ -144,20 +202,62 @@ def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (/proc/cpuinfo), or "unknown"."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def search_caps(args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
+    """`--batch-max-inflight` and `--max-qps` as given, or derived from the load
+    (`tidal_bench.colocation.caps`)."""
+    from tidal.sim.build import kv_geometry
+
+    _, blocks = kv_geometry(cfg)
+    return derive(
+        cfg,
+        args.policies,
+        args.engine,
+        args.sim_step_model,
+        args.violation,
+        args.cpu_attn if args.engine == "torch" else 0,
+        blocks * cfg.block_size,
+        args.batch_max_inflight,
+        args.max_qps,
+    )
+
+
 def run_search(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.measure_s <= 0 or args.warmup_s < 0:
         print("error: --repeats >= 1, --measure-s > 0 and --warmup-s >= 0", file=sys.stderr)
         return 2
-    if args.batch_max_inflight < 1:
+    if args.batch_max_inflight is not None and args.batch_max_inflight < 1:
         print("error: --batch-max-inflight must be >= 1", file=sys.stderr)
+        return 2
+    if args.max_qps is not None and args.max_qps <= 0:
+        print("error: --max-qps must be > 0", file=sys.stderr)
         return 2
     try:
         parse_pinning(args)  # a bad or overlapping core list, before any stack starts
         cfg, cfg_path = cs.write_config(args, cs.temp_dir())
         # the live instances emulate the model the simulator builds from the same config
         args.sim_step_model = args.sim_step_model or cfg.step_model_spec()
+        caps = search_caps(args, cfg)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    args.batch_max_inflight, args.max_qps = caps["batch_max_inflight"], caps["max_qps"]
+    if args.start_qps > args.max_qps:
+        print(
+            f"error: --start-qps {args.start_qps:g} is above the largest load {args.max_qps:g} "
+            f"({caps['max_qps_from']})",
+            file=sys.stderr,
+        )
         return 2
     on = cfg.online
     assert on is not None
@@ -184,6 +284,12 @@ def run_search(args: argparse.Namespace) -> int:
         "measure_s": args.measure_s,
         "search": {"start_qps": args.start_qps, "max_qps": args.max_qps, "iters": args.iters},
         "batch_max_inflight": args.batch_max_inflight,  # live and simulated alike
+        "caps": caps,  # how --batch-max-inflight and --max-qps were reached
+        "host": {
+            "cpu_model": cpu_model(),
+            "cores": os.cpu_count(),
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        },
         "policies": {},
     }
     earlier = None
@@ -205,6 +311,7 @@ def run_search(args: argparse.Namespace) -> int:
         for name, policy, workers in cs.variants(args):
             report["policies"][name] = cs.run_policy(args, cfg, cfg_path, policy, workers, prog)
     report["wall_s"] = time.perf_counter() - t0
+    report["host"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     if earlier is not None:
         report = merged(earlier, report)
     print(table(report))
@@ -253,9 +360,10 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--batch-max-inflight",
         type=int,
-        default=32,
+        default=None,
         help="Batch API lines running at once in every policy's stack (tidal up's flag) and "
-        "in the simulator beside it",
+        "in the simulator beside it (default: as many as the instances' KV pools hold at the "
+        "offline mix's mean length)",
     )
     g.add_argument(
         "--engine-cores",
@@ -275,7 +383,13 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--measure-s", type=float, default=10.0, help="measured part of a window")
     g.add_argument("--repeats", type=int, default=3, help="windows per offline load")
     g.add_argument("--start-qps", type=float, default=1.0, help="first offline load probed")
-    g.add_argument("--max-qps", type=float, default=32.0, help="stop growing the load here")
+    g.add_argument(
+        "--max-qps",
+        type=float,
+        default=None,
+        help="stop growing the load here (default: 1.5x the computed offline limit's lines/s, "
+        "tidal.sim.limit, simulated)",
+    )
     g.add_argument("--iters", type=int, default=1, help="bisection steps")
     g.add_argument(
         "--append",

@@ -38,9 +38,10 @@ from tidal.config.cluster import ClusterConfig, parse_config, set_path
 from tidal.configs import config_path
 from tidal.sim.build import kv_geometry, with_offline_rate, workload
 from tidal.workload.mix import SimRequest
+from tidal_bench.colocation.caps import limit_basis, limit_row, window_limit
 from tidal_bench.colocation.live_window import measure_window
 from tidal_bench.colocation.max_offline import Measurement, Outcome, Point, search_max_offline
-from tidal_bench.kit import pct, stack
+from tidal_bench.kit import children_of, pct, stack, up_pid
 
 
 def write_config(args: argparse.Namespace, tmp: str) -> tuple[ClusterConfig, str]:
@@ -117,14 +118,18 @@ def live_search(
     base: str,
     model: str,
     on_window: Any,
+    procs: dict[str, int] | None = None,
 ) -> Outcome:
-    """The search on one running stack; `on_window(qps, repeat, measurement)` after each one."""
+    """The search on one running stack; `on_window(qps, repeat, measurement)` after each one;
+    `procs` (name -> pid) have their CPU measured in every window."""
 
     def measure(qps: float) -> list[Measurement]:
         online, offline = streams(cfg, qps)
         runs = []
         for i in range(args.repeats):
-            m = asyncio.run(measure_window(base, model, cfg, online, offline, args.warmup_s))
+            m = asyncio.run(
+                measure_window(base, model, cfg, online, offline, args.warmup_s, procs=procs)
+            )
             runs.append(m)
             on_window(qps, i, m)
         return runs
@@ -199,6 +204,8 @@ def simulated(cfg: ClusterConfig, policy: str, args: argparse.Namespace, workers
         "max_offline_qps": out.best.load_qps,
         "attainment_pct": out.best.attainment_pct,
         "saturated": out.saturated,
+        "bound": out.bound,
+        "bound_text": out.describe(),
         "probes": [point_row(p) for p in out.probes],
         "cpu_attn_workers": workers,
         "own_max_offline": {
@@ -220,7 +227,60 @@ def point_row(p: Point) -> dict[str, Any]:
         "offline_tokens_per_s": p.offline_tokens_per_s,
         "offline_tokens_per_s_spread": p.spread("offline_tokens_per_s"),
         "offline_lines_per_s": p.offline_lines_per_s,
+        "cpu": point_cpu(p),
         "runs": [dataclasses.asdict(m) for m in p.runs],
+    }
+
+
+def at_loads(
+    cfg: ClusterConfig, policy: str, args: argparse.Namespace, workers: int, out: Outcome
+) -> list[dict[str, Any]]:
+    """The simulator's window (emulated; same config, resources and lines in flight) at every
+    load the live search probed, beside the live figure: live / simulator point by point."""
+    c = dataclasses.replace(
+        cfg,
+        cpu_workers=dataclasses.replace(cfg.cpu_workers, count=workers),
+        batch_max_inflight=args.batch_max_inflight,
+    )
+    rows = []
+    for p in out.probes:
+        if p.load_qps <= 0:
+            continue
+        m = sim_window(c, policy, p.load_qps, args.warmup_s)
+        rows.append(
+            {
+                "offline_qps": p.load_qps,
+                "live_offline_tokens_per_s": p.offline_tokens_per_s,
+                "sim_offline_tokens_per_s": m.offline_tokens_per_s,
+                "live_over_sim": (
+                    p.offline_tokens_per_s / m.offline_tokens_per_s
+                    if m.offline_tokens_per_s > 0
+                    else None
+                ),
+                "live_attainment_pct": p.attainment_pct,
+                "sim_attainment_pct": m.attainment_pct,
+            }
+        )
+    return rows
+
+
+def point_cpu(p: Point) -> dict[str, Any] | None:
+    """The median over a point's windows of each process's CPU s/s, of their sum and of each
+    core's busy share; None where no window measured CPU (the simulator's)."""
+    rows = [m.cpu for m in p.runs if m.cpu]
+    if not rows:
+        return None
+
+    def med(values: list[float]) -> float:
+        return round(float(np.median(values)), 3)
+
+    names = sorted({n for r in rows for n in r["cpu_s_per_s"]})
+    cores = sorted({c for r in rows for c in r["core_busy"]})
+    return {
+        "cpu_s_per_s": {n: med([r["cpu_s_per_s"].get(n, 0.0) for r in rows]) for n in names},
+        "stack_and_loadgen_cpu_s_per_s": med([r["stack_and_loadgen_cpu_s_per_s"] for r in rows]),
+        "core_busy": {c: med([r["core_busy"].get(c, 0.0) for r in rows]) for c in cores},
+        "loadavg_1m": med([r.get("loadavg_1m", float("nan")) for r in rows]),
     }
 
 
@@ -235,10 +295,13 @@ def run_policy(
     """Search one policy on its own stack; its JSON entry."""
     res = resources(args, cfg, policy, cpu_attn)
     task = prog.add_task(f"{policy} (cpu-attn {cpu_attn}): starting the stack", total=None)
-    with stack(natsd.free_port(), *up_args(args, cfg_path, policy, res)) as base:
+    port = natsd.free_port()
+    with stack(port, *up_args(args, cfg_path, policy, res)) as base:
         import openai
 
         model = openai.OpenAI(base_url=base, api_key="unused").models.list().data[0].id
+        up = up_pid(port)
+        procs = {**children_of(up), "tidal up": up, "load generator": os.getpid()}
 
         def on_window(qps: float, i: int, m: Measurement) -> None:
             prog.update(
@@ -250,9 +313,10 @@ def run_policy(
             )
 
         with on_cores(args.service_cores):  # the load generator beside the control plane
-            out = live_search(args, cfg, base, model, on_window)
+            out = live_search(args, cfg, base, model, on_window, procs)
     prog.update(task, description=f"{policy} (cpu-attn {cpu_attn}): simulating")
     sim = simulated(cfg, policy, args, res["cpu_attn_workers_usable"])
+    sim["at_live_probes"] = at_loads(cfg, policy, args, res["cpu_attn_workers_usable"], out)
     prog.update(task, description=f"{policy} (cpu-attn {cpu_attn}): done")
     best = out.best
     entry: dict[str, Any] = {
@@ -265,15 +329,36 @@ def run_policy(
             "offline_tokens_per_s": best.spread("offline_tokens_per_s"),
         },
         "saturated": out.saturated,
+        "bound": out.bound,
+        "bound_text": out.describe(),
+        "failed_at_qps": out.failed_at,
+        "cpu": point_cpu(best),
         "sim_max_offline_tokens_per_s": sim["max_offline_tokens_per_s"],
         "simulator": sim,
         "resources": res,
         "probes": [point_row(p) for p in out.probes],
     }
+    entry.update(shares(args, cfg, policy, res["cpu_attn_workers_usable"], entry))
     if args.engine == "sim" and cfg.cpu_workers.count > 0 and policy in args.without_cpu_attn:
         # the live sim engine cannot offload attention; what the simulator's worker adds
         entry["simulator_with_cpu_attn"] = simulated(cfg, policy, args, cfg.cpu_workers.count)
     return entry
+
+
+def shares(
+    args: argparse.Namespace, cfg: ClusterConfig, policy: str, workers: int, entry: dict
+) -> dict[str, Any]:
+    """The live and simulated figures as shares of the computed offline limit (simulated) for
+    the same config, window and resources; the limit's row, or why there is none."""
+    try:
+        lim = window_limit(cfg, policy, args.violation, workers)
+    except ValueError as e:
+        return {"limit": {"label": "simulated", "error": str(e)}}
+    return {
+        "limit": limit_row(lim, limit_basis(args.engine, args.sim_step_model, cfg)),
+        "share_of_limit": lim.share(entry["max_offline_tokens_per_s"]),
+        "sim_share_of_limit": lim.share(entry["sim_max_offline_tokens_per_s"]),
+    }
 
 
 @contextlib.contextmanager

@@ -83,3 +83,22 @@ def test_bad_bounds_and_empty_points_are_refused() -> None:
         search_max_offline(measure, 97.0, start=1.0, max_load=4.0, iters=-1)
     with pytest.raises(ValueError, match="no measurement"):
         Point(1.0, ())
+
+
+def test_the_cap_is_probed_itself_when_doubling_steps_over_it() -> None:
+    measure, asked = make_measure(lambda q: [100.0] * 3)
+    out = search_max_offline(measure, 97.0, start=4.0, max_load=20.0, iters=1)
+    assert asked == [0.0, 4.0, 8.0, 16.0, 20.0]
+    assert out.bound == "cap" and out.describe() == "held at the cap 20"
+
+
+def test_what_ended_the_search_is_reported() -> None:
+    measure, _ = make_measure(lambda q: [100.0] * 3, done_ratio=0.5)
+    assert search_max_offline(measure, 97.0, 1.0, 64.0, 1).describe() == "saturated at 1"
+    measure, _ = make_measure(lambda q: [100.0] if q <= 5 else [50.0])
+    out = search_max_offline(measure, 97.0, start=1.0, max_load=64.0, iters=2)
+    assert out.bound == "slo" and out.failed_at == 6.0
+    assert out.describe() == "SLO-bound at 5 (fails at 6)"
+    measure, _ = make_measure(lambda q: [50.0])
+    out = search_max_offline(measure, 97.0, start=1.0, max_load=64.0, iters=2)
+    assert out.bound == "online-alone" and out.failed_at == 0.0

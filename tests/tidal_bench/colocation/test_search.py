@@ -192,3 +192,60 @@ def test_a_tiny_search_on_the_sim_engine_reports_live_and_simulated_figures(
     assert e["resources"]["kv_cache_tokens_per_instance"] > 0
     assert e["resources"]["batch_max_inflight"] == 8  # the stack's batch service ran with it
     assert Path(report["plot"]).exists()
+
+
+def test_figures_are_reported_as_shares_of_the_limit_with_what_ended_each_search(
+    tmp_path: Path,
+) -> None:
+    args = _args(set=["offline.max_output_tokens=256"], engine="sim", violation=3.0)
+    cfg, _ = cs.write_config(args, str(tmp_path))
+    args.sim_step_model = cfg.step_model_spec()
+    e = {**_entry(1000.0), "bound_text": "SLO-bound at 12 (fails at 16)"}
+    e["simulator"] = {"bound_text": "saturated at 16"}
+    e.update(cs.shares(args, cfg, "tidal", 0, e))
+    lim = e["limit"]
+    assert lim["label"] == "simulated" and lim["tokens_per_s"] > 2000.0
+    assert e["share_of_limit"] == pytest.approx(1000.0 / lim["tokens_per_s"])
+    assert e["sim_share_of_limit"] == pytest.approx(2000.0 / lim["tokens_per_s"])
+    head = {"engine": "sim", "sim_step_model": args.sim_step_model, "config": "c", "window": "w"}
+    text = table({**head, "violation": 3.0, "repeats": 3, "policies": {"tidal": e}})
+    assert "live SLO-bound at 12 (fails at 16) lines/s, simulator saturated at 16" in text
+    assert "live / simulator 0.50" in text and "same step model on both sides" in text
+    # a config whose limit cannot be computed has none, and says why
+    off = dataclasses.replace(cfg, latency_model="regression")
+    assert "regression" in cs.shares(args, off, "tidal", 0, e)["limit"]["error"]
+
+
+def test_a_points_cpu_is_the_median_of_its_windows() -> None:
+    from tidal_bench.colocation.live_window import cpu_row
+    from tidal_bench.colocation.max_offline import Measurement, Point
+
+    def m(gw: float, busy: float) -> Measurement:
+        read = {"window_s": 10.0, "cpu_s": {"gateway-0": 10 * gw, "batch-0": 2.0},
+                "core_busy": {0: busy, 1: 0.5}}  # fmt: skip
+        return Measurement(100.0, 1.0, 1.0, cpu=cpu_row(read))
+
+    p = Point(4.0, (m(0.2, 0.9), m(0.4, 1.0), m(0.3, 0.8)))
+    cpu = cs.point_cpu(p)
+    assert cpu is not None
+    assert cpu["cpu_s_per_s"] == {"batch-0": 0.2, "gateway-0": 0.3}
+    assert cpu["stack_and_loadgen_cpu_s_per_s"] == pytest.approx(0.5)
+    assert cpu["core_busy"] == {"0": 0.9, "1": 0.5}
+    assert cs.point_cpu(Point(1.0, (Measurement(100.0, 1.0, 1.0),))) is None
+
+
+def test_the_simulator_is_run_at_every_load_the_live_search_probed(tmp_path: Path) -> None:
+    from tidal_bench.colocation.max_offline import Measurement, Outcome, Point
+
+    args = _args(set=["offline.max_output_tokens=16"], batch_max_inflight=64)
+    cfg, _ = cs.write_config(args, str(tmp_path))
+    live = [
+        Point(0.0, (Measurement(100.0, 0.0, 0.0),)),
+        Point(2.0, (Measurement(100.0, 20.0, 2.0),)),
+    ]
+    rows = cs.at_loads(cfg, "ooco", args, 0, Outcome(live[1], live))
+    assert [r["offline_qps"] for r in rows] == [2.0]  # not the zero-load point
+    (row,) = rows
+    sim = cs.sim_window(dataclasses.replace(cfg, batch_max_inflight=64), "ooco", 2.0, 2.0)
+    assert row["sim_offline_tokens_per_s"] == sim.offline_tokens_per_s > 0
+    assert row["live_over_sim"] == pytest.approx(20.0 / sim.offline_tokens_per_s)
