@@ -24,6 +24,13 @@ from tidal.policy.taichi.policy import queued_prefill
 from tidal.policy.taichi.routing import PrefillTarget, route_prefill
 from tidal.policy.tidal.budget import strict_step_budget
 from tidal.policy.tidal.config import TidalConfig
+from tidal.policy.tidal.liveness import (
+    keep_one_finishing,
+    offline_unstick,
+    relaxed_unstick,
+    strict_unstick,
+    too_long,
+)
 from tidal.policy.tidal.overflow import cpu_overflow_step, offline_prefill_candidates
 from tidal.policy.tidal.relaxed import fill_online_step, keep_uncut
 
@@ -83,7 +90,7 @@ class TidalPolicy(OocoPolicy):
                 if rid is None:
                     break
                 r = self._held[str(rid)]
-                if not self.admit_offline(inst, r):
+                if not (self.admit_offline(inst, r) or self._starved(inst, r)):
                     break
                 self.order.remove(rid)
                 del self._held[str(rid)]
@@ -92,6 +99,16 @@ class TidalPolicy(OocoPolicy):
         if self.tcfg.strict_offline_prefill:
             self._dispatch_strict(cluster, out)
         return out
+
+    def _starved(self, inst: InstanceState, r: ReqState) -> bool:
+        """An instance with no offline work takes the next offline request the gate refuses,
+        when its prompt fits the free KV or can never fit the pool: the gate's reason (a bigger
+        decode batch later, OOCO §3.4.2) is void with none, and a prompt that fits no pool is
+        ended by the instance's step (out of KV memory) instead of blocking the queue."""
+        if any(not x.is_online for x in (*inst.running, *inst.waiting)):
+            return False
+        need = inst.blocks_for(r.num_prompt_tokens + 1)
+        return need <= inst.num_free_blocks or need > inst.num_blocks
 
     def _dispatch_strict(self, cluster: ClusterView, out: dict[str, int]) -> None:
         """Offline requests for the strict instances' prefill budget (HyGen's offline queue),
@@ -132,7 +149,11 @@ class TidalPolicy(OocoPolicy):
         return dataclasses.replace(plan, cpu_decode=oldest_first(inst.offloaded, n))
 
     def online_prefill_step(self, inst: InstanceState, online: Sequence[ReqState]) -> StepPlan:
+        if gone := too_long(inst, online):  # no pool takes them: end them before any chunk
+            return StepPlan(abort_no_kv=gone)
         plan = super().online_prefill_step(inst, online)
+        if plan.is_empty:  # out of KV with no offline work to evict (`tidal.policy.tidal.liveness`)
+            return relaxed_unstick(inst, online) or plan
         if not self.tcfg.relaxed_fill:
             return plan
         bound = min(self.cfg.offline_step_cap_s, self.tcfg.relaxed_uncut_ttft * self.cfg.ttft_slo_s)
@@ -143,10 +164,12 @@ class TidalPolicy(OocoPolicy):
     ) -> StepPlan:
         plan = keep_uncut(
             inst,
-            super().offline_step(inst, dec, pre),
+            offline_unstick(inst, super().offline_step(inst, dec, pre)),
             self.cfg.ttft_slo_s,
             self.tcfg.relaxed_uncut_ttft,
         )
+        if plan.abort_no_kv:
+            return plan
         if not self._cpu(inst):
             return plan
         if plan.recompute:  # out of KV: decode the victim on the CPU instead of recomputing it
@@ -157,6 +180,12 @@ class TidalPolicy(OocoPolicy):
         return self._cpu_batch(inst, plan, 0.0, self.cfg.offline_step_cap_s)
 
     def schedule_strict(self, inst: InstanceState, now: float) -> StepPlan:
+        plan = self._schedule_strict(inst, now)
+        if plan.is_empty:  # every decode short of a block (`tidal.policy.tidal.liveness`)
+            return strict_unstick(inst, offload=self._cpu(inst)) or plan
+        return keep_one_finishing(inst, plan)
+
+    def _schedule_strict(self, inst: InstanceState, now: float) -> StepPlan:
         plan = super().schedule_strict(inst, now)
         if self._cpu(inst) and plan.swap_out:
             # Evicted offline decodes keep decoding with CPU attention (OmniServe §3.3.5).
