@@ -2,7 +2,9 @@
 workload): every request ends. Before `tidal.policy.tidal.liveness` the run stopped with
 requests stranded: offline requests the gate held for ever (prompt + expected output longer
 than the pool), a strict instance whose online decodes all needed a block with none free (and
-the pushes waiting for it), prompts longer than the pool prefilled up to a full pool."""
+the pushes waiting for it), prompts longer than the pool prefilled up to a full pool; once
+those were ended, online decodes pushed as soon as their context fitted filled the strict pool
+with requests none of which could finish."""
 
 from __future__ import annotations
 
@@ -24,12 +26,13 @@ def test_every_request_ends_on_a_small_pool(kv_tokens: int, duration_s: float) -
     assert rec.end_s < cfg.duration_s + cfg.drain_s  # ended by finishing, not the horizon
     assert set(rec.rejections) <= {"out_of_kv", "tidal: online prefill would miss its TTFT SLO"}
     fits = [r for r in reqs if r.num_prompt_tokens + r.max_output_tokens <= kv_tokens]
-    for r in fits:
-        if not r.is_online:  # offline work that fits the pool is evicted and resumed, never ended
-            assert r.phase is Phase.FINISHED, r.req_id
-    # A request too long for the pool ends (out of KV memory) instead of holding it for ever.
+    # Everything that fits the pool finishes: offline work is evicted and resumed, online
+    # decodes wait for a strict instance where they can finish. Only what fits no pool ends
+    # (out of KV memory) instead of holding it for ever.
+    assert [r.req_id for r in fits if r.phase is not Phase.FINISHED] == []
+    assert sum(1 for r in fits if r.is_online) > 10
     too_long = [r for r in reqs if r.num_prompt_tokens + 1 > kv_tokens]
     assert too_long and all(r.phase is Phase.REJECTED for r in too_long)
-    finished = [r for r in reqs if r.phase is Phase.FINISHED]
-    assert all(r.num_output_tokens == r.max_output_tokens for r in finished)
-    assert sum(1 for r in finished if r.is_online) >= 0.7 * sum(1 for r in reqs if r.is_online)
+    assert all(
+        r.num_output_tokens == r.max_output_tokens for r in reqs if r.phase is Phase.FINISHED
+    )

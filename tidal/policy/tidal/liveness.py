@@ -11,7 +11,14 @@ pool of a few thousand tokens both can reach a state in which nothing moves and 
 * a relaxed instance whose blocks are all held by online prompts part-way through their
   prefill (or one prompt longer than the whole pool), with no offline work to evict.
 
-The way out, cheapest first: an offline request holding blocks gives them up (a decode is
+Before either, OOCO's push (§3.4.3) hands an online decode to a strict instance as soon as its
+context fits there; on a small pool that fills the strict instance with decodes that cannot
+all finish. `tidal` pushes one only where it can finish beside the online decodes already
+there (`fits_to_finish`); the others wait on their relaxed instance, KV kept, and move in
+arrival order as room appears (`TidalPolicy.place_decode` / `tick`). On a pool with room for
+them all (ooco.yaml's) nothing changes.
+
+When a pool is stuck all the same, the way out, cheapest first: an offline request holding blocks gives them up (a decode is
 swapped to host memory, or with CPU attention decodes there, as OOCO's own strict eviction
 does; a prefill is recomputed, it has no output to lose); only when none is left does the
 newest online request of the lowest priority end with an error (`StepPlan.abort_no_kv`, the
@@ -162,3 +169,30 @@ def keep_one_finishing(inst: InstanceState, plan: StepPlan) -> StepPlan:
     if not keep:
         return plan
     return dataclasses.replace(plan, decode=tuple(keep), max_repeat=1)
+
+
+def online_room(inst: InstanceState) -> int:
+    """Blocks of a strict instance left for one more online decode to finish in: its free
+    blocks and those offline work holds (evicted for pushes, OOCO §3.4.1), less what the
+    pushes waiting for it take and what its online decodes still need to finish."""
+    room = inst.num_free_blocks
+    for r in inst.running:
+        if r.phase is not Phase.RUNNING:
+            continue
+        if r.is_online:
+            room -= blocks_to_finish(inst, r)
+        else:
+            room += r.num_blocks
+    for r in inst.pending_in:
+        room -= inst.blocks_for(r.num_prompt_tokens + r.max_output_tokens)
+    return room
+
+
+def fits_to_finish(inst: InstanceState, r: ReqState) -> bool:
+    """May online decode `r` be pushed to strict instance `inst` now: it can finish there
+    beside the online decodes it holds, or the instance has no online work at all (a
+    request longer than the pool then ends there, `holds_whole_pool`)."""
+    if inst.blocks_for(r.num_prompt_tokens + r.max_output_tokens) <= online_room(inst):
+        return True
+    busy = inst.pending_in or inst.num_incoming
+    return not busy and not any(x.is_online for x in inst.running)

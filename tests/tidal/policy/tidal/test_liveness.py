@@ -123,3 +123,34 @@ def test_an_idle_instance_takes_the_offline_request_the_gate_refuses() -> None:
     assert pol.tick(view, 0.0).dispatch == {"off": 0}
     relaxed.waiting = [ReqState("busy", OFFLINE, 0.0, 10, 10)]  # offline work there: it waits
     assert pol.tick(view, 0.0).dispatch == {}
+
+
+def test_an_online_decode_waits_on_its_relaxed_instance_until_it_can_finish() -> None:
+    pol = policy()
+    # The strict instance: 10 blocks, a holds 4 and needs 1 more to finish; 6 free.
+    strict = instance(InstanceRole.STRICT, 10, decoding("a", ONLINE, 64, 10, 4))
+    relaxed = instance(InstanceRole.RELAXED, 64)
+    relaxed.instance_id = 0
+    view = ClusterView([relaxed, strict], [], 1e9)
+    # b's context (64 tokens + 1) fits the 6 free blocks; to finish it needs 6, a needs 1.
+    b = decoding("b", ONLINE, 64, 30, 4)
+    b.instance_id = 0
+    relaxed.running = [b]
+    relaxed.num_free_blocks -= 4
+    assert pol.place_decode(b, relaxed, view, 0.0) is None  # parked, KV kept on the relaxed
+    assert pol.tick(view, 0.0).migrate == ()
+    small = decoding("c", ONLINE, 64, 10, 4)  # one that could finish there waits behind b
+    assert pol.place_decode(small, relaxed, view, 0.0) is None
+    strict.running = []  # a finished: its blocks are free, b can finish there now
+    strict.num_free_blocks = 10
+    moves = pol.tick(view, 1.0).migrate
+    assert [(m.req_id, m.dst) for m in moves] == [("b", 1)]
+    assert pol.tick(view, 1.01).migrate == ()  # asked for: not again at once
+
+
+def test_a_push_with_room_to_finish_goes_at_once() -> None:
+    strict = instance(InstanceRole.STRICT, 64, decoding("a", ONLINE, 64, 10, 4))
+    relaxed = instance(InstanceRole.RELAXED, 64)
+    relaxed.instance_id = 0
+    view = ClusterView([relaxed, strict], [], 1e9)
+    assert policy().place_decode(decoding("b", ONLINE, 64, 30, 4), relaxed, view, 0.0) == 1
