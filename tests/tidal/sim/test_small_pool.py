@@ -36,3 +36,19 @@ def test_every_request_ends_on_a_small_pool(kv_tokens: int, duration_s: float) -
     assert all(
         r.num_output_tokens == r.max_output_tokens for r in reqs if r.phase is Phase.FINISHED
     )
+
+
+def test_online_requests_end_on_a_small_overloaded_pool() -> None:
+    """16 offline req/s on 3,072 tokens: far more offline work than the pool serves, so some
+    of it is still queued when the run stops; every online request ends all the same, and
+    offline work keeps finishing to the end (no pool is stuck)."""
+    cfg = load_config("configs/ooco.yaml", ("kv_capacity_tokens=3072", "offline.rate=16"))
+    cfg = override_streams(cfg, None, None, None, 20.0)
+    rec = simulate(cfg, "tidal", check=True)
+    online = [r for r in rec.requests if r.is_online]
+    assert online and {r.phase for r in online} <= {Phase.FINISHED, Phase.REJECTED}
+    assert sum(1 for r in online if r.phase is Phase.FINISHED) > 10
+    done = [
+        r.finish_s or 0.0 for r in rec.requests if not r.is_online and r.phase is Phase.FINISHED
+    ]
+    assert max(done) > rec.end_s - 30.0  # still finishing offline work near the end

@@ -18,14 +18,18 @@ there (`fits_to_finish`); the others wait on their relaxed instance, KV kept, an
 arrival order as room appears (`TidalPolicy.place_decode` / `tick`). On a pool with room for
 them all (ooco.yaml's) nothing changes.
 
-When a pool is stuck all the same, the way out, cheapest first: an offline request holding blocks gives them up (a decode is
-swapped to host memory, or with CPU attention decodes there, as OOCO's own strict eviction
-does; a prefill is recomputed, it has no output to lose); only when none is left does the
-newest online request of the lowest priority end with an error (`StepPlan.abort_no_kv`, the
-plan contract's rule: a policy never evicts online work, so an online request that nothing can
-free KV for ends, "out of KV memory", rather than waiting for ever). Requests waiting for a
-hand-off out of the instance (`Phase.TRANSFER_WAIT`) or moving (`Phase.MIGRATING`) free their
-blocks once their target has room, so an instance holding any waits for them instead.
+When a pool is stuck all the same, the way out, cheapest first: an offline request holding
+blocks gives them up (a decode is swapped to host memory, or with CPU attention decodes there,
+as OOCO's own strict eviction does; a prefill is recomputed, it has no output to lose); only
+when none is left does the newest online request of the lowest priority end with an error
+(`StepPlan.abort_no_kv`, the plan contract's rule: a policy never evicts online work, so an
+online request that nothing can free KV for ends, "out of KV memory", rather than waiting for
+ever). A push waiting for room takes the blocks of offline work the same way. A request that
+fits no pool (its prompt, or its context as it grows) ends too, before it holds the pool.
+Requests waiting for a hand-off out of the instance (`Phase.TRANSFER_WAIT`) or moving
+(`Phase.MIGRATING`) free their blocks once their target has room, so an instance holding any
+waits for them instead. On a strict instance short of blocks for its online decodes to finish,
+the one needing the fewest goes first (`keep_one_finishing`).
 """
 
 from __future__ import annotations
@@ -64,7 +68,16 @@ def strict_unstick(inst: InstanceState, offload: bool = False) -> StepPlan | Non
     """For a strict instance whose plan is empty: a plan that frees KV when every running
     decode needs a new block for its next token and none is free; None when it is not stuck
     that way (it then waits for something else: a transfer, the CPU, its budget).
-    `offload`: an offline decode moves to the CPU-attention workers instead of being swapped."""
+    `offload`: an offline decode moves to the CPU-attention workers instead of being swapped.
+    A push waiting for more blocks than are free takes those of offline work too: OOCO evicts
+    offline decodes for it (§3.4.1), and here an offline prefill (HyGen's, on a strict
+    instance) holding them is recomputed."""
+    if inst.pending_in:
+        first = inst.pending_in[0]
+        if inst.blocks_for(first.num_computed_tokens + 1) > inst.num_free_blocks:
+            got = _evict_offline(inst, offload)
+            if got is not None:
+                return got
     if inst.num_free_blocks > 0 or _others_will_free(inst):
         return None
     run = [r for r in inst.running if r.phase is Phase.RUNNING]
@@ -143,7 +156,8 @@ def keep_one_finishing(inst: InstanceState, plan: StepPlan) -> StepPlan:
     then finishes and frees its blocks for the rest, where letting every decode take a block
     as it comes fills the pool with requests none of which can finish (`strict_unstick` would
     then end one of them). A wait costs the waiting request a step of its TPOT; it happens
-    only on a pool too small for the online decodes it holds."""
+    only on a pool too small for the online decodes it holds. The plan may come out empty
+    (every decode short of a block): the caller then frees one (`strict_unstick`)."""
     if not plan.decode or not inst.running:
         return plan
     online = [r for r in inst.running if r.is_online and r.phase is Phase.RUNNING and r.is_decoding]
@@ -154,21 +168,26 @@ def keep_one_finishing(inst: InstanceState, plan: StepPlan) -> StepPlan:
     if sum(needs.values()) <= free:
         return plan
     first = min(online, key=lambda r: (needs[r.req_id], r.arrival_s))
-    left = free - needs[first.req_id]
     bs = inst.block_size
+
+    def grows(r: ReqState) -> bool:
+        return r.num_blocks * bs <= r.num_computed_tokens
+
+    # It decodes even where the plan gave its block to another.
+    keep: list[str] = [first.req_id] if not grows(first) or free > 0 else []
+    left = free - needs[first.req_id]
     by_id = {r.req_id: r for r in inst.running}
-    keep: list[str] = []
     for rid in plan.decode:
         r = by_id[rid]
-        grows = r.num_blocks * bs <= r.num_computed_tokens
-        if grows and rid != first.req_id:
+        if rid == first.req_id:
+            continue
+        if grows(r):
             if left <= 0:
                 continue
             left -= 1
         keep.append(rid)
-    if not keep:
-        return plan
-    return dataclasses.replace(plan, decode=tuple(keep), max_repeat=1)
+    # Offline prefill (all a strict step prefills) waits too: its chunks would take the blocks.
+    return dataclasses.replace(plan, decode=tuple(keep), prefill={}, max_repeat=1)
 
 
 def online_room(inst: InstanceState) -> int:

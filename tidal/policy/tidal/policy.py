@@ -262,10 +262,10 @@ class TidalPolicy(OocoPolicy):
         return self._cpu_batch(inst, plan, 0.0, self.cfg.offline_step_cap_s)
 
     def schedule_strict(self, inst: InstanceState, now: float) -> StepPlan:
-        plan = self._schedule_strict(inst, now)
+        plan = keep_one_finishing(inst, self._schedule_strict(inst, now))
         if plan.is_empty:  # every decode short of a block (`tidal.policy.tidal.liveness`)
             return strict_unstick(inst, offload=self._cpu(inst)) or plan
-        return keep_one_finishing(inst, plan)
+        return plan
 
     def _schedule_strict(self, inst: InstanceState, now: float) -> StepPlan:
         plan = super().schedule_strict(inst, now)

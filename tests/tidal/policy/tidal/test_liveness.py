@@ -89,8 +89,11 @@ def test_decodes_wait_for_the_one_that_can_finish() -> None:
     inst.num_free_blocks = 1
     plan = keep_one_finishing(inst, StepPlan(decode=("b", "a"), max_repeat=4))
     assert plan == StepPlan(decode=("a",))
+    # The step gave the free block to b (a left out): a takes it back, with no offline prefill.
+    plan = keep_one_finishing(inst, StepPlan(prefill={"p": 16}, decode=("b",)))
+    assert plan == StepPlan(decode=("a",))
     inst.num_free_blocks = 2  # a block beyond a's: b takes it
-    assert keep_one_finishing(inst, StepPlan(decode=("b", "a"))).decode == ("b", "a")
+    assert keep_one_finishing(inst, StepPlan(decode=("b", "a"))).decode == ("a", "b")
     inst.num_free_blocks = 7  # room for both to finish: the plan is left as it is
     roomy = StepPlan(decode=("b", "a"), max_repeat=4)
     assert keep_one_finishing(inst, roomy) is roomy
@@ -154,3 +157,14 @@ def test_a_push_with_room_to_finish_goes_at_once() -> None:
     relaxed.instance_id = 0
     view = ClusterView([relaxed, strict], [], 1e9)
     assert policy().place_decode(decoding("b", ONLINE, 64, 30, 4), relaxed, view, 0.0) == 1
+
+
+def test_a_waiting_push_takes_the_blocks_of_an_offline_prefill() -> None:
+    # A strict instance prefilling offline work (HyGen's) has 2 blocks left; the push needs 4.
+    x = ReqState("x", OFFLINE, 0.0, 200, 10)
+    x.phase, x.num_computed_tokens, x.num_blocks, x.instance_id = Phase.RUNNING, 96, 6, 1
+    inst = instance(InstanceRole.STRICT, 8, x)
+    pushed = decoding("p", ONLINE, 60, 10, 4)
+    pushed.phase = Phase.TRANSFER_WAIT
+    inst.pending_in = [pushed]
+    assert policy().schedule(inst, 0.0) == StepPlan(recompute=("x",))
