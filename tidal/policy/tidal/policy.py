@@ -10,7 +10,15 @@ import dataclasses
 import random
 from collections.abc import Sequence
 
-from tidal.policy.base import Policy, PolicyContext, Route, StepPlan, parse_params
+from tidal.policy.base import (
+    ClusterActions,
+    Migration,
+    Policy,
+    PolicyContext,
+    Route,
+    StepPlan,
+    parse_params,
+)
 from tidal.policy.batch_shape import decode_shape
 from tidal.policy.hygen.prefix_order import OfflineOrder
 from tidal.policy.omniserve.config import OmniConfig
@@ -19,13 +27,24 @@ from tidal.policy.omniserve.policy import ls_admissible
 from tidal.policy.ooco.policy import OocoPolicy, ooco_config
 from tidal.policy.plan_builder import PlanBuilder, parse_section
 from tidal.policy.registry import register_policy
-from tidal.policy.state import ClusterView, InstanceState, ReqState
+from tidal.policy.state import ClusterView, InstanceState, Phase, ReqState
 from tidal.policy.taichi.policy import queued_prefill
 from tidal.policy.taichi.routing import PrefillTarget, route_prefill
 from tidal.policy.tidal.budget import strict_step_budget
 from tidal.policy.tidal.config import TidalConfig
+from tidal.policy.tidal.liveness import (
+    fits_to_finish,
+    keep_one_finishing,
+    offline_unstick,
+    relaxed_unstick,
+    strict_unstick,
+    too_long,
+)
 from tidal.policy.tidal.overflow import cpu_overflow_step, offline_prefill_candidates
 from tidal.policy.tidal.relaxed import fill_online_step, keep_uncut
+
+# A parked online decode's migration is asked for again this long after a refusal (seconds).
+PARK_RETRY_S = 0.05
 
 
 class TidalPolicy(OocoPolicy):
@@ -37,6 +56,10 @@ class TidalPolicy(OocoPolicy):
         self.omni = OmniConfig()
         self.order = OfflineOrder(cfg.prefix_order, cfg.utility_ratio, random.Random(ctx.seed))
         self._held: dict[str, ReqState] = {}
+        # Online decodes parked on their relaxed instance until a strict one has room for them
+        # to finish (`place_decode`): req_id -> when its migration was last asked for.
+        self._parked: dict[str, float] = {}
+        self._wake_s = 0.0  # the tick asked for while any is parked
 
     # ------------------------------------------------------------------ arrivals
     def route(self, req: ReqState, cluster: ClusterView, now: float) -> Route:
@@ -72,6 +95,72 @@ class TidalPolicy(OocoPolicy):
         got = route_prefill(req.num_prompt_tokens, targets, self.cfg.ttft_slo_s, xfer)
         return got if got is not None else super().pick_prefill_instance(req, cluster, now)
 
+    def place_decode(
+        self, req: ReqState, inst: InstanceState, cluster: ClusterView, now: float
+    ) -> int | None:
+        """OOCO's push (§3.4.3), to a strict instance where the request can finish beside the
+        online decodes there (`fits_to_finish`); with none, or others parked before it, it
+        stays on its relaxed instance, KV kept and not decoding, until `tick` moves it. A push
+        that only needs room for its context would fill a small pool with decodes none of
+        which can finish."""
+        got = super().place_decode(req, inst, cluster, now)
+        if got is None or not req.is_online:
+            return got
+        insts = cluster.instances
+        if not self._parked and fits_to_finish(insts[got], req):
+            return got
+        if not self._parked:
+            for i in self.strict:
+                if fits_to_finish(insts[i], req):
+                    return i
+        self._parked[req.req_id] = -1.0
+        return None
+
+    def tick(self, cluster: ClusterView, now: float) -> ClusterActions:
+        acts = super().tick(cluster, now)
+        if not self._parked:
+            return acts
+        moves = self._unpark(cluster, now)
+        # Strict room goes to the parked online decodes first: no offline pull meanwhile; a
+        # tick soon even if nothing happens (a refused migration is asked for again).
+        if self._wake_s > now:  # one asked for already
+            return dataclasses.replace(acts, migrate=moves)
+        self._wake_s = now + PARK_RETRY_S
+        return dataclasses.replace(acts, migrate=moves, next_tick_s=self._wake_s)
+
+    def _unpark(self, cluster: ClusterView, now: float) -> tuple[Migration, ...]:
+        """Parked online decodes, oldest first, to the strict instances they now fit."""
+        where = {
+            r.req_id: r for i in self.relaxed for r in cluster.instances[i].running if r.is_online
+        }
+        moves: list[Migration] = []
+        used: set[int] = set()
+        for rid in list(self._parked):
+            r = where.get(rid)
+            if r is None or r.phase is not Phase.RUNNING or not r.is_decoding:
+                del self._parked[rid]  # moved (or ended)
+                continue
+            if now - self._parked[rid] < PARK_RETRY_S:
+                break  # asked for: keep the order
+            dst = next(
+                (
+                    i
+                    for i in self.strict
+                    if i not in used
+                    and not cluster.instances[i].num_incoming
+                    and fits_to_finish(cluster.instances[i], r)
+                    and cluster.instances[i].blocks_for(r.num_computed_tokens + 1)
+                    <= cluster.instances[i].num_free_blocks
+                ),
+                None,
+            )
+            if dst is None:
+                break
+            used.add(dst)
+            self._parked[rid] = now
+            moves.append(Migration(rid, dst))
+        return tuple(moves)
+
     def dispatch_offline(self, cluster: ClusterView, now: float) -> dict[str, int]:
         """OOCO gating decides when; HyGen's prefix order decides which."""
         out: dict[str, int] = {}
@@ -83,7 +172,7 @@ class TidalPolicy(OocoPolicy):
                 if rid is None:
                     break
                 r = self._held[str(rid)]
-                if not self.admit_offline(inst, r):
+                if not (self.admit_offline(inst, r) or self._starved(inst, r)):
                     break
                 self.order.remove(rid)
                 del self._held[str(rid)]
@@ -92,6 +181,16 @@ class TidalPolicy(OocoPolicy):
         if self.tcfg.strict_offline_prefill:
             self._dispatch_strict(cluster, out)
         return out
+
+    def _starved(self, inst: InstanceState, r: ReqState) -> bool:
+        """An instance with no offline work takes the next offline request the gate refuses,
+        when its prompt fits the free KV or can never fit the pool: the gate's reason (a bigger
+        decode batch later, OOCO §3.4.2) is void with none, and a prompt that fits no pool is
+        ended by the instance's step (out of KV memory) instead of blocking the queue."""
+        if any(not x.is_online for x in (*inst.running, *inst.waiting)):
+            return False
+        need = inst.blocks_for(r.num_prompt_tokens + 1)
+        return need <= inst.num_free_blocks or need > inst.num_blocks
 
     def _dispatch_strict(self, cluster: ClusterView, out: dict[str, int]) -> None:
         """Offline requests for the strict instances' prefill budget (HyGen's offline queue),
@@ -132,7 +231,11 @@ class TidalPolicy(OocoPolicy):
         return dataclasses.replace(plan, cpu_decode=oldest_first(inst.offloaded, n))
 
     def online_prefill_step(self, inst: InstanceState, online: Sequence[ReqState]) -> StepPlan:
+        if gone := too_long(inst, online):  # no pool takes them: end them before any chunk
+            return StepPlan(abort_no_kv=gone)
         plan = super().online_prefill_step(inst, online)
+        if plan.is_empty:  # out of KV with no offline work to evict (`tidal.policy.tidal.liveness`)
+            return relaxed_unstick(inst, online) or plan
         if not self.tcfg.relaxed_fill:
             return plan
         bound = min(self.cfg.offline_step_cap_s, self.tcfg.relaxed_uncut_ttft * self.cfg.ttft_slo_s)
@@ -143,10 +246,12 @@ class TidalPolicy(OocoPolicy):
     ) -> StepPlan:
         plan = keep_uncut(
             inst,
-            super().offline_step(inst, dec, pre),
+            offline_unstick(inst, super().offline_step(inst, dec, pre)),
             self.cfg.ttft_slo_s,
             self.tcfg.relaxed_uncut_ttft,
         )
+        if plan.abort_no_kv:
+            return plan
         if not self._cpu(inst):
             return plan
         if plan.recompute:  # out of KV: decode the victim on the CPU instead of recomputing it
@@ -157,6 +262,12 @@ class TidalPolicy(OocoPolicy):
         return self._cpu_batch(inst, plan, 0.0, self.cfg.offline_step_cap_s)
 
     def schedule_strict(self, inst: InstanceState, now: float) -> StepPlan:
+        plan = keep_one_finishing(inst, self._schedule_strict(inst, now))
+        if plan.is_empty:  # every decode short of a block (`tidal.policy.tidal.liveness`)
+            return strict_unstick(inst, offload=self._cpu(inst)) or plan
+        return plan
+
+    def _schedule_strict(self, inst: InstanceState, now: float) -> StepPlan:
         plan = super().schedule_strict(inst, now)
         if self._cpu(inst) and plan.swap_out:
             # Evicted offline decodes keep decoding with CPU attention (OmniServe §3.3.5).
