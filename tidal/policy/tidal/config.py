@@ -54,18 +54,21 @@ class TidalConfig:
     strict_kv_reserve: float = 0.2
     """Fraction of a strict instance's KV blocks kept free of new offline prefills, for online
     requests pushed after their prefill (OOCO §3.4.3 push)."""
-    relaxed_step_s: float = 0.15
+    relaxed_step_s: float = 0.05
     """Longest offline step on a latency-relaxed instance, seconds (OOCO's `offline_step_cap_s`,
     0.05, which an `ooco:` section may still set). OOCO §3.2.1 does not restrict a relaxed
     step's time; each step pays the fixed per-step overhead (`tidal.policy.tidal.relaxed`), so
     a longer one spends less of the instance on it, up to the instance's chunk. In the
     simulator longer steps only pay with `relaxed_uncut_ttft`: it runs a cut step again whole."""
-    relaxed_uncut_ttft: float = 0.1
+    relaxed_uncut_ttft: float = 0.0
     """An offline step on a relaxed instance lasting at most this fraction of the TTFT SLO is
     not cut at a layer boundary by an arriving online prefill (OOCO §3.4.1): the prefill waits
     for its end (at most 0.2 s at a 2 s TTFT SLO), and its work is kept. 0 keeps every such
-    step preemptible (OOCO's rule)."""
-    relaxed_fill: bool = True
+    step preemptible (OOCO's rule), the default: the engines keep a cut step's finished layers
+    and resume it, so live the uncut step buys little and costs online TTFT; the simulator's
+    gain from it (it discards a cut step whole) is mostly that model's loss, not the engines'
+    (docs/policies.md, "Closing `tidal`'s gap")."""
+    relaxed_fill: bool = False
     """HyGen §4.1's hybrid batch on relaxed instances: an online prefill step that takes every
     online prompt waiting there is topped up with offline prefill chunks while it stays within
     `relaxed_step_s` and `relaxed_uncut_ttft` x TTFT (so the online prompts' TTFT grows by at

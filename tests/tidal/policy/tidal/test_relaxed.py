@@ -133,12 +133,14 @@ def online(rid: str, n: int) -> ReqState:
 def test_an_online_prefill_step_is_topped_up_with_offline_prefill_within_the_bound() -> None:
     inst = relaxed(online("on", 500), prompt("a", 3000))
     # Bound min(0.11 s, 0.1 x 2 s): 500 online tokens (35 ms) and then offline up to 110 ms.
-    plan = plan_of(inst, relaxed_step_s=0.11, relaxed_uncut_ttft=0.1)
+    plan = plan_of(inst, relaxed_step_s=0.11, relaxed_uncut_ttft=0.1, relaxed_fill=True)
     assert plan.prefill["on"] == 500
     assert plan.prefill["a"] == pytest.approx(1500, abs=1)
     assert not plan.layer_cut  # an online step is never cut
     assert plan_of(inst, relaxed_step_s=0.11, relaxed_fill=False).prefill == {"on": 500}
-    assert plan_of(inst, relaxed_step_s=0.11, relaxed_uncut_ttft=0.0).prefill == {"on": 500}
+    assert plan_of(
+        inst, relaxed_step_s=0.11, relaxed_uncut_ttft=0.0, relaxed_fill=True
+    ).prefill == {"on": 500}
 
 
 def test_no_offline_fill_while_online_prompt_tokens_still_wait() -> None:
@@ -147,10 +149,12 @@ def test_no_offline_fill_while_online_prompt_tokens_still_wait() -> None:
     assert plan.prefill == {"on": 4096}
     # Two online prompts: both whole in the step, then offline; a third that does not fit
     # whole within the chunk leaves no room for offline work.
-    two = plan_of(relaxed(online("o1", 300), online("o2", 200), prompt("a", 3000)))
+    fill = {"relaxed_step_s": 0.15, "relaxed_uncut_ttft": 0.1, "relaxed_fill": True}
+    two = plan_of(relaxed(online("o1", 300), online("o2", 200), prompt("a", 3000)), **fill)
     assert (two.prefill["o1"], two.prefill["o2"]) == (300, 200)
     assert two.prefill["a"] > 0
     three = plan_of(
-        relaxed(online("o1", 300), online("o2", 3700), online("o3", 500), prompt("a", 3000))
+        relaxed(online("o1", 300), online("o2", 3700), online("o3", 500), prompt("a", 3000)),
+        **fill,
     )
     assert "a" not in three.prefill
