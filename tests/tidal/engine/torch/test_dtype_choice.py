@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +104,34 @@ def test_choice_is_measured_once_then_cached(
     again = dc.choose_dtype(TINY, torch.device("cpu"))
     assert len(calls) == 2 and again.dtype == first.dtype and again.reason.endswith("(cached)")
     assert (tmp_path / "dtype-choice.json").exists()
+
+
+def test_processes_starting_together_calibrate_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # two instances of `tidal up` start at once: one measures (alone: the other waits on the
+    # lock rather than loading the CPU beside it), the other reads its answer
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TIDAL_DTYPE", raising=False)
+    running, overlapped, measured = [0], [False], []
+    guard = threading.Lock()
+
+    def measure(cfg: ModelConfig) -> dc.DtypeChoice:
+        with guard:
+            running[0] += 1
+            overlapped[0] |= running[0] > 1
+        time.sleep(0.3)
+        with guard:
+            running[0] -= 1
+        measured.append(1)
+        return dc.decide({"float32": {"1": 2.0}, "bfloat16": {"1": 1.0}})
+
+    monkeypatch.setattr(dc, "measure_candidates", measure)
+    with cf.ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda _: dc.choose_dtype(TINY, torch.device("cpu")), range(3)))
+    assert measured == [1] and not overlapped[0]
+    assert {c.dtype for c in got} == {"bfloat16"}
+    assert sum(c.reason.endswith("(cached)") for c in got) == 2
 
 
 def test_env_and_device_override(monkeypatch: pytest.MonkeyPatch) -> None:
