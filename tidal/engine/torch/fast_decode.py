@@ -204,11 +204,18 @@ class NativeDecode:
         return packed.gemv_native(x, w, b, out=out)
 
 
+# The row-by-row attention for batches is off: with it on, the same seeded n=3 bf16 request
+# sent twice on the stack gave different text in about half the runs
+# (tests/e2e/test_openai_fields.py::test_n), and off, never; the cause is not found yet. Its
+# kernel is tested on its own (tests/tidal/engine/torch/test_fast_decode.py).
+ROW_ATTENTION = False
+
+
 def _rows(meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(slots (B, Tmax), lens (B,)) of a batch of decode rows the native kernel can attend, or
-    None (the torch path's attention then)."""
+    None (the torch path's attention then; always while `ROW_ATTENTION` is off)."""
     slots, lens = meta.decode_slots, meta.decode_lens
-    if slots is None or lens is None or slots.shape[1] > NATIVE_MAX_T:
+    if not ROW_ATTENTION or slots is None or lens is None or slots.shape[1] > NATIVE_MAX_T:
         return None
     if slots.dtype != torch.int64 or lens.dtype != torch.int64 or slots.device.type != "cpu":
         return None

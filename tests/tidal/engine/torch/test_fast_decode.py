@@ -231,6 +231,7 @@ def test_batched_decodes_match_the_torch_path(make_engine: Any, dtype: str) -> N
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fast_decode.NativeDecode, "run", spy)
         mp.setattr(attention, "ATTENTION", attention_spy)
+        mp.setattr(fast_decode, "ROW_ATTENTION", True)
         got = run("n-")
     assert 3 in steps  # the three decoded together on the native path
     assert torch_decodes == []  # with the native attention, row by row
@@ -248,11 +249,13 @@ def test_batched_decodes_match_the_torch_path(make_engine: Any, dtype: str) -> N
         engine.step()
     items = [(engine.seqs[r], 1) for r in prompts]
     outs = []
-    for native_decode in (model.native_decode, None):
-        model.native_decode = native_decode
-        batch, _ = engine.runner._build(items, [0] * len(items))
-        model.forward_layers(batch, engine.runner.kv, None)
-        outs.append(batch.hidden.float())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fast_decode, "ROW_ATTENTION", True)
+        for native_decode in (model.native_decode, None):
+            model.native_decode = native_decode
+            batch, _ = engine.runner._build(items, [0] * len(items))
+            model.forward_layers(batch, engine.runner.kv, None)
+            outs.append(batch.hidden.float())
     gap = (outs[0] - outs[1]).abs().amax(dim=1)
     assert bool((gap <= 0.02 * outs[1].abs().amax(dim=1)).all()), gap
 
