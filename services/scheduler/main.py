@@ -32,16 +32,8 @@ from tidal.config.live import load_live_config
 from tidal.policy.base import ClusterActions, RouteAction
 from tidal.policy.registry import make_policy
 from tidal.schemas import codec, subjects
-from tidal.schemas.messages import (
-    CtlDrain,
-    CtlPolicy,
-    CtlRoles,
-    Heartbeat,
-    InstanceDown,
-    InstanceReport,
-    RouteReply,
-    RouteRequest,
-)
+from tidal.schemas.control import CtlDrain, CtlPolicy, CtlRoles
+from tidal.schemas.messages import Heartbeat, InstanceDown, InstanceReport, RouteReply, RouteRequest
 
 PROBE_ATTEMPTS = 2
 CUT_OFF_GRACE_S = 10.0  # after this scheduler was last found cut off, no one is forgotten
