@@ -21,9 +21,10 @@ from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
 from services.scheduler.commands import Commands
 from services.scheduler.control import Control, EmptyCtl
-from services.scheduler.live import NO_INSTANCE, SLOT_DOWN, Held, LiveCluster, expire_held
+from services.scheduler.live import NO_INSTANCE, SLOT_DOWN, LiveCluster, expire_held
 from services.scheduler.members import MemberWatch
 from services.scheduler.preempt import OnlineRoom
+from services.scheduler.reports import Held
 from services.scheduler.trace import EventTrace
 from tidal import envs
 from tidal.cluster.healing import RoleHealer
