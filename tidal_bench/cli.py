@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import statistics
 import time
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from tidal_bench.perf import run as perf_run
 from tidal_bench.replay import run as replay_run
 from tidal_bench.serve import batch, classes, idle, overload, sglang
 from tidal_bench.serve import run as serve_run
+from tidal_bench.stream_timing import read_stream
 
 
 @contextlib.contextmanager
@@ -61,18 +63,12 @@ async def _drive(base: str, streams: int, rounds: int, max_tokens: int) -> dict[
             stream=True,
             stream_options={"include_usage": True},
         )
-        last = None
-        async for chunk in stream:
-            if chunk.usage is not None and chunk.model_extra:
-                samples["server_ttft_ms"].append(chunk.model_extra["tidal"]["server_ttft_ms"])
-            if not chunk.choices or not chunk.choices[0].delta.content:
-                continue
-            now = time.perf_counter()
-            if last is None:
-                samples["client_ttft_ms"].append((now - t0) * 1e3)
-            else:
-                samples["inter_token_ms"].append((now - last) * 1e3)
-            last = now
+        got = await read_stream(stream)
+        if got.usage_extra:
+            samples["server_ttft_ms"].append(got.usage_extra["tidal"]["server_ttft_ms"])
+        if got.times:
+            samples["client_ttft_ms"].append((got.times[0] - t0) * 1e3)
+        samples["inter_token_ms"] += [(b - a) * 1e3 for a, b in itertools.pairwise(got.times)]
 
     try:
         await asyncio.gather(*(one(i) for i in range(streams)))  # warm-up round, not counted

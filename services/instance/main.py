@@ -41,11 +41,9 @@ from tidal.perf.spec import parse_step_model
 from tidal.policy.registry import make_policy
 from tidal.policy.state import InstanceRole, Slo
 from tidal.schemas import codec, subjects
+from tidal.schemas.control import CtlDrain, CtlPolicy, CtlRoles
 from tidal.schemas.messages import (
     CancelRequest,
-    CtlDrain,
-    CtlPolicy,
-    CtlRoles,
     GenerateRequest,
     Heartbeat,
     InstanceLoad,

@@ -25,8 +25,8 @@ from nats.aio.msg import Msg
 from tidal.engine.executor import execute
 from tidal.plan import PlanRefused
 from tidal.policy.preempt import Preemption, PreemptRefused, plan_preemption
+from tidal.schemas.control import CtlPreempt, CtlPreemptReply, Preempted
 from tidal.schemas.enums import RequestClass
-from tidal.schemas.messages import CtlPreempt, CtlPreemptReply, Preempted
 
 if TYPE_CHECKING:
     from services.instance.worker import Instance

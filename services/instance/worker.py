@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 from nats.aio.client import Client as NATS
 
 from services.common.lifecycle import wait_either
@@ -39,7 +38,7 @@ from services.instance.overlap import (
 )
 from services.instance.policy_adapter import PolicyAdapter
 from services.instance.publish import Publisher
-from tidal.cluster.view import SUBMITTED
+from services.instance.report import Reporter
 from tidal.engine.api import (
     OUT_OF_KV_ERROR,
     ControllableEngine,
@@ -52,7 +51,7 @@ from tidal.engine.executor import Execution
 from tidal.plan import Outcome, PlanRefused, RefusalReason
 from tidal.policy.base import StepPlan
 from tidal.policy.state import Slo
-from tidal.schemas import codec, subjects
+from tidal.schemas import codec
 from tidal.schemas.messages import (
     ReqReport,
     TokenChunk,
@@ -60,13 +59,12 @@ from tidal.schemas.messages import (
 
 log = logging.getLogger("tidal.instance")
 
-REPORT_MIN_INTERVAL_S = 0.05  # at most ~20 state reports a second
 IDLE_REPORT_INTERVAL_S = 0.5  # an idle instance still reports, so the view never goes stale
 IDLE_PLAN_RETRY_S = 0.02  # the policy left a busy instance idle: ask it again this soon
 MAX_BAD_PLANS = 3  # plans the engine refused in a row before one step of its own FCFS planner
 
 
-class Instance(Inbound, Publisher):
+class Instance(Inbound, Publisher, Reporter):
     def __init__(
         self,
         nc: NATS,
@@ -346,49 +344,6 @@ class Instance(Inbound, Publisher):
         self._note(result.events)
         self.unsent += result.events
         return True
-
-    def _submitted(self, req: EngineRequest) -> ReqReport:
-        """A request handed over but not yet in the engine (it joins at the next step
-        boundary): queued here, as the scheduler's view counts it."""
-        meta = self.adapter.meta.get(req.req_id)
-        arrival = meta.arrival_unix_s if meta is not None else time.time()
-        n, max_out = len(req.prompt_token_ids), req.sampling.max_tokens
-        cls = str(req.req_class)
-        return ReqReport(
-            req.req_id, cls, SUBMITTED, arrival, n, max_out, 0, 0, 0, priority=req.priority
-        )
-
-    async def report(self, force: bool = False) -> None:
-        """Publish the instance's state, at most every REPORT_MIN_INTERVAL_S unless forced."""
-        now = time.time()
-        if not force and now - self.last_report_s < REPORT_MIN_INTERVAL_S:
-            return
-        if self.in_flight is None and not self.engine_lock.locked():
-            self.adapter.sync(self.engine.snapshot(), self.engine.num_free_blocks(), now)
-        self.last_report_s = now
-        self.placement_due = False
-        self.report_seq += 1
-        rep = self.adapter.report(
-            self.report_seq,
-            self.data_url,
-            draining=self.draining,
-            started_unix_s=self.started_unix_s,
-            num_preemptions=self.num_preemptions,
-            plan_refusals=dict(self.plan_refusals),
-            num_steps=self.num_steps,
-            last_step_ms=round(self.last_step_ms, 3),
-            emulated=self.engine.is_emulated,
-            finished_req_ids=self.finished_ids,
-            max_model_len=self.engine.max_model_len,
-        )
-        extra = [*self.moving_out.values(), *(self._submitted(r) for r in self.pending_add)]
-        if extra:
-            rep = msgspec.structs.replace(rep, requests=[*rep.requests, *extra])
-        self.finished_ids = []
-        try:
-            await self.nc.publish(subjects.instance_state(self.id), codec.encode(rep))
-        except Exception as exc:  # a reconnecting client buffers; anything else is logged
-            log.warning("state report not sent: %s", exc)
 
     async def drain(self, timeout_s: float) -> None:
         """Take no new work; let running requests finish for `timeout_s`, then abort the rest."""

@@ -18,7 +18,8 @@ from services.scheduler.live import LiveCluster
 from services.scheduler.trace import EventTrace
 from tidal.policy.base import ClusterActions
 from tidal.schemas import codec, subjects
-from tidal.schemas.messages import CtlRoles, MigrateCommand, MigrateResult, MigrationEvent
+from tidal.schemas.control import CtlRoles
+from tidal.schemas.messages import MigrateCommand, MigrateResult, MigrationEvent
 
 log = logging.getLogger("tidal.scheduler")
 

@@ -23,7 +23,8 @@ from tidal.policy.base import PolicyContext
 from tidal.policy.registry import available_policies, make_policy
 from tidal.policy.state import InstanceRole, Slo
 from tidal.schemas import subjects
-from tidal.schemas.messages import CtlDrain, CtlOfflineAdmission, CtlPolicy, CtlRoles, Heartbeat
+from tidal.schemas.control import CtlDrain, CtlOfflineAdmission, CtlPolicy, CtlRoles
+from tidal.schemas.messages import Heartbeat
 
 log = logging.getLogger("tidal.scheduler")
 

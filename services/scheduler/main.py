@@ -12,39 +12,30 @@ import contextlib
 import logging
 import time
 
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.common.args import add_bus_args
-from services.common.bus import connect, jetstream_quorum, redact, respond, subscribe
+from services.common.bus import connect, redact, respond, subscribe
 from services.common.heartbeat import heartbeat_loop
 from services.common.lifecycle import run_service
 from services.scheduler.commands import Commands
 from services.scheduler.control import Control, EmptyCtl
-from services.scheduler.live import NO_INSTANCE, SLOT_DOWN, Held, LiveCluster, expire_held
+from services.scheduler.live import NO_INSTANCE, SLOT_DOWN, LiveCluster, expire_held
+from services.scheduler.members import MemberWatch
 from services.scheduler.preempt import OnlineRoom
+from services.scheduler.reports import Held
 from services.scheduler.trace import EventTrace
 from tidal import envs
 from tidal.cluster.healing import RoleHealer
-from tidal.cluster.membership import Member, Membership
+from tidal.cluster.membership import Membership
 from tidal.config.live import load_live_config
 from tidal.policy.base import ClusterActions, RouteAction
 from tidal.policy.registry import make_policy
-from tidal.schemas import codec, subjects
-from tidal.schemas.messages import (
-    CtlDrain,
-    CtlPolicy,
-    CtlRoles,
-    Heartbeat,
-    InstanceDown,
-    InstanceReport,
-    RouteReply,
-    RouteRequest,
-)
+from tidal.schemas import subjects
+from tidal.schemas.control import CtlDrain, CtlPolicy, CtlRoles
+from tidal.schemas.messages import Heartbeat, InstanceReport, RouteReply, RouteRequest
 
-PROBE_ATTEMPTS = 2
-CUT_OFF_GRACE_S = 10.0  # after this scheduler was last found cut off, no one is forgotten
 log = logging.getLogger("tidal.scheduler")
 
 OFFLINE_PAUSED_RETRY_S = 30.0
@@ -59,7 +50,7 @@ IDLE_TICK_S = 0.5
 TICK_COALESCE_S = 0.001
 
 
-class Scheduler:
+class Scheduler(MemberWatch):
     def __init__(self, nc: NATS, args: argparse.Namespace, heartbeat_s: float) -> None:
         self.nc = nc
         self.service_id = args.id
@@ -93,108 +84,7 @@ class Scheduler:
         self.params_override: dict[str, object] = {}
         self.models_seen: set[str] = set()  # served now or before: a gone model is 503, not 404
 
-    # ---- heartbeats and membership ----
-
-    async def on_heartbeat(self, hb: Heartbeat, msg: Msg) -> None:
-        if hb.model:
-            self.models_seen.add(hb.model)
-        if self.membership.observe(hb, time.monotonic()):
-            log.info("%s %s joined (pid %d)", hb.kind, hb.service_id, hb.pid)
-            self.kick.set()
-        if hb.status == "stopped":
-            self.membership.forget(hb.kind, hb.service_id)
-            log.info("%s %s left", hb.kind, hb.service_id)
-            if hb.kind == "instance":
-                self.cluster.forget(hb.service_id)
-                await self._announce_down(hb.service_id, "instance stopped")
-
-    async def expire_loop(self, stop: asyncio.Event) -> None:
-        reconnects = self.nc.stats.get("reconnects", 0)
-        while not stop.is_set():
-            if not self.nc.is_connected or self.nc.stats.get("reconnects", 0) != reconnects:
-                # NOTE: the scheduler's own link dropped (nats-server restarting, say): nobody's
-                # heartbeats came through, so nobody is declared gone for it; after the
-                # reconnect every member gets a full timeout to be heard from again.
-                reconnects = self.nc.stats.get("reconnects", 0)
-                self.membership.extend(time.monotonic())
-            if self.membership.is_cut_off(time.monotonic(), "scheduler", self.service_id):
-                # everyone else silent at once: it is this scheduler's link, not theirs
-                self._cut_off("every other service went silent at once")
-            if time.monotonic() < self.cut_off_until_s:
-                # NOTE: after a cut the bus knits itself back over seconds (NATS rebuilds its
-                # routes one pair at a time): the first services heard again end the "all
-                # silent" state, while those behind a route not yet rebuilt would be probed,
-                # unanswered, and forgotten. Nobody is judged until the grace has passed.
-                self.membership.extend(time.monotonic())
-            for member in self.membership.silent(time.monotonic()):
-                key = (member.heartbeat.kind, member.heartbeat.service_id)
-                if key not in self.probing:
-                    self.probing.add(key)
-                    task = asyncio.create_task(self._probe(member))
-                    self.probe_tasks.add(task)
-                    task.add_done_callback(self.probe_tasks.discard)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.heartbeat_s / 2)
-
-    async def _probe(self, member: Member) -> None:
-        """A service missed its beats: ask it directly (twice) before declaring it dead. A live
-        service whose beats were late (a busy host, a slow link) is kept; only one that does not
-        answer is forgotten and its requests re-placed."""
-        hb = member.heartbeat
-        try:
-            for _ in range(PROBE_ATTEMPTS):
-                try:
-                    await self.nc.request(
-                        subjects.ping(hb.kind, hb.service_id), b"", timeout=self.probe_timeout_s
-                    )
-                except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-                    continue
-                except Exception as exc:  # our own link: say nothing about the member
-                    log.warning("probe of %s %s not sent: %s", hb.kind, hb.service_id, exc)
-                    return
-                self.membership.vouch(hb.kind, hb.service_id, time.monotonic())
-                self.num_suspects_alive += 1
-                log.warning(
-                    "%s %s missed its heartbeats but answered a probe; kept",
-                    hb.kind,
-                    hb.service_id,
-                )
-                return
-            if time.monotonic() < self.cut_off_until_s:
-                return  # found cut off while this probe ran: its silence says nothing
-            if self.membership.is_cut_off(time.monotonic(), "scheduler", self.service_id):
-                self._cut_off("every other service went silent while probing")
-                return
-            if await jetstream_quorum(self.nc, self.probe_timeout_s) is False:
-                # NOTE: our NATS node cannot reach JetStream's quorum: we are in the minority
-                # side of a partition, and what we cannot hear may be fine
-                self._cut_off(f"no JetStream quorum through {redact(self.nc.connected_url)}")
-                return
-            if self.membership.forget(hb.kind, hb.service_id) is None:
-                return  # it left (or came back as a new process) meanwhile
-            log.warning(
-                "%s %s went silent and did not answer probes; forgetting it",
-                *(hb.kind, hb.service_id),
-            )
-            if member.is_instance:
-                self.cluster.forget(hb.service_id)
-                await self._announce_down(hb.service_id, "instance stopped heartbeating")
-        finally:
-            self.probing.discard((hb.kind, hb.service_id))
-
-    def _cut_off(self, why: str) -> None:
-        """This scheduler is the one cut off: forget no one, and give every member a full
-        timeout from now to be heard from again."""
-        now = time.monotonic()
-        self.membership.extend(now)
-        if now >= self.cut_off_until_s:  # a new cut, not the one under way: say so once
-            log.warning("cut off from the cluster (%s); forgetting no one", why)
-        self.cut_off_until_s = now + CUT_OFF_GRACE_S
-
-    async def _announce_down(self, instance_id: str, reason: str) -> None:
-        self.kick.set()  # roles heal from the tick: an idle one waits for no floor
-        event = InstanceDown(instance_id=instance_id, reason=reason)
-        await self.nc.publish(subjects.INSTANCE_DOWN, codec.encode(event))
+    # ---- reports ----
 
     async def on_report(self, rep: InstanceReport, msg: Msg) -> None:
         if self.cluster.on_report(rep):

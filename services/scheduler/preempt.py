@@ -23,7 +23,7 @@ from tidal.policy.base import RouteAction
 from tidal.policy.preempt import room_for_online
 from tidal.policy.state import InstanceRole, ReqState
 from tidal.schemas import subjects
-from tidal.schemas.messages import CtlPreempt, CtlPreemptReply
+from tidal.schemas.control import CtlPreempt, CtlPreemptReply
 
 log = logging.getLogger("tidal.scheduler")
 

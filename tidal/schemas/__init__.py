@@ -1,5 +1,6 @@
-"""Wire messages (`messages`), subject builders (`subjects`) and their codec (`codec`)."""
+"""Wire messages (`messages`: data, `control`: control), subject builders (`subjects`) and their
+codec (`codec`)."""
 
-from tidal.schemas import codec, messages, subjects
+from tidal.schemas import codec, control, messages, subjects
 
-__all__ = ["codec", "messages", "subjects"]
+__all__ = ["codec", "control", "messages", "subjects"]

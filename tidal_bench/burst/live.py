@@ -15,6 +15,7 @@ from tidal.config.cluster import ClusterConfig
 from tidal_bench.burst.guidellm_online import run_online
 from tidal_bench.burst.schedule import BurstSchedule, OnlineResult, outcome_of
 from tidal_bench.kit import prompt_maker
+from tidal_bench.stream_timing import StreamTimes, read_stream
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -51,8 +52,7 @@ async def _online(client: Any, model: str, sched: BurstSchedule, seed: int, t0: 
     async def one(at: float) -> None:
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
         sent = time.perf_counter() - t0
-        first = last = None
-        n = 0
+        got = StreamTimes()
         try:
             stream = await client.completions.create(
                 model=model,
@@ -61,17 +61,15 @@ async def _online(client: Any, model: str, sched: BurstSchedule, seed: int, t0: 
                 stream=True,
                 extra_body={"request_class": "online"},
             )
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    last = time.perf_counter() - t0
-                    first = first if first is not None else last
-                    n += 1
+            await read_stream(stream, got, lambda: time.perf_counter() - t0)
         except openai.APIStatusError as e:
             results.append(OnlineResult(sent, outcome_of(e.status_code)))
             return
         except openai.APIError:
             results.append(OnlineResult(sent, outcome_of(None)))
             return
+        first, last = (got.times[0], got.times[-1]) if got.times else (None, None)
+        n = len(got.times)
         ttft = None if first is None else first - sent
         itl = None if first is None or last is None or n < 2 else (last - first) / (n - 1)
         results.append(OnlineResult(sent, "ok", ttft, itl))

@@ -28,13 +28,8 @@ from services.common.bus import connect
 from services.instance import main as instance_main
 from tidal.configs import config_path
 from tidal.schemas import codec, subjects
-from tidal.schemas.messages import (
-    CtlPreemptReply,
-    GenerateAck,
-    GenerateRequest,
-    SamplingSpec,
-    TokenChunk,
-)
+from tidal.schemas.control import CtlPreemptReply
+from tidal.schemas.messages import GenerateAck, GenerateRequest, SamplingSpec, TokenChunk
 
 IID = "bench-ckpt"
 

@@ -22,6 +22,7 @@ from tidal.config.cluster import ClusterConfig
 from tidal.workload.mix import SimRequest
 from tidal_bench.colocation.max_offline import Measurement
 from tidal_bench.kit import CpuClock, metric_samples, pct, prompt_maker
+from tidal_bench.stream_timing import StreamTimes, read_stream
 
 
 async def _submit(client: Any, model: str, lines: list[tuple[int, int]]) -> str:
@@ -122,8 +123,7 @@ async def measure_window(
     async def one(r: SimRequest) -> None:
         await at(r.arrival_s)
         sent = time.perf_counter() - t0
-        first = last = None
-        n = 0
+        got = StreamTimes()
         try:
             stream = await client.completions.create(
                 model=model,
@@ -133,16 +133,13 @@ async def measure_window(
                 stream_options={"include_usage": True},
                 extra_body={"request_class": "online", "ignore_eos": True},
             )
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    last = time.perf_counter() - t0
-                    first = first if first is not None else last
-                if chunk.usage is not None:
-                    # NOTE: tokens, not text chunks: a real tokenizer's detokenizer may hold
-                    # a token back or send two in one chunk
-                    n = chunk.usage.completion_tokens
+            await read_stream(stream, got, lambda: time.perf_counter() - t0)
         except openai.APIError:
             pass  # rejected or failed: not attained
+        first, last = (got.times[0], got.times[-1]) if got.times else (None, None)
+        # NOTE: tokens, not text chunks: a real tokenizer's detokenizer may hold a token back
+        # or send two in one chunk
+        n = got.num_tokens or 0
         if sent >= warmup_s:
             rows.append((sent, first, last, n, r.output_tokens))
 

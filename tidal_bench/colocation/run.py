@@ -23,6 +23,7 @@ from typing import Any
 from services.cli import natsd
 from tidal_bench.colocation.report import add_search_args
 from tidal_bench.kit import gateway_metrics, pct, save_json, stack
+from tidal_bench.stream_timing import read_stream
 
 
 async def _phase(base: str, model: str, args: argparse.Namespace, offline: int) -> dict[str, Any]:
@@ -55,8 +56,6 @@ async def _phase(base: str, model: str, args: argparse.Namespace, offline: int) 
     async def online(i: int) -> None:
         counted = time.monotonic() >= count_from
         t0 = time.perf_counter()
-        first = last = None
-        n = 0
         stream = await client.completions.create(
             model=model,
             prompt=prompt(args.prompt_words),
@@ -64,11 +63,9 @@ async def _phase(base: str, model: str, args: argparse.Namespace, offline: int) 
             stream=True,
             extra_body={"request_class": "online"},
         )
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
-                last = time.perf_counter()
-                first = first or last
-                n += 1
+        got = await read_stream(stream)
+        first, last = (got.times[0], got.times[-1]) if got.times else (None, None)
+        n = len(got.times)
         if counted and first is not None and last is not None:
             done.append((first - t0, (last - first) / (n - 1) if n > 1 else 0.0))
 

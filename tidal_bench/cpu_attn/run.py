@@ -35,6 +35,7 @@ from services.cli import natsd
 from services.common import affinity
 from tidal_bench.cpu_attn.bound import live_bound, measure, on_cores
 from tidal_bench.kit import CpuClock, children_of, gateway_metrics, pct, save_json, stack, up_pid
+from tidal_bench.stream_timing import read_stream
 
 WORDS = ["tide", "wave", "shore", "moon", "current", "reef", "harbor", "sail", "drift", "foam"]
 
@@ -78,7 +79,7 @@ async def _phase(base: str, args: argparse.Namespace, pids: dict[str, int]) -> d
             stream=True,
             extra_body={"ignore_eos": True},
         )
-        times = [time.perf_counter() async for c in stream if c.choices and c.choices[0].text]
+        times = (await read_stream(stream)).times
         if len(times) > 1:
             tpots.append((times[-1] - times[0]) / (len(times) - 1))
 

@@ -29,6 +29,7 @@ import httpx
 import openai
 
 from services.cli import natsd
+from tidal_bench.stream_timing import StreamTimes, read_stream
 
 MODEL = "tidal-sim"
 REPO = Path(__file__).resolve().parents[2]
@@ -209,6 +210,7 @@ async def _retrying(fn: Any, timeout_s: float) -> Any:
 
 async def stream(c: openai.AsyncOpenAI, i: int, max_tokens: int, r: StreamResult) -> None:
     """One chat stream (`ignore_eos`, usage included) read to its end into `r`."""
+    got = StreamTimes(times=r.token_times)  # what came before a failure is kept
     try:
         chunks = await c.chat.completions.create(
             model=MODEL,
@@ -218,20 +220,16 @@ async def stream(c: openai.AsyncOpenAI, i: int, max_tokens: int, r: StreamResult
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
-        pieces = []
-        async for chunk in chunks:
-            if chunk.choices and chunk.choices[0].delta.content:
-                r.token_times.append(time.monotonic())
-                pieces.append(chunk.choices[0].delta.content)
-            if chunk.choices and chunk.choices[0].finish_reason:
-                r.finish = chunk.choices[0].finish_reason
-            if chunk.usage is not None:
-                r.completion_tokens = chunk.usage.completion_tokens
-        r.text = "".join(pieces)
+        await read_stream(chunks, got, time.monotonic)
+        r.text = got.text
     except Exception as exc:  # what the client saw is the outcome recorded
         r.error_at = time.monotonic()
         r.error = f"{type(exc).__name__}: {exc}"
         r.timed_out = isinstance(exc, openai.APITimeoutError | httpx.TimeoutException)
+    if got.finish_reason is not None:
+        r.finish = got.finish_reason
+    if got.num_tokens is not None:
+        r.completion_tokens = got.num_tokens
 
 
 async def _probe(c: openai.AsyncOpenAI, since: float, timeout_s: float) -> float | None:

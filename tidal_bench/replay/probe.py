@@ -34,6 +34,7 @@ from tidal.config.cluster import ClusterConfig
 from tidal.schemas.enums import RequestClass
 from tidal.sim.build import instance_setups, simulate
 from tidal.workload.mix import SimRequest
+from tidal_bench.stream_timing import read_stream
 
 PROBE_OUTPUT_TOKENS = 8  # enough for a first gap and a steady decode step after it
 PROBE_PERCENTILES = (5, 50, 90, 99)  # of the window's online prompt lengths
@@ -97,7 +98,6 @@ async def send_lone(base: str, model: str, lengths: list[int], gap_s: float) -> 
     try:
         for n in lengths:
             sent = time.perf_counter() - t0
-            times: list[float] = []
             stream = await client.completions.create(
                 model=model,
                 prompt=prompt(n),
@@ -105,9 +105,7 @@ async def send_lone(base: str, model: str, lengths: list[int], gap_s: float) -> 
                 stream=True,
                 extra_body={"request_class": "online"},
             )
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    times.append(time.perf_counter() - t0)
+            times = (await read_stream(stream, clock=lambda: time.perf_counter() - t0)).times
             if len(times) == PROBE_OUTPUT_TOKENS:
                 ttft, decode, gap = times[0] - sent, times[-1] - times[0], times[1] - times[0]
                 out.append(Lone(n, sent, ttft, decode, gap))

@@ -38,6 +38,7 @@ from tidal_bench.kit import gateway_metrics, pct, prompt_maker, save_json, stack
 from tidal_bench.replay import trace as trc
 from tidal_bench.replay import window as wnd
 from tidal_bench.replay.table import KEYS, SIDES, print_table
+from tidal_bench.stream_timing import StreamTimes, read_stream
 
 
 def _stats(ttft: list[float], tpot: list[float]) -> dict[str, float]:
@@ -64,8 +65,7 @@ async def _replay(
     async def one(r: SimRequest) -> None:
         nonlocal off_tokens
         await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
-        first = last = None
-        n, rid = 0, ""
+        got = StreamTimes()
         sent = time.perf_counter() - t0  # later than r.arrival_s by the client's own lag
         try:
             stream = await client.completions.create(
@@ -75,16 +75,13 @@ async def _replay(
                 stream=True,
                 extra_body={"request_class": str(r.req_class)},
             )
-            async for chunk in stream:
-                rid = rid or chunk.id
-                if chunk.choices and chunk.choices[0].text:
-                    last = time.perf_counter() - t0
-                    first = first if first is not None else last
-                    n += 1
-                    off_tokens += r.req_class == "offline" and last <= cfg.duration_s
+            await read_stream(stream, got, lambda: time.perf_counter() - t0)
         except openai.APIError:
             pass  # rejected or failed: counts as not attained, no tokens
-        rows.append((r, sent, first, last, n, rid))
+        if r.req_class == "offline":
+            off_tokens += sum(t <= cfg.duration_s for t in got.times)
+        first, last = (got.times[0], got.times[-1]) if got.times else (None, None)
+        rows.append((r, sent, first, last, len(got.times), got.response_id))
 
     await asyncio.gather(*(one(r) for r in reqs))
     await client.close()

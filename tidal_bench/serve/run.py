@@ -28,6 +28,7 @@ from typing import Any
 
 from services.cli import natsd
 from tidal_bench.kit import pct, save_json, stack
+from tidal_bench.stream_timing import read_stream_sync
 
 TEXT = "the quick brown fox jumps over the lazy dog while a small bird sings"
 
@@ -43,7 +44,6 @@ def _one_stream(
 ) -> tuple[float, list[float]]:
     """One streaming completion: (ms to the first text, ms gaps between later texts)."""
     t0 = time.perf_counter()
-    stamps: list[float] = []
     stream = client.completions.create(
         model=model,
         prompt=_prompt(words, i),
@@ -52,9 +52,7 @@ def _one_stream(
         stream=True,
         extra_body=extra,
     )
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            stamps.append(time.perf_counter())
+    stamps = read_stream_sync(stream).times
     if not stamps:
         return float("nan"), []
     return 1e3 * (stamps[0] - t0), [1e3 * (b - a) for a, b in itertools.pairwise(stamps)]

@@ -22,6 +22,7 @@ from pathlib import Path
 from services.cli import natsd
 from tidal.engine.tokenizer import load_tokenizer
 from tidal_bench.kit import stack
+from tidal_bench.stream_timing import read_stream_sync
 
 PROMPT = "Tell me about the history of the lighthouse, in detail."
 
@@ -57,7 +58,6 @@ def _through_tidal(base: str, model: str, max_tokens: int) -> tuple[float, float
 
     client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
     t0 = time.perf_counter()
-    times: list[float] = []
     stream = client.completions.create(
         model=model,
         prompt=PROMPT,
@@ -67,12 +67,8 @@ def _through_tidal(base: str, model: str, max_tokens: int) -> tuple[float, float
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
-    n = 0
-    for chunk in stream:
-        if chunk.usage is not None:
-            n = chunk.usage.completion_tokens
-        if chunk.choices and chunk.choices[0].text:
-            times.append(time.perf_counter())
+    got = read_stream_sync(stream)
+    times, n = got.times, got.num_tokens or 0
     # a chunk can carry more than one token (text held back for an incomplete character):
     # the first and last chunk times span n - 1 token gaps
     return _figures(t0, [times[0]] + [times[-1]] * (n - 1) if times and n > 1 else times)

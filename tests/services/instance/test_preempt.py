@@ -27,12 +27,8 @@ from tests.services.instance.migration_kit import (
 )
 from tidal.configs import config_path
 from tidal.schemas import codec, subjects
-from tidal.schemas.messages import (
-    CtlPreemptReply,
-    GenerateAck,
-    GenerateRequest,
-    SamplingSpec,
-)
+from tidal.schemas.control import CtlPreemptReply
+from tidal.schemas.messages import GenerateAck, GenerateRequest, SamplingSpec
 
 pytestmark = pytest.mark.nats
 ONE_BY_ONE = ("--offline-chunk-tokens", "1")  # an offline request's tokens out at once

@@ -6,51 +6,17 @@ import time
 
 import msgspec
 
-from services.scheduler.live import SLOT_DOWN, LiveCluster
+from services.scheduler.live import SLOT_DOWN
+from tests.services.scheduler.scheduler_kit import make_cluster
 from tests.services.scheduler.test_scheduler import make_report
-from tidal.config.live import load_live_config
 from tidal.policy.base import RouteAction
-from tidal.policy.registry import make_policy
 from tidal.policy.state import InstanceRole
 from tidal.schemas.messages import ReqReport, RouteRequest
 
 
-def _cluster() -> LiveCluster:
-    live = load_live_config("", "aggregated", "aggregated,aggregated")
-    return LiveCluster(
-        policy=make_policy(live.policy, live.context()),
-        default_slo=live.cfg.slo,
-        max_held=8,
-        max_hold_s=60.0,
-        slots=live.slots,
-    )
-
-
-def _waiting(c: LiveCluster, now: float) -> list[str]:
-    return [r.req_id for inst in c.view(now).instances for r in inst.waiting]
-
-
-def test_a_routed_request_that_finished_unseen_stops_counting_at_the_next_report() -> None:
-    c = _cluster()
-    now = time.time()
-    for i in (0, 1):
-        assert c.on_report(make_report(f"inst-{i}", i, "aggregated"))
-    ask = RouteRequest(req_id="short", model="m", req_class="offline", max_tokens=4,
-                       num_prompt_chars=40)  # fmt: skip
-    c.route(c.new_request(ask, now), now, ask)
-    assert _waiting(c, now) == ["short"]  # routed, in no report yet: counted where it went
-    # It ran and ended between two reports: the next report names it as finished.
-    idx = c.routed["short"][0]
-    rep = msgspec.structs.replace(
-        make_report(f"inst-{idx}", idx, "aggregated", seq=2), finished_req_ids=["short"]
-    )
-    assert c.on_report(rep)
-    assert _waiting(c, now) == []  # not for ROUTED_GRACE_S more
-
-
 def test_a_request_routed_again_is_placed_again() -> None:
     # A recompute after its instance died re-routes the same req_id: place_decode must see it.
-    c = _cluster()
+    c = make_cluster()
     now = time.time()
     c.placed["again"], c.retry_at["again"] = now, now + 10
     c.migrating.add("again")
@@ -62,30 +28,10 @@ def test_a_request_routed_again_is_placed_again() -> None:
     assert "again" not in c.placed and "again" not in c.retry_at and "again" not in c.migrating
 
 
-def test_the_prompt_length_estimate_learns_characters_per_token_from_reports() -> None:
-    c = _cluster()
-    now = time.time()
-    for i in (0, 1):
-        c.on_report(make_report(f"inst-{i}", i, "aggregated"))
-    for k in range(30):  # prompts whose tokens are 2 characters each, as the reports show
-        ask = RouteRequest(req_id=f"p{k}", model="m", req_class="online", max_tokens=4,
-                           num_prompt_chars=2000)  # fmt: skip
-        req = c.new_request(ask, now)
-        c.route(req, now, ask)
-        idx = c.routed[f"p{k}"][0]
-        shown = ReqReport(f"p{k}", "online", "waiting", now, 1000, 4, 0, 0, 0)
-        c.on_report(make_report(f"inst-{idx}", idx, "aggregated", seq=k + 2, requests=[shown]))
-        c.view(now)
-    assert abs(c.chars_per_token - 2.0) < 0.1
-    ask = RouteRequest(req_id="new", model="m", req_class="online", max_tokens=4,
-                       num_prompt_chars=2000)  # fmt: skip
-    assert abs(c.new_request(ask, now).num_prompt_tokens - 1000) < 60
-
-
 def test_the_held_queue_is_bounded_in_requests_and_in_tokens() -> None:
-    from services.scheduler.live import Held
+    from services.scheduler.reports import Held
 
-    c = _cluster()
+    c = make_cluster()
     c.max_held, c.max_held_tokens = 3, 1000
     now = time.time()
 
@@ -107,21 +53,10 @@ def test_the_held_queue_is_bounded_in_requests_and_in_tokens() -> None:
     assert c.room_to_hold(c.new_request(ask("huge", 4 * 10**6, 100), now)) == ""
 
 
-def _relaxed_strict_cluster() -> LiveCluster:
-    live = load_live_config("", "tidal", "relaxed,strict,strict")
-    return LiveCluster(
-        policy=make_policy(live.policy, live.context()),
-        default_slo=live.cfg.slo,
-        max_held=8,
-        max_hold_s=60.0,
-        slots=live.slots,
-    )
-
-
 def test_when_the_relaxed_host_is_lost_a_strict_instance_prefills_online_requests() -> None:
     # Issue 26: every process of the relaxed instance's host killed; the strict survivors
     # never prefilled, and every new online request got 503 for good.
-    c = _relaxed_strict_cluster()
+    c = make_cluster("tidal", "relaxed,strict,strict")
     c.healer.heal_after_s = 1.0  # within the reports' freshness (REPORT_STALE_S)
     now = time.time()
     for i in (1, 2):
@@ -146,7 +81,7 @@ def test_when_the_relaxed_host_is_lost_a_strict_instance_prefills_online_request
 
 
 def test_a_push_toward_a_backed_off_target_waits_and_the_request_stays() -> None:
-    c = _relaxed_strict_cluster()
+    c = make_cluster("tidal", "relaxed,strict,strict")
     now = time.time()
     prefilled = ReqReport("q1", "online", "running", now, 37, 32, 37, 1, 3, 3.0, 0.25)
     c.on_report(make_report("inst-0", 0, "relaxed", requests=[prefilled]))
@@ -184,7 +119,7 @@ class _Rejecting:
 def test_admission_control_never_loses_a_re_placed_request() -> None:
     """A request whose instance failed it mid-stream (its client already has tokens) is placed
     again even when the policy's admission control would turn a new arrival away."""
-    c = _cluster()
+    c = make_cluster()
     c.policy = _Rejecting(c.policy)  # type: ignore[assignment]
     now = time.time()
     for i in (0, 1):
@@ -202,7 +137,7 @@ def test_a_process_declared_dead_while_it_lived_may_take_a_rerun_that_excludes_i
     """A cut link got inst-0 forgotten and its streams re-run, excluding it; the same process
     is heard again. It failed nothing, and it may be the only instance of its role: a re-run
     excluding it must not be held until the hold bound."""
-    c = _cluster()
+    c = make_cluster()
     now = time.time()
     c.on_report(make_report("inst-0", 0, "aggregated"))
     c.forget("inst-0")
@@ -223,7 +158,7 @@ def test_a_process_declared_dead_while_it_lived_may_take_a_rerun_that_excludes_i
 def test_a_request_without_max_tokens_is_planned_with_what_the_context_leaves() -> None:
     """The instance fits a default `max_tokens` to its context (`tidal.config.limits`); the
     scheduler plans with the same figure once reports say the context, not the default."""
-    c = _cluster()
+    c = make_cluster()
     now = time.time()
     ask = RouteRequest(req_id="d", model="m", req_class="online", max_tokens=16384,
                        num_prompt_chars=4 * 1000, max_tokens_is_default=True)  # fmt: skip
@@ -238,7 +173,7 @@ def test_a_request_without_max_tokens_is_planned_with_what_the_context_leaves() 
 
 def test_the_cluster_is_idle_only_with_nothing_held_routed_or_running() -> None:
     """The scheduler's tick waits out `IDLE_TICK_S` instead of `TICK_S` only then."""
-    c = _cluster()
+    c = make_cluster()
     now = time.time()
     for i in range(2):
         c.on_report(make_report(f"inst-{i}", i, "aggregated"))
@@ -253,18 +188,3 @@ def test_the_cluster_is_idle_only_with_nothing_held_routed_or_running() -> None:
     done = make_report("inst-0", 0, "aggregated", seq=3)
     c.on_report(msgspec.structs.replace(done, finished_req_ids=["r"]))
     assert c.is_idle()
-
-
-def test_the_policy_sees_the_held_queue_by_class_priority_fifo_within() -> None:
-    from services.scheduler.live import Held
-
-    c = _cluster()
-    now = time.time()
-    for rid, prio in (("a", 0), ("b", 0), ("c", 1), ("d", 0), ("e", 1)):
-        ask = RouteRequest(req_id=rid, model="m", req_class="offline", max_tokens=8,
-                           num_prompt_chars=40, class_name=f"p{prio}", priority=prio)  # fmt: skip
-        req = c.new_request(ask, now)
-        assert (req.priority, req.class_name) == (prio, f"p{prio}")
-        c.held[rid] = Held(req, None, ask, now)  # type: ignore[arg-type]
-    assert [r.req_id for r in c.view(now).held] == ["c", "e", "a", "b", "d"]
-    assert list(c.held) == ["a", "b", "c", "d", "e"]  # the queue itself stays in arrival order

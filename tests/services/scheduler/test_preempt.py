@@ -21,8 +21,8 @@ from nats.aio.msg import Msg
 from services.instance import main as instance_main
 from tests.services.scheduler.scheduler_kit import running_scheduler
 from tidal.schemas import codec, subjects
+from tidal.schemas.control import CtlPreempt
 from tidal.schemas.messages import (
-    CtlPreempt,
     GenerateAck,
     GenerateRequest,
     RouteReply,

@@ -4,16 +4,13 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.client import Client as NATS
 
-from tests.services.scheduler.scheduler_kit import running_scheduler
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     Heartbeat,
-    InstanceDown,
     InstanceReport,
     MigrateCommand,
     MigrateResult,
@@ -65,18 +62,6 @@ async def join(nc: NATS, sid: str, index: int, role: str) -> None:
     await beat(nc, make_hb(sid))
 
 
-@pytest.fixture(params=["aggregated"])
-async def cluster(
-    nats_url: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
-) -> AsyncIterator[NATS]:
-    monkeypatch.setenv("TIDAL_HEARTBEAT_S", "0.1")
-    argv = ["--nats-url", nats_url, "--id", "sched-t", "--policy", request.param]
-    if request.param == "aggregated":  # the roles the tests' instances report
-        argv += ["--roles", "aggregated,aggregated"]
-    async with running_scheduler(nats_url, argv) as nc:
-        yield nc
-
-
 async def status(nc: NATS) -> dict:
     return json.loads((await nc.request(subjects.CTL_STATUS, b"{}", timeout=2)).data)
 
@@ -117,42 +102,6 @@ async def test_routes_by_the_policy_over_reports_and_answers_unknown_model(clust
     assert sorted(picks) == ["inst-a", "inst-b"]
     reply = await route(cluster, model="nope")
     assert reply.error_code == "unknown_model" and "m" in reply.message
-
-
-async def test_silent_instance_is_forgotten_and_announced(cluster: NATS) -> None:
-    downs: list[InstanceDown] = []
-
-    async def on_down(msg) -> None:  # type: ignore[no-untyped-def]
-        downs.append(codec.decode(msg.data, InstanceDown))
-
-    await cluster.subscribe(subjects.INSTANCE_DOWN, cb=on_down)
-    await join(cluster, "inst-a", 0, "aggregated")
-    assert (await route(cluster)).instance_id == "inst-a"
-    await asyncio.sleep(0.8)  # > 4 heartbeats of 0.1 s with no beat from inst-a
-    assert [d.instance_id for d in downs] == ["inst-a"]
-    assert (await route(cluster)).error_code == "no_capacity"
-
-
-async def test_a_silent_instance_that_answers_its_probe_is_kept(cluster: NATS) -> None:
-    """Missed heartbeats make an instance a suspect, not a corpse: the scheduler asks it
-    directly (SWIM's suspect state) and keeps it when it answers."""
-    downs: list[InstanceDown] = []
-
-    async def on_down(msg) -> None:  # type: ignore[no-untyped-def]
-        downs.append(codec.decode(msg.data, InstanceDown))
-
-    async def pong(msg) -> None:  # type: ignore[no-untyped-def]
-        await msg.respond(b"pong")
-
-    await cluster.subscribe(subjects.INSTANCE_DOWN, cb=on_down)
-    await cluster.subscribe(subjects.ping("instance", "inst-a"), cb=pong)
-    await join(cluster, "inst-a", 0, "aggregated")
-    await asyncio.sleep(1.2)  # 12 heartbeat periods without a beat, but it answers probes
-    assert downs == []
-    assert (await route(cluster)).instance_id == "inst-a"
-    st = await status(cluster)
-    sched = next(s for s in st["services"] if s["kind"] == "scheduler")
-    assert int(sched["info"]["suspects_alive"]) >= 1
 
 
 async def test_pause_and_resume_offline_admission(cluster: NATS) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.perf.linear import LinearStepModel
+from tests.tidal.policy.preempt_kit import make_instance
 from tidal.policy.base import PolicyContext
 from tidal.policy.class_preempt import class_preemption
 from tidal.policy.preempt import PreemptRefused, plan_preemption, room_for_online
@@ -23,20 +23,7 @@ from tidal.policy.state import (
 )
 from tidal.schemas.enums import RequestClass
 
-
-def make_instance(blocks: int = 20) -> InstanceState:
-    return InstanceState(
-        instance_id=0,
-        role=InstanceRole.AGGREGATED,
-        chunk_size=256,
-        max_batch_reqs=8,
-        block_size=16,
-        num_blocks=blocks,
-        num_free_blocks=blocks,
-        step_model=LinearStepModel(0.01, 0.0, 0.0, 0.0),
-        kv_bytes_per_token=1.0,
-        pcie_bytes_per_s=1.0,
-    )
+CHUNK = 256  # tokens per step on these instances (test_preempt's take 64)
 
 
 def req(
@@ -69,7 +56,7 @@ def req(
 
 
 def test_the_waiting_list_is_highest_priority_first_fifo_within_a_priority() -> None:
-    inst = make_instance()
+    inst = make_instance(20, chunk_size=CHUNK)
     for rid, p in (("s1", 1), ("b1", 0), ("i1", 2), ("s2", 1), ("i2", 2), ("b2", 0)):
         req(rid, inst, p, online=p > 0)
     assert [r.req_id for r in inst.waiting] == ["i1", "i2", "s1", "s2", "b1", "b2"]
@@ -82,7 +69,7 @@ def test_the_waiting_list_is_highest_priority_first_fifo_within_a_priority() -> 
 def test_every_policy_prefills_the_higher_class_first(policy: str) -> None:
     """Room for one prompt only: the policy prefills the interactive request whole, before
     the standard one that came first (which at most takes what is left)."""
-    inst = make_instance(blocks=5)  # 80 tokens: one 64-token prompt
+    inst = make_instance(5, chunk_size=CHUNK)  # 80 tokens: one 64-token prompt
     req("std", inst, 1, arrival_s=0.0)
     req("int", inst, 2, arrival_s=1.0)
     ctx = PolicyContext(1, (InstanceRole.AGGREGATED,), Slo(5.0, 0.5))
@@ -92,7 +79,7 @@ def test_every_policy_prefills_the_higher_class_first(policy: str) -> None:
 
 
 def test_a_higher_class_evicts_a_lower_slo_class_when_kv_is_full() -> None:
-    inst = make_instance(blocks=12)
+    inst = make_instance(12, chunk_size=CHUNK)
     req("off", inst, 0, done=32, online=False)  # 2 blocks, best effort: goes first
     req("std_old", inst, 1, done=64, arrival_s=1.0)  # 4 blocks
     req("std_new", inst, 1, done=64, arrival_s=2.0)  # 4 blocks
@@ -107,7 +94,7 @@ def test_a_higher_class_evicts_a_lower_slo_class_when_kv_is_full() -> None:
 
 
 def test_a_lower_class_is_evicted_only_as_far_as_needed() -> None:
-    inst = make_instance(blocks=12)
+    inst = make_instance(12, chunk_size=CHUNK)
     req("std_old", inst, 1, done=60, arrival_s=1.0, prompt=40)  # decoding, room: needs none
     req("low", inst, 0, done=64, arrival_s=0.0)  # an SLO class below standard: first
     req("int", inst, 2, prompt=40)  # 3 blocks; 4 free
@@ -118,19 +105,19 @@ def test_a_lower_class_is_evicted_only_as_far_as_needed() -> None:
 
 
 def test_never_an_equal_or_higher_class() -> None:
-    inst = make_instance(blocks=8)
+    inst = make_instance(8, chunk_size=CHUNK)
     req("std", inst, 1, done=60, prompt=40)
     req("int", inst, 2, done=60, prompt=40)  # decoding with room in its last block
     req("std2", inst, 1, prompt=100)  # waits for 7 blocks; only its equal and a higher run
     assert class_preemption(inst) is None
-    inst2 = make_instance(blocks=8)
+    inst2 = make_instance(8, chunk_size=CHUNK)
     req("off", inst2, 0, done=128, online=False)  # best effort alone: the policy's rule decides
     req("int", inst2, 2, prompt=100)
     assert class_preemption(inst2) is None
 
 
 def test_nothing_when_the_lower_classes_cannot_cover_the_shortfall() -> None:
-    inst = make_instance(blocks=8)
+    inst = make_instance(8, chunk_size=CHUNK)
     req("int_run", inst, 2, done=96)  # 6 blocks
     req("std", inst, 1, done=32)  # 2 blocks
     req("int", inst, 2, prompt=100)  # 7 blocks: evicting std frees only 2
@@ -138,7 +125,7 @@ def test_nothing_when_the_lower_classes_cannot_cover_the_shortfall() -> None:
 
 
 def test_signal_below_priority_preempts_lower_online_work_after_offline() -> None:
-    inst = make_instance(blocks=20)
+    inst = make_instance(20, chunk_size=CHUNK)
     req("off", inst, 0, done=32, online=False)  # 2 blocks
     req("std", inst, 1, done=64, arrival_s=1.0)  # 4 blocks
     req("int", inst, 2, done=64)
@@ -156,7 +143,7 @@ def test_signal_below_priority_preempts_lower_online_work_after_offline() -> Non
 
 
 def test_room_for_online_counts_lower_classes_for_a_higher_request() -> None:
-    inst = make_instance(blocks=8)
+    inst = make_instance(8, chunk_size=CHUNK)
     req("std", inst, 1, done=96)  # 6 blocks
     req("int", inst, 2, done=32)  # 2 blocks
     view = ClusterView([inst], [], 1e9)
@@ -168,7 +155,7 @@ def test_room_for_online_counts_lower_classes_for_a_higher_request() -> None:
 
 
 def test_a_higher_class_running_short_of_kv_evicts_a_lower_one() -> None:
-    inst = make_instance(blocks=8)
+    inst = make_instance(8, chunk_size=CHUNK)
     req("std", inst, 1, done=60, prompt=40)  # 4 blocks, room left
     req("int", inst, 2, done=64, prompt=40)  # 4 blocks, full: its next token needs one
     pre = class_preemption(inst)

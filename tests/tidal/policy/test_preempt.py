@@ -4,25 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.perf.linear import LinearStepModel
+from tests.tidal.policy.preempt_kit import make_instance
 from tidal.policy.preempt import PreemptRefused, plan_preemption, room_for_online
-from tidal.policy.state import ClusterView, InstanceRole, InstanceState, Phase, ReqState, Slo
+from tidal.policy.state import ClusterView, InstanceState, Phase, ReqState, Slo
 from tidal.schemas.enums import RequestClass
-
-
-def make_instance(blocks: int = 100, iid: int = 0) -> InstanceState:
-    return InstanceState(
-        instance_id=iid,
-        role=InstanceRole.AGGREGATED,
-        chunk_size=64,
-        max_batch_reqs=8,
-        block_size=16,
-        num_blocks=blocks,
-        num_free_blocks=blocks,
-        step_model=LinearStepModel(0.01, 0.0, 0.0, 0.0),
-        kv_bytes_per_token=1.0,
-        pcie_bytes_per_s=1.0,
-    )
 
 
 def make_request(

@@ -6,7 +6,6 @@ import pytest
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import (
     ChatMessage,
-    CtlOfflineAdmission,
     GenerateAck,
     GenerateRequest,
     Heartbeat,
@@ -82,19 +81,6 @@ def test_message_of_the_wrong_shape_is_rejected() -> None:
     # A RouteReply on a subject that carries TokenChunks lacks the required fields.
     with pytest.raises(msgspec.ValidationError):
         codec.decode(codec.encode(RouteReply(instance_id="i")), TokenChunk)
-
-
-def test_json_control_accepts_empty_payload_and_rejects_garbage() -> None:
-    class Empty(msgspec.Struct):
-        pass
-
-    assert codec.decode_json(b"", Empty) == Empty()
-    assert codec.decode_json(b" {} ", Empty) == Empty()
-    with pytest.raises(codec.DecodeError):
-        codec.decode_json(b"{not json", Empty)
-    assert codec.decode_json(
-        codec.encode_json(CtlOfflineAdmission(True)), CtlOfflineAdmission
-    ).offline_paused
 
 
 def test_subject_builders() -> None:

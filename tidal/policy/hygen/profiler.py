@@ -1,4 +1,4 @@
-"""HyGen's SLO-aware profiler (papers/hygen.md §4.2): binary-search the largest per-step latency
+"""HyGen's SLO-aware profiler (HyGen §4.2): binary-search the largest per-step latency
 budget whose test run still meets the overall SLO. The test run itself (a simulation or a real
 replay) is injected, so this stays pure."""
 
@@ -19,13 +19,7 @@ def profile_latency_budget(
         return None
     if meets_slo(hi_s):
         return hi_s
-    for _ in range(iterations):
-        mid = (lo_s + hi_s) / 2
-        if meets_slo(mid):
-            lo_s = mid
-        else:
-            hi_s = mid
-    return lo_s
+    return _bisect(meets_slo, lo_s, hi_s, iterations)
 
 
 def profile_budget_from_above(
@@ -56,7 +50,13 @@ def profile_budget_from_above(
         bad, budget = budget, budget * shrink
         if budget < lo_s:
             return None
-    good = budget
+    return _bisect(meets_slo, budget, bad, iterations)
+
+
+def _bisect(meets_slo: Callable[[float], bool], good: float, bad: float, iterations: int) -> float:
+    """`iterations` bisection steps on the bracket [good, bad], `good` a budget that meets the
+    SLO and `bad` one that does not: the last budget found to meet it (within
+    |bad - good| / 2^iterations of the boundary, compliance assumed monotone in the bracket)."""
     for _ in range(iterations):
         mid = (good + bad) / 2
         if meets_slo(mid):
