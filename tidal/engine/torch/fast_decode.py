@@ -107,13 +107,17 @@ class NativeDecode:
     def fits(self, batch: ForwardBatch) -> bool:
         """Whether this path computes every row of this step (else torch's path): its rows all
         start at layer 0, decodes first, then any prefill chunks (their attention is
-        `attention.ATTENTION`'s, `NativeDecode.attention`). The model is a CPU bf16 one, whose
-        weights are (out, in) as HF has them (`llama.weight_layout`), or an fp32 one ((in,
-        out), bf16 copies for small rows)."""
+        `attention.ATTENTION`'s, `NativeDecode.attention`), not on an fp32 model's bf16 copies.
+        The model is a CPU bf16 one, whose weights are (out, in) as HF has them
+        (`llama.weight_layout`), or an fp32 one ((in, out), bf16 copies for small rows)."""
         cfg = self.model.config
         if len(batch.groups) != 1 or batch.groups[0][0] != 0:
             return False  # rows resumed after a preemption start at a later layer
         n, meta = batch.hidden.shape[0], batch.groups[0][2]
+        if meta.prefills and self.small is not None and self.small.applies(n):
+            # NOTE: the bf16-IO kernels would round a prefill row's q to bf16 after RoPE where
+            # the torch path keeps it fp32; such a step's rows are the copies' anyway
+            return False
         rows = meta.decode_rows
         decodes_first = isinstance(rows, slice) and rows.start in (None, 0) and rows.step is None
         return (
