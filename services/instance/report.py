@@ -58,9 +58,12 @@ class Reporter:
         )
 
     async def report(self, force: bool = False) -> None:
-        """Publish the instance's state, at most every REPORT_MIN_INTERVAL_S unless forced."""
+        """Publish the instance's state, at most every REPORT_MIN_INTERVAL_S unless forced or
+        a first token is due (`placement_due`), whichever path of the loop sends it: with
+        overlap the report of a prefill's step goes out while it computes, and the one after
+        it may come from the idle-plan path (a prefill instance leaves its decodes waiting)."""
         now = time.time()
-        if not force and now - self.last_report_s < REPORT_MIN_INTERVAL_S:
+        if not (force or self.placement_due) and now - self.last_report_s < REPORT_MIN_INTERVAL_S:
             return
         if self.in_flight is None and not self.engine_lock.locked():
             self.adapter.sync(self.engine.snapshot(), self.engine.num_free_blocks(), now)

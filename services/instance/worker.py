@@ -232,7 +232,7 @@ class Instance(Inbound, Publisher, Reporter):
             origin = getattr(self.engine, "last_step_end_s", None) if ok else None  # sim only
             if not self.overlap:
                 await self._send_unsent()
-                await self.report(force=self.placement_due)
+                await self.report()
         await self._send_unsent()  # stopping: the last step's tokens still go out
 
     def _has_swapped(self) -> bool:
@@ -266,12 +266,12 @@ class Instance(Inbound, Publisher, Reporter):
             queued = self._queue_repeat(chain)
             if self.overlap:  # the step before's outputs go out while this one computes
                 await self._send_unsent()
-                await self.report(force=self.placement_due)
+                await self.report()
             ok = self._account(await self._outcome(fut), plan, fcfs)
             while queued is not None:
                 running, queued = queued, self._queue_repeat(chain)
                 await self._send_unsent()
-                await self.report(force=self.placement_due)
+                await self.report()
                 ran = await running
                 if ran is not None:  # else it declined at the boundary: the policy plans next
                     ok = self._account(ran, plan, fcfs)

@@ -4,16 +4,13 @@ one instance service on the sim engine (`instance`)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NATS
 
-from services.common.bus import connect
-from services.instance import main as instance_main
-from tests.services.instance.instance_kit import heartbeat_load
+from tests.services.instance.instance_kit import serve_instance
 from tests.services.instance.migration_kit import EngineKind, sim_kind, torch_kind
 from tests.tidal.engine.conftest import write_tiny_model
 
@@ -42,34 +39,6 @@ def engine_kind(
 
 @pytest.fixture
 async def instance(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[NATS]:
-    monkeypatch.setenv("TIDAL_HEARTBEAT_S", "0.1")
-    # 20 ms per step so a cancel lands mid-request.
-    args = instance_main.parse_args(
-        [
-            "--nats-url",
-            nats_url,
-            "--id",
-            "inst-t",
-            "--sim-step-model",
-            "linear:0.02,0,0,0",
-            "--max-model-len",
-            "256",
-            # A lone instance: a policy that prefills and decodes where the request landed.
-            "--policy",
-            "aggregated",
-            "--roles",
-            "aggregated",
-            "--tokenizer",
-            "bytes",
-        ]
-    )
-    stop = asyncio.Event()
-    task = asyncio.create_task(instance_main.serve(args, stop))
-    nc = await connect(nats_url, "test")
-    await heartbeat_load(nc)  # the first heartbeat comes after the subscriptions
-    try:
+    # A lone instance: a policy that prefills and decodes where the request landed.
+    async for nc in serve_instance(nats_url, monkeypatch, "aggregated", "aggregated"):
         yield nc
-    finally:
-        stop.set()
-        await task
-        await nc.drain()

@@ -10,7 +10,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.instance import report
-from tests.services.instance.instance_kit import GW, make_req, submit
+from tests.services.instance.instance_kit import GW, make_req, serve_instance, submit
 from tidal.schemas import codec, subjects
 from tidal.schemas.messages import InstanceReport, TokenChunk
 
@@ -72,3 +72,31 @@ async def test_an_offline_first_token_is_reported_at_once(
     assert (await submit(instance, make_req("r1", max_tokens=40, req_class="offline"))).ok
     await asyncio.wait_for(done.wait(), 30)
     assert any(1 <= n < 40 for n in seen), seen  # a report showed it decoding, before its end
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_a_prefill_instance_reports_a_first_token_at_once(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """`online-priority`'s prefill instance runs no decode: after an offline prefill it has
+    nothing to plan until the request's KV is pushed away. The report showing the first token
+    still goes out at once, with overlap too (there the step's own report went out while it
+    computed, and the next came from the idle-plan path, rate-limited: the scheduler's next
+    hand-out to the idle instance waited up to 50 ms a line, live 0.83 of the simulator)."""
+    monkeypatch.setattr(report, "REPORT_MIN_INTERVAL_S", 30.0)  # no report but the forced ones
+    seen = asyncio.Event()
+
+    async def on_state(msg: Msg) -> None:
+        for r in codec.decode(msg.data, InstanceReport).requests:
+            if r.req_id == "r1" and r.num_output_tokens >= 1:
+                seen.set()
+
+    monkeypatch.setenv("TIDAL_OVERLAP", "1")
+    more = ["--drain-timeout-s", "0.1", *([] if overlap else ["--no-overlap"])]
+    async for nc in serve_instance(
+        nats_url, monkeypatch, "online-priority", "relaxed,strict", *more
+    ):
+        await nc.subscribe(subjects.instance_state("inst-t"), cb=on_state)
+        assert (await submit(nc, make_req("r1", max_tokens=40, req_class="offline"))).ok
+        # no decode runs here (no scheduler pushes it away): only a forced report shows it
+        await asyncio.wait_for(seen.wait(), 5)
