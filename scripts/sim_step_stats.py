@@ -7,8 +7,9 @@ Wraps the simulator's `compute_span` (nothing in `tidal/` changes) and, per inst
 steps that start inside the window: steps, busy time, prefill tokens (online and offline),
 offline-only prefill steps and their mean size, decode tokens, the per-step overhead (the
 offline limit's floor `per_step_s` each step), steps cut at a layer boundary (OOCO §3.4.1) with
-the time and prefill tokens they threw away, and `floor_share` (the steps' floor time from
-`tidal.sim.limit.linear_floor` over busy time; a cut step is priced whole, so it can pass 1).
+their time and prefill tokens (the chunks resume later from the cut layer), and `floor_share`
+(the steps' floor time from `tidal.sim.limit.linear_floor` over busy time; a cut step and the
+step resuming it are each priced whole, so it can pass 1).
 Also the offline requests in flight at the window's end and 30 s snapshots of each instance:
 (offline running, of them decoding, their KV tokens, free KV tokens, waiting requests).
 Run from the repository root with PYTHONPATH=. so the checkout's code runs.
@@ -44,9 +45,9 @@ def main() -> None:
     snaps: dict[int, dict[int, tuple[int, ...]]] = defaultdict(dict)
     orig = apply_mod.compute_span
 
-    def wrapped(inst, plan, reqs, now, copy_tokens, bg_copy_tokens=0):  # type: ignore[no-untyped-def]
+    def wrapped(inst, plan, reqs, now, copy_tokens, bg_copy_tokens=0, cuts=None):  # type: ignore[no-untyped-def]
         before = {rid: reqs[rid].num_computed_tokens if rid in reqs else 0 for rid in plan.prefill}
-        s = orig(inst, plan, reqs, now, copy_tokens, bg_copy_tokens)
+        s = orig(inst, plan, reqs, now, copy_tokens, bg_copy_tokens, cuts)
         b = int(now // 30)
         if b not in snaps[inst.instance_id]:
             off = [r for r in inst.running if not r.is_online]
@@ -85,7 +86,7 @@ def main() -> None:
         )
         d["floor_s"] += fl + (s.k - 1) * (floor.step_floor_s(nd, nd, 0, 0, nd, ctx, True))
         d["overhead_s"] += s.k * floor.per_step_s
-        if s.discard:
+        if s.cut_layer:
             d["cut_steps"] += 1
             d["cut_s"] += dur
             d["cut_prefill_tok"] += p_tok

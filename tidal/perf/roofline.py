@@ -261,6 +261,19 @@ class RooflineModel:
         over = p.O_p if batch.num_prefill_tokens else p.O_d
         return L * layer + (x if x > y else y) + launch + over
 
+    def fixed_s(self, batch: BatchShape) -> float:
+        """The part of `step_s(batch)` run once per step, not per layer: the LM head, its launch
+        and the static overhead. The simulator charges it again to a step that resumes a chunk
+        cut at a layer boundary (OOCO §3.4.1; `tidal.sim.resume`)."""
+        if batch.num_prefill_tokens + batch.num_decode_reqs <= 0:
+            return 0.0
+        lc, lb, lw, launch = self._c[7:]
+        seqs = batch.num_prefill_reqs + batch.num_decode_reqs
+        x = lc * seqs
+        y = lb * seqs + lw
+        p = self.params
+        return (x if x > y else y) + launch + (p.O_p if batch.num_prefill_tokens else p.O_d)
+
     def analyze(self, batch: BatchShape, kv_capacity_tokens: float = math.inf) -> StepAnalysis:
         """Step time with its compute/memory split, utilisation and §3.3.3 bottleneck."""
         m, p, tp, d = self.model, self.params, self.tp, float(self.model.bytes_per_value)

@@ -9,6 +9,8 @@ at once and parks it swapped with its checkpointed tokens, the rest lost; `swap_
 checkpoint back before the step, and the lost tail is prefilled again. A plan
 that cannot be carried out raises `PlanRefused` (a `PolicyError`: the plan asked for something
 the instance cannot do) and leaves the instance as it was.
+A chunk cut at a layer boundary (`tidal.sim.resume`) goes with its KV: recompute, release and
+offload drop it, a swap carries it out and back with the rest.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tidal.plan import (
 from tidal.policy.class_preempt import class_preemption
 from tidal.policy.state import InstanceState, Phase, ReqState, order_waiting
 from tidal.sim.recorder import Recorder
+from tidal.sim.resume import Cuts
 from tidal.sim.span import (
     Span,
     alloc_blocks,
@@ -42,6 +45,7 @@ class SimKernel:
         "bg_copy_tokens",
         "capabilities",
         "copy_tokens",
+        "cuts",
         "head",
         "inst",
         "now",
@@ -51,12 +55,18 @@ class SimKernel:
     )
 
     def __init__(
-        self, inst: InstanceState, reqs: dict[str, ReqState], now: float, rec: Recorder
+        self,
+        inst: InstanceState,
+        reqs: dict[str, ReqState],
+        now: float,
+        rec: Recorder,
+        cuts: Cuts | None = None,
     ) -> None:
         self.inst = inst
         self.reqs = reqs
         self.now = now
         self.rec = rec
+        self.cuts: Cuts = {} if cuts is None else cuts  # chunks cut at a layer boundary
         self.copy_tokens = 0  # KV tokens crossing PCIe before the step
         self.bg_copy_tokens = 0  # KV tokens checkpointed to host beside the step
         self.head = 0  # where the next recomputed request goes in the waiting queue
@@ -97,6 +107,7 @@ class SimKernel:
             inst.cpu.host_kv_tokens -= r.num_computed_tokens
         release_blocks(inst, r)
         drop_checkpoint(inst, r)
+        self.cuts.pop(req_id, None)
         r.is_released = False
         r.phase = Phase.REJECTED
         r.finish_s = self.now
@@ -115,6 +126,7 @@ class SimKernel:
             inst.running.remove(r)
         release_blocks(inst, r)
         drop_checkpoint(inst, r)
+        self.cuts.pop(req_id, None)
         self.rec.num_recompute_lost_tokens += r.num_computed_tokens
         r.num_computed_tokens = 0
         r.phase = Phase.WAITING
@@ -151,6 +163,12 @@ class SimKernel:
         r.phase = to
         (inst.swapped if to is Phase.SWAPPED else inst.offloaded).append(r)
         self.copy_tokens += r.num_computed_tokens
+        cut = self.cuts.get(req_id)
+        if cut is not None:  # a swap keeps the cut chunk (its KV goes too); CPU attention not
+            if to is Phase.SWAPPED:
+                self.copy_tokens += cut[0]
+            else:
+                del self.cuts[req_id]
         if to is Phase.SWAPPED:
             self.rec.num_swaps += 1
         else:
@@ -159,11 +177,12 @@ class SimKernel:
     def _unpark(self, req_id: str, frm: Phase) -> None:
         inst, cpu = self.inst, self.inst.cpu
         r = require(self.reqs, req_id, inst, frm)
-        alloc_blocks(inst, r, r.num_computed_tokens)
+        cut = self.cuts.get(req_id, (0, 0))[0]  # a swapped cut chunk comes back with the rest
+        alloc_blocks(inst, r, r.num_computed_tokens + cut)
         (inst.swapped if frm is Phase.SWAPPED else inst.offloaded).remove(r)
         r.phase = Phase.RUNNING
         inst.running.append(r)
-        self.copy_tokens += r.num_computed_tokens
+        self.copy_tokens += r.num_computed_tokens + cut
         if r.is_released:  # the restore: its checkpoint back; it stays in host memory
             r.is_released = False
             self.rec.num_restored_tokens += r.num_computed_tokens
@@ -200,6 +219,7 @@ class SimKernel:
             )
         self.rec.num_checkpoint_lost_tokens += r.num_computed_tokens - r.num_checkpointed_tokens
         release_blocks(inst, r)
+        self.cuts.pop(req_id, None)  # past the checkpoint: computed again
         inst.running.remove(r)
         r.num_computed_tokens = r.num_checkpointed_tokens
         r.phase = Phase.SWAPPED
@@ -228,12 +248,16 @@ class SimKernel:
 
     def run(self, plan: StepPlan) -> Span:
         return compute_span(
-            self.inst, plan, self.reqs, self.now, self.copy_tokens, self.bg_copy_tokens
+            self.inst, plan, self.reqs, self.now, self.copy_tokens, self.bg_copy_tokens, self.cuts
         )
 
 
 def evict_for_classes(
-    inst: InstanceState, reqs: dict[str, ReqState], now: float, rec: Recorder
+    inst: InstanceState,
+    reqs: dict[str, ReqState],
+    now: float,
+    rec: Recorder,
+    cuts: Cuts | None = None,
 ) -> None:
     """At `inst`'s step boundary, before its policy plans: a higher class waiting for KV evicts
     lower ones (`tidal.policy.class_preempt`, the live instance's rule), at no cost in time, as
@@ -241,20 +265,27 @@ def evict_for_classes(
     pre = class_preemption(inst)
     if pre is None:
         return
-    carry_out(SimKernel(inst, reqs, now, rec), pre.plan)
+    carry_out(SimKernel(inst, reqs, now, rec, cuts), pre.plan)
     rec.num_class_evictions += sum(1 for v in pre.victims if reqs[v.req_id].is_online)
 
 
 def start_span(
-    inst: InstanceState, plan: StepPlan, reqs: dict[str, ReqState], now: float, rec: Recorder
+    inst: InstanceState,
+    plan: StepPlan,
+    reqs: dict[str, ReqState],
+    now: float,
+    rec: Recorder,
+    cuts: Cuts | None = None,
 ) -> Span:
     """Carry out `plan` through the one interpreter (`tidal.plan.carry_out`): its moves, its
     blocks, and the time of its step(s). `PlanRefused` (a `PolicyError`) when it cannot be;
-    nothing of it is then done."""
-    kernel = SimKernel(inst, reqs, now, rec)
+    nothing of it is then done. `cuts`: the run's chunks cut at a layer boundary."""
+    kernel = SimKernel(inst, reqs, now, rec, cuts)
     out = carry_out(kernel, plan)
     span = out.result
     if span is None:  # moves only: an empty step, plus the PCIe copies
-        span = compute_span(inst, StepPlan(), reqs, now, kernel.copy_tokens, kernel.bg_copy_tokens)
+        span = compute_span(
+            inst, StepPlan(), reqs, now, kernel.copy_tokens, kernel.bg_copy_tokens, kernel.cuts
+        )
     span.num_aborted = kernel.num_aborted
     return span

@@ -35,6 +35,7 @@ from tidal.sim.classes import ClassGate, hold
 from tidal.sim.integrity import check_invariants
 from tidal.sim.preempt_signal import PreemptSignals
 from tidal.sim.recorder import Recorder
+from tidal.sim.resume import Cuts
 from tidal.sim.span import Span, finish_span
 from tidal.sim.transfers import Transfers
 from tidal.workload.mix import SimRequest
@@ -148,6 +149,8 @@ class Simulator:
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self._spans: list[Span | None] = [None] * len(setups)
+        # Chunks cut at a layer boundary: they keep their layers and resume (OOCO §3.4.1)
+        self.cuts: Cuts = {}
         self._idle_plan_s = [0.0] * len(setups)  # when each idle instance is next asked
         self._now = 0.0
         self._num_open = 0  # requests arrived and not finished or rejected
@@ -160,6 +163,7 @@ class Simulator:
             handoff_at=lambda t, p: self._push(t, _HANDOFF, p),
             interrupt=self._interrupt,
             in_step=lambda i: self._spans[i] is not None,
+            cuts=self.cuts,
         )
         self._check = check  # run check_integrity after every event (tests)
         # `via_reports`: the cluster half sees a view rebuilt from instance reports, exactly as
@@ -321,15 +325,15 @@ class Simulator:
 
     def _start(self, inst: InstanceState, now: float) -> None:
         if self.signals is not None:
-            self.signals.take(inst, self.reqs, now, self.rec)
-        evict_for_classes(inst, self.reqs, now, self.rec)
+            self.signals.take(inst, self.reqs, now, self.rec, self.cuts)
+        evict_for_classes(inst, self.reqs, now, self.rec, self.cuts)
         plan = self.policy.schedule(inst, now)
         if plan.is_empty:
             cpu = inst.cpu
             if inst.offloaded and cpu is not None and cpu.busy_until_s > now:
                 self._push(cpu.busy_until_s, _TICK, None)  # wake up when the CPU is free
             return
-        span = start_span(inst, plan, self.reqs, now, self.rec)
+        span = start_span(inst, plan, self.reqs, now, self.rec, self.cuts)
         self._num_open -= span.num_aborted
         self._spans[inst.instance_id] = span
         inst.busy_until_s = span.end_s
@@ -352,7 +356,7 @@ class Simulator:
             return  # superseded by a truncation
         inst = self.instances[inst_id]
         self._spans[inst_id] = None
-        done, first = finish_span(inst, span, now, self.rec)
+        done, first = finish_span(inst, span, now, self.rec, self.cuts)
         self._num_open -= done
         for r in first:  # prefill just finished: where does it decode?
             if self._via_reports:
@@ -369,7 +373,9 @@ class Simulator:
 
     def check_integrity(self) -> None:
         """Assert the invariants: every block accounted for, every request in one place."""
-        check_invariants(self.instances, self.cluster.held, self.reqs, self.transfers.reserved)
+        check_invariants(
+            self.instances, self.cluster.held, self.reqs, self.transfers.reserved, self.cuts
+        )
 
     # ---------------------------------------------------------------- cluster actions
     def _apply(self, act: ClusterActions, now: float) -> None:

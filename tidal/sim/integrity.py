@@ -17,8 +17,10 @@ def check_invariants(
     queue: Sequence[ReqState],  # the cluster queue (`ClusterView.held`)
     reqs: Mapping[str, ReqState],  # every request that arrived, by id
     reserved: Sequence[int],  # per instance: blocks reserved for KV in flight to it
+    cuts: Mapping[str, tuple[int, int]] | None = None,  # chunks cut at a layer boundary
 ) -> None:
-    """Assert the invariants: every block accounted for, every request in one place."""
+    """Assert the invariants: every block accounted for, every request in one place, every
+    cut chunk on a request that still holds it (running: its blocks too) and has it to run."""
     where: dict[str, str] = {}
 
     def put(r: ReqState, place: str) -> None:
@@ -65,3 +67,13 @@ def check_invariants(
             put(r, str(r.phase))
         assert r.num_output_tokens <= r.max_output_tokens, f"{r.req_id} overran"
     assert len(where) == len(reqs), "a request is lost"
+    for rid, (n, layer) in (cuts or {}).items():
+        r = reqs[rid]
+        assert r.phase in (Phase.RUNNING, Phase.SWAPPED), f"{rid}: cut chunk but {r.phase}"
+        assert r.instance_id is not None
+        inst = instances[r.instance_id]
+        assert 0 < layer < inst.num_layers, f"{rid}: cut after layer {layer}"
+        assert 0 < n <= max(r.num_prefill_left, 1 if r.is_decoding else 0), f"{rid}: cut {n}"
+        if r.phase is Phase.RUNNING:
+            need = inst.blocks_for(r.num_computed_tokens + n)
+            assert r.num_blocks >= need, f"{rid} holds too few blocks for its cut chunk"

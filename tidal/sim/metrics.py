@@ -135,6 +135,7 @@ def summarize(rec: Recorder, duration_s: float, policy: str, config: str) -> dic
             "spans": rec.num_spans,
             "preemptions": rec.num_preemptions,
             "layer_preemptions": rec.num_layer_preemptions,
+            "layer_cut_prefill_tokens": rec.num_layer_cut_tokens,  # resumed, not recomputed
             "swaps": rec.num_swaps,
             "offloads": rec.num_offloads,
             "recompute_lost_tokens": rec.num_recompute_lost_tokens,  # KV tokens to compute again

@@ -20,6 +20,7 @@ from tidal.policy.preempt import PreemptRefused, plan_preemption, room_for_onlin
 from tidal.policy.state import ClusterView, InstanceRole, InstanceState, ReqState
 from tidal.sim.apply import SimKernel
 from tidal.sim.recorder import Recorder
+from tidal.sim.resume import Cuts
 
 __all__ = ["PreemptSignals"]
 
@@ -51,7 +52,12 @@ class PreemptSignals:
         return slot
 
     def take(
-        self, inst: InstanceState, reqs: dict[str, ReqState], now: float, rec: Recorder
+        self,
+        inst: InstanceState,
+        reqs: dict[str, ReqState],
+        now: float,
+        rec: Recorder,
+        cuts: Cuts | None = None,
     ) -> None:
         """At `inst`'s step boundary: preempt what its pending signal asks for."""
         num_blocks, below = self.pending.pop(inst.instance_id, (0, 0))
@@ -67,7 +73,7 @@ class PreemptSignals:
             )
         except PreemptRefused:
             return  # the offline work it counted on is gone: nothing to do
-        kernel = SimKernel(inst, reqs, now, rec)
+        kernel = SimKernel(inst, reqs, now, rec, cuts)
         kernel.head = len(inst.waiting)  # victims queue behind the online work they made room for
         carry_out(kernel, pre.plan)
         rec.num_preempt_signal_victims += len(pre.victims)

@@ -19,6 +19,7 @@ class Recorder:
         self.num_spans = 0
         self.num_preemptions = 0
         self.num_layer_preemptions = 0  # steps cut at a layer boundary (OOCO §3.4.1)
+        self.num_layer_cut_tokens = 0  # prefill tokens in those steps (resumed later, kept)
         self.num_swaps = 0
         self.num_recompute_lost_tokens = 0  # KV tokens recompute preemptions dropped
         self.num_releases = 0  # checkpointed offline requests whose GPU blocks were freed

@@ -4,19 +4,21 @@ A `Span` is one step, or a run of identical decode-only steps (`StepPlan.max_rep
 instance is running. `compute_span` is a plan's compute stage (every check first, then the KV
 blocks, then the step times from the instance's `StepModel`); `finish_span` credits the tokens
 when the span ends. The moves a plan makes before its step (preempt, swap, offload) are carried
-out in `tidal.sim.apply`.
+out in `tidal.sim.apply`. A step cut at a layer boundary credits no tokens: its chunks keep the
+layers they did and resume later (OOCO §3.4.1, `tidal.sim.resume`).
 """
 
 from __future__ import annotations
 
 import itertools
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
 from tidal.perf.api import BatchShape
 from tidal.plan import PlanRefused, RefusalReason, StepPlan
 from tidal.policy.state import InstanceState, Phase, ReqState
 from tidal.sim.recorder import Recorder
+from tidal.sim.resume import Cuts, fixed_s, layer_ends, layered_step
 
 _versions = itertools.count(1)
 _ON_GPU = frozenset((Phase.RUNNING, Phase.TRANSFER_WAIT))  # phases of `InstanceState.running`
@@ -35,7 +37,9 @@ class Span:
     version: int = 0
     k: int = 1  # steps in the span
     layers: int = 0  # > 0: preemptible at this many layer boundaries (one-step spans only)
-    discard: bool = False  # cut by a layer-level preemption: credit nothing
+    layer_t0: float = 0.0  # when its first layer starts (after the copies and the fixed part)
+    segs: list[tuple[int, float]] = field(default_factory=list)  # (first layer, s per layer)
+    cut_layer: int = 0  # > 0: cut by a layer-level preemption after this many layers
     num_aborted: int = 0  # requests the plan ended for lack of KV memory (`abort_no_kv`)
 
     @property
@@ -54,17 +58,18 @@ class Span:
         return True
 
     def preempt_at_layer(self, now: float) -> bool:
-        """OOCO §3.4.1: end the step at the next layer boundary after `now`, discarding it.
-        True if the span was cut."""
-        if self.layers <= 0 or self.discard or self.k != 1 or now >= self.bounds[0]:
+        """OOCO §3.4.1: end the step at the next layer boundary after `now`; its chunks keep
+        the layers done and resume later (`finish_span`). True if the span was cut."""
+        if self.layers <= 0 or self.cut_layer or self.k != 1 or now >= self.bounds[0]:
             return False
-        layer_s = (self.bounds[0] - self.start_s) / self.layers
-        done = int((now - self.start_s) / layer_s)
-        cut = self.start_s + (done + 1) * layer_s
-        if cut >= self.bounds[0]:
+        first = self.segs[0][0]
+        ends = layer_ends(self.layer_t0, self.bounds[0], self.segs, self.layers)
+        j = bisect_right(ends, now)  # layers done by `now`; the one running ends, then the cut
+        done = first + j + 1
+        if done >= self.layers or ends[j] >= self.bounds[0]:
             return False
-        self.bounds[0] = cut
-        self.discard = True
+        self.bounds[0] = ends[j]
+        self.cut_layer = done
         self.version = next(_versions)
         return True
 
@@ -96,14 +101,6 @@ def alloc_blocks(inst: InstanceState, r: ReqState, num_tokens: int) -> None:
         r.num_blocks += need
 
 
-def _settle(inst: InstanceState, r: ReqState) -> None:
-    """Give back blocks beyond what `r`'s computed tokens need."""
-    need = inst.blocks_for(r.num_computed_tokens)
-    if r.num_blocks > need:
-        inst.num_free_blocks += r.num_blocks - need
-        r.num_blocks = need
-
-
 def release_blocks(inst: InstanceState, r: ReqState) -> None:
     """Give back all of `r`'s GPU blocks."""
     inst.num_free_blocks += r.num_blocks
@@ -123,10 +120,13 @@ def compute_span(
     now: float,
     copy_tokens: int,
     bg_copy_tokens: int = 0,
+    cuts: Cuts | None = None,
 ) -> Span:
     """The compute stage: every check first, then the blocks, so a refusal changes nothing.
     `copy_tokens` cross PCIe before the step (swaps, restores); `bg_copy_tokens` (checkpoints)
-    beside it, on the copy engine: the step lasts the longer of the two."""
+    beside it, on the copy engine: the step lasts the longer of the two. A request with a chunk
+    in `cuts` runs that chunk, whatever size the plan gave it (as the live executor does), from
+    the layer where it was cut (`tidal.sim.resume`)."""
     iid = inst.instance_id
     cpu = inst.cpu
     bs = inst.block_size
@@ -140,6 +140,8 @@ def compute_span(
             admitted.append(r)
         else:
             r = require(reqs, rid, inst, Phase.RUNNING)
+            if cuts and rid in cuts:
+                n = cuts[rid][0]
         if not 0 < n <= r.num_prefill_left:
             raise PlanRefused(
                 RefusalReason.BAD_CHUNK, f"{rid}: prefill of {n} tokens, {r.num_prefill_left} left"
@@ -229,10 +231,25 @@ def compute_span(
     shape = BatchShape(p_tok, len(prefill), p_pairs, n + len(cpu_reqs), ctx, prefill_sq_tokens=p_sq)
     model = inst.step_model
     bw = inst.pcie_bytes_per_s
-    step_s = model.step_s(shape)
+    segs: list[tuple[int, float]] = []
+    fixed = 0.0
+    if cuts and (
+        any(r.req_id in cuts for r, _ in prefill) or any(r.req_id in cuts for r in decode)
+    ):  # resumed chunks run only their layers left (OOCO §3.4.1)
+        step_s, fixed, segs = layered_step(
+            model,
+            [(cuts.get(r.req_id, (0, 0))[1], m, r.num_computed_tokens) for r, m in prefill],
+            [(cuts.get(r.req_id, (0, 0))[1], r.num_computed_tokens) for r in decode],
+            len(cpu_reqs),
+            inst.num_layers,
+        )
+    else:
+        step_s = model.step_s(shape)
+    compute_s = step_s
     if bg_copy_tokens:  # ConServe: the checkpoint copy overlaps the step
         step_s = max(step_s, bg_copy_tokens * inst.kv_bytes_per_token / bw)
-    t = now + step_s + copy_tokens * inst.kv_bytes_per_token / bw
+    copy_s = copy_tokens * inst.kv_bytes_per_token / bw
+    t = now + step_s + copy_s
     bounds = [t]
     for j in range(1, k):
         t += model.step_s(BatchShape(0, 0, 0, n, ctx + j * n))
@@ -240,6 +257,11 @@ def compute_span(
     span = Span(now, bounds, prefill, decode, cpu_reqs, version=next(_versions), k=k)
     if k == 1 and not cpu_reqs and plan.layer_cut:
         span.layers = inst.num_layers
+        if not segs:
+            fixed = fixed_s(model, shape)
+            segs = [(0, max(0.0, compute_s - fixed) / inst.num_layers)]
+        span.layer_t0 = now + copy_s + fixed
+        span.segs = segs
     if cpu_reqs:
         assert cpu is not None
         cctx = sum(r.num_computed_tokens for r in cpu_reqs)
@@ -250,22 +272,34 @@ def compute_span(
 
 
 def finish_span(
-    inst: InstanceState, span: Span, now: float, rec: Recorder
+    inst: InstanceState, span: Span, now: float, rec: Recorder, cuts: Cuts | None = None
 ) -> tuple[int, list[ReqState]]:
     """Credit the span's tokens at its end. Returns (requests finished, requests whose first
-    token just came out and that now decode)."""
+    token just came out and that now decode). A span cut at a layer boundary credits none: its
+    chunks keep their blocks and the layers done, in `cuts` (OOCO §3.4.1, as the engines)."""
     k = span.k
     first: list[ReqState] = []
     done: list[ReqState] = []
     on_tok = off_tok = 0
-    if span.discard:  # layer-level preemption: give back what the step had allocated
-        for r, _ in span.prefill:
-            _settle(inst, r)
+    if span.cut_layer:
+        if cuts is None:
+            raise ValueError("a step cut at a layer boundary needs `cuts` to keep its chunks")
+        layer = span.cut_layer
+        for r, m in span.prefill:
+            if cuts.get(r.req_id, (0, 0))[1] < layer:  # a chunk that ran no layer stays as it was
+                cuts[r.req_id] = (m, layer)
         for r in span.decode:
-            _settle(inst, r)
+            if cuts.get(r.req_id, (0, 0))[1] < layer:
+                cuts[r.req_id] = (1, layer)
         rec.num_layer_preemptions += 1
+        rec.num_layer_cut_tokens += sum(m for _, m in span.prefill)
         rec.record_span(inst.instance_id, span.start_s, span.bounds, 1, 0, 0, 0)
         return 0, first
+    if cuts:
+        for r, _ in span.prefill:
+            cuts.pop(r.req_id, None)
+        for r in span.decode:
+            cuts.pop(r.req_id, None)
     for r, m in span.prefill:
         r.num_computed_tokens += m
         if r.num_output_tokens == 0 and r.num_computed_tokens >= r.num_prompt_tokens:

@@ -16,6 +16,7 @@ from tidal.policy.base import PolicyError
 from tidal.policy.state import ClusterView, InstanceState, Phase, ReqState
 from tidal.sim.link import Flow, SharedLink
 from tidal.sim.recorder import Recorder
+from tidal.sim.resume import Cuts
 from tidal.sim.span import drop_checkpoint
 
 At = Callable[[float, object], None]  # have the event loop call back at a time, with a payload
@@ -35,6 +36,7 @@ class Transfers:
         handoff_at: At,  # the loop calls `on_handoff(payload, t)` at that time
         interrupt: Callable[[int, float, bool], None],  # something landed on an instance
         in_step: Callable[[int], bool],  # whether an instance is in a step right now
+        cuts: Cuts | None = None,  # chunks cut at a layer boundary (`tidal.sim.resume`)
     ) -> None:
         self.cluster = cluster
         self.instances = cluster.instances
@@ -46,6 +48,7 @@ class Transfers:
         self._handoff_at = handoff_at
         self._interrupt = interrupt
         self._in_step = in_step
+        self._cuts: Cuts = {} if cuts is None else cuts
         n = len(self.instances)
         self.reserved = [0] * n  # blocks reserved for KV in flight to each instance
         # per instance: (req_id, target, is_push) to move out at its step boundary
@@ -184,6 +187,9 @@ class Transfers:
         src_id = r.instance_id
         assert src_id is not None
         if src_id == dst:
+            return
+        if rid in self._cuts:  # mid-chunk: the live instance refuses (`services/instance`)
+            self.rec.num_migrations_refused += 1
             return
         if self._in_step(src_id):  # in a step now: move it at the step boundary
             self._pending_out[src_id].append((rid, dst, False))

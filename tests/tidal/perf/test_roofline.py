@@ -33,6 +33,17 @@ def test_decode_step_hand_worked(toy_model, toy_params) -> None:
     assert m.step_s(b) == pytest.approx(55.06)
 
 
+def test_fixed_part_is_the_lm_head_and_the_overhead(toy_model, toy_params) -> None:
+    """`fixed_s`: what a step runs once, not per layer (the simulator charges it again to a step
+    resuming a layer-cut chunk): the hand-worked steps above less their 2 layers."""
+    m = RooflineModel(toy_model, toy_params)
+    pre = BatchShape(num_prefill_tokens=10, num_prefill_reqs=1, prefill_attn_pairs=100)
+    dec = BatchShape(num_decode_reqs=3, decode_context_tokens=30)
+    assert m.fixed_s(pre) == pytest.approx(5.92 + 1.0)  # LM head + O_p
+    assert m.fixed_s(dec) == pytest.approx(7.52 + 0.5)  # LM head + O_d
+    assert m.fixed_s(BatchShape()) == 0.0
+
+
 def test_empty_batch_costs_nothing(toy_model, toy_params) -> None:
     assert RooflineModel(toy_model, toy_params).step_s(BatchShape()) == 0.0
 

@@ -1,4 +1,5 @@
-"""Decode steps on native kernels: every step whose rows are all single-token decodes, on CPU.
+"""Steps on native kernels, on CPU: every step whose rows all start at layer 0 (decodes, and
+prefill chunks beside or without them).
 
 At batch 1 a SmolLM2 layer's four GEMVs take ~9 ms of a ~16 ms step; the rest was ~15 small torch
 ops a layer (RMSNorm, RoPE, KV write, attention, SiLU*mul, residual adds), each a 5-30 us dispatch
@@ -13,7 +14,8 @@ work runs as three or four calls a layer into `tidal.engine.torch.native`; the m
 Attention is the native kernel, row by row over each row's own slots (no gathered copy of the
 batch's KV: at batch 32 the gather and the padded batched matmuls were half of a bf16 step), up
 to `NATIVE_MAX_T` tokens, else the engine's `attention.ATTENTION` (batched matmuls over gathered
-KV; SDPA for a long lone context). `LlamaModel.forward_layers` takes this path when
+KV; SDPA for a long lone context); prefill rows attend with `attention.ATTENTION` (SDPA), the
+decode rows beside them still on the kernel. `LlamaModel.forward_layers` takes this path when
 `NativeDecode.fits` says so; both paths compute the same values to the model dtype's rounding
 (the kernels round where the torch ops do). A bf16 model runs bf16 matmul inputs and outputs; an
 fp32 model fp32 ones (`_f32io` kernels), or bf16 on the rows its bf16 weight copies serve.
@@ -22,6 +24,7 @@ fp32 model fp32 ones (`_f32io` kernels), or bf16 on the rows its bf16 weight cop
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -112,16 +115,23 @@ class NativeDecode:
         self.norms = [(lay.in_norm.data_ptr(), lay.post_norm.data_ptr()) for lay in model.layers]
 
     def fits(self, batch: ForwardBatch) -> bool:
-        """Whether every row of this step is a decode this path computes (else torch's path).
+        """Whether this path computes every row of this step (else torch's path): its rows all
+        start at layer 0, decodes first, then any prefill chunks (their attention is
+        `attention.ATTENTION`'s, `NativeDecode.attention`), not on an fp32 model's bf16 copies.
         The model is a CPU bf16 one, whose weights are (out, in) as HF has them
         (`llama.weight_layout`), or an fp32 one ((in, out), bf16 copies for small rows)."""
         cfg = self.model.config
         if len(batch.groups) != 1 or batch.groups[0][0] != 0:
             return False  # rows resumed after a preemption start at a later layer
         n, meta = batch.hidden.shape[0], batch.groups[0][2]
+        if meta.prefills and self.small is not None and self.small.applies(n):
+            # NOTE: the bf16-IO kernels would round a prefill row's q to bf16 after RoPE where
+            # the torch path keeps it fp32; such a step's rows are the copies' anyway
+            return False
+        rows = meta.decode_rows
+        decodes_first = isinstance(rows, slice) and rows.start in (None, 0) and rows.step is None
         return (
-            not meta.prefills
-            and meta.decode_rows == slice(0, n)
+            (rows == slice(0, n) or (bool(meta.prefills) and decodes_first))
             and cfg.num_attention_heads // cfg.num_key_value_heads <= _MAX_G
             and cfg.head_dim <= _MAX_D
             and batch.hidden.is_contiguous()
@@ -142,11 +152,12 @@ class NativeDecode:
         meta = batch.groups[0][2]
         split = self.small is not None and self.small.applies(B)
         k = self.split if split and self.split is not None else self.full
-        one = B == 1
+        one = B == 1  # a lone decode (a one-token prefill chunk is a decode row too)
+        mixed = bool(meta.prefills)
         ctx = _context(meta) if one else None
         start, T, slots = ctx if ctx is not None else (0, 0, None)
         ctx_p = slots.data_ptr() if slots is not None else None
-        rows = None if one else _rows(meta)  # (slots (B, Tmax), lens (B,)) of a batch
+        rows = None if one or mixed else _rows(meta)  # (slots (B, Tmax), lens (B,)) of a batch
         native_attn = (ctx is not None and T <= NATIVE_MAX_T) or rows is not None
         positions = batch.positions.contiguous()
         slot_map = batch.slot_mapping.contiguous()
@@ -180,8 +191,10 @@ class NativeDecode:
                     self.scores.data_ptr(), self.n_scratch, attn_p,
                 )  # fmt: skip
             else:
+                # prefills beside the decodes (or a context past the kernel's): the decode rows
+                # on the kernel still, as in a step of decodes alone
                 q = qkv[:, : H * D].view(B, H, D).to(model.dtype)
-                attn = attention.ATTENTION(q, k_cache, v_cache, meta, model.scale).to(k.io)
+                attn = self.attention(q, k_cache, v_cache, meta, model.scale).to(k.io)
             o = self._mm(attn, lay.o, k.o, None, split)
             k.add_rms_norm(xp, o.data_ptr(), post_norm, hp, B, n, eps)
             gu = self._mm(h, lay.gate_up, k.gu, None, split)
@@ -193,6 +206,73 @@ class NativeDecode:
         assert down is not None
         x += down
         return L
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttnMeta,
+        scale: float,
+    ) -> torch.Tensor:
+        """`attention.ATTENTION`'s contract, for the steps `run` does not take (prefills beside
+        the decodes, rows resumed at a later layer, piggybacked or timed steps): the decode rows
+        on the same kernel `run` gives them, the prefills (and what the kernel cannot take)
+        on `attention.ATTENTION`. So a decode row's attention rounds the same whether or not a
+        prefill shares its step: the torch path's batched matmuls round scores and
+        probabilities to bf16, the kernel once, and a seeded request sent again, batched
+        otherwise, sampled other tokens (see `ROW_ATTENTION`)."""
+        n, H, D = q.shape
+        B, T, span = _decode_rows(meta)
+        k = self.full
+        if (
+            B == 0
+            or T > NATIVE_MAX_T
+            or (B > 1 and not ROW_ATTENTION)
+            or q.dtype != k.io
+            or k_cache.dtype != self.model.dtype
+            or q.device.type != "cpu"
+            or q.stride(2) != 1
+            or q.stride(1) != D
+        ):
+            return attention.ATTENTION(q, k_cache, v_cache, meta, scale)
+        if meta.prefills:  # their rows of the output; the decode rows' are written below
+            rest = dataclasses.replace(
+                meta,
+                decode_rows=slice(0, 0),
+                decode_slots=None,
+                decode_bias=None,
+                decode_kv_rows=None,
+                decode_lens=None,
+                decode_span=None,
+            )
+            out = attention.ATTENTION(q, k_cache, v_cache, rest, scale)
+        else:
+            out = torch.empty(n, H * D, dtype=q.dtype)
+        rows = meta.decode_rows
+        direct = isinstance(rows, slice) and rows.step in (None, 1) and out.is_contiguous()
+        if direct:
+            assert isinstance(rows, slice)
+            r0 = rows.start or 0
+            qd, od = q[r0 : r0 + B], out[r0 : r0 + B]
+        else:
+            qd, od = q[rows].contiguous(), torch.empty(B, H * D, dtype=q.dtype)
+        kp, vp, sp = k_cache.data_ptr(), v_cache.data_ptr(), self.scores.data_ptr()
+        if span is not None:
+            k.decode_attention(
+                qd.data_ptr(), kp, vp, None, span[0], span[1], H, self.Hk, D, scale, sp,
+                self.n_scratch, od.data_ptr(),
+            )  # fmt: skip
+        else:
+            assert meta.decode_slots is not None and meta.decode_lens is not None
+            slots, lens = meta.decode_slots.contiguous(), meta.decode_lens.contiguous()
+            k.attention_rows(
+                qd.data_ptr(), qd.stride(0), kp, vp, slots.data_ptr(), lens.data_ptr(),
+                slots.shape[1], B, H, self.Hk, D, scale, sp, self.n_scratch, od.data_ptr(),
+            )  # fmt: skip
+        if not direct:
+            out[rows] = od
+        return out
 
     def _mm(
         self,
@@ -215,16 +295,26 @@ class NativeDecode:
         return packed.gemv_native(x, w, b, out=out)
 
 
-# The row-by-row attention for batches is off: with it on, the same seeded n=3 bf16 request
-# sent twice on the stack gave different text in about half the runs
-# (tests/e2e/test_openai_fields.py::test_n), and off, never; the cause is not found yet. Its
-# kernel is tested on its own (tests/tidal/engine/torch/test_fast_decode.py).
-ROW_ATTENTION = False
+# Batches' decode rows attend on the native kernel, row by row over each row's own slots
+# (`attention_rows`; per row the same bits as the lone row's `decode_attention`). It was off
+# for a while: a seeded n=3 bf16 request sent twice on the stack gave other text in 3 of 6 runs
+# (tests/e2e/test_openai_fields.py::test_n). The kernel was right; the choices' steps were not
+# the same: a choice arriving a little later prefills beside the others' decodes, and such a
+# mixed step ran the torch path, whose attention rounds scores and probabilities to bf16 (and
+# whose norms and RoPE differ from the kernels' in the last bit now and then), while a step of
+# decodes alone ran the kernels: the same row got other logits by what shared its step. Now
+# `run` takes mixed steps too (the prefill rows' attention stays `attention.ATTENTION`'s) and
+# the torch path's decode rows attend on the kernel (`NativeDecode.attention`), so a decode
+# row's bits do not depend on the prefills beside it. What still does: a row alone in its
+# step (ATen's one-row GEMV, and the LM head's, against oneDNN's GEMM for more rows), an fp32
+# model's bf16 weight copies (up to N rows), rows resumed after a layer cut or beside
+# piggybacked ones (torch's norms and RoPE); as before, and off or on alike.
+ROW_ATTENTION = True
 
 
 def _rows(meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(slots (B, Tmax), lens (B,)) of a batch of decode rows the native kernel can attend, or
-    None (the torch path's attention then; always while `ROW_ATTENTION` is off)."""
+    None (`attention.ATTENTION` then; always while `ROW_ATTENTION` is off)."""
     slots, lens = meta.decode_slots, meta.decode_lens
     if not ROW_ATTENTION or slots is None or lens is None or slots.shape[1] > NATIVE_MAX_T:
         return None
@@ -244,3 +334,17 @@ def _context(meta: AttnMeta) -> tuple[int, int, torch.Tensor | None] | None:
         slots = meta.decode_slots[0]
         return 0, int(slots.shape[0]), slots.contiguous()
     return None
+
+
+def _decode_rows(meta: AttnMeta) -> tuple[int, int, tuple[int, int] | None]:
+    """(decode rows, longest context, in-place (start, T) of a lone one or None) of a step's
+    attention inputs; (0, 0, None) where the kernel cannot take them (no decode rows, slots
+    not int64 on CPU, no context lengths)."""
+    if meta.decode_span is not None:
+        return 1, meta.decode_span[1], meta.decode_span
+    slots, lens = meta.decode_slots, meta.decode_lens
+    if slots is None or lens is None or slots.device.type != "cpu":
+        return 0, 0, None
+    if slots.dtype != torch.int64 or lens.dtype != torch.int64:
+        return 0, 0, None
+    return int(slots.shape[0]), int(slots.shape[1]), None

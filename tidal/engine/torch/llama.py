@@ -275,7 +275,14 @@ class LlamaModel:
                 k_cache, v_cache = kv_views[li]  # (slots, Hk, D)
                 k_cache.index_copy_(0, slots, qkr[:, H:])
                 v_cache.index_copy_(0, slots, vr)
-                o = attention.ATTENTION(qkr[:, :H], k_cache, v_cache, meta, self.scale)
+                # the decode rows on the native decode's kernel where it runs: the same
+                # rounding as a step of decodes alone (`NativeDecode.attention`)
+                attn = (
+                    attention.ATTENTION
+                    if self.native_decode is None
+                    else self.native_decode.attention
+                )
+                o = attn(qkr[:, :H], k_cache, v_cache, meta, self.scale)
                 if timed:
                     sync()
                     t1 = time.perf_counter()

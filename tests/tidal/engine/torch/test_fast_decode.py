@@ -222,14 +222,14 @@ def test_native_decode_decode_matches_the_torch_path(
     ran: list[int] = []
     real = fast_decode.NativeDecode.run
 
-    def spy(self: Any, *a: Any) -> int:
-        ran.append(1)
-        return real(self, *a)
+    def spy(self: Any, batch: Any, *a: Any) -> int:
+        ran.append(len(batch.groups[0][2].prefills))
+        return real(self, batch, *a)
 
     monkeypatch.setattr(fast_decode.NativeDecode, "run", spy)
     p = prompt(30, 5)
     toks, logits = _decode(engine, "native", p, 12)
-    assert len(ran) == 11  # every decode step after the first token
+    assert ran == [1] * 5 + [0] * 11  # the prompt's 5 chunks, then every decode step
     native_decode, model.native_decode = model.native_decode, None
     ref_toks, ref_logits = _decode(engine, "torch", p, 12)
     model.native_decode = native_decode
@@ -300,6 +300,46 @@ def test_batched_decodes_match_the_torch_path(make_engine: Any, dtype: str) -> N
             outs.append(batch.hidden.float())
     gap = (outs[0] - outs[1]).abs().amax(dim=1)
     assert bool((gap <= 0.02 * outs[1].abs().amax(dim=1)).all()), gap
+
+
+def _interleaved(engine: TorchEngine, late: int) -> dict[str, list[Any]]:
+    """Three requests on one prompt, "c" arriving `late` steps after "a" and "b" (0: together);
+    the logits each token was sampled from. "c" asks for one token fewer, so no row decodes
+    alone when it comes a step late (a one-row step's GEMV rounds otherwise than a batch's
+    GEMM, as it must to stay fast)."""
+    p = prompt(21, 31)
+    engine.runner.keep_logits = True
+    logits: dict[str, list[Any]] = {r: [] for r in "abc"}
+    for rid in "ab":
+        engine.add(EngineRequest(rid, p, greedy(8)))
+    step = 0
+    while engine.has_work():
+        if step == late:
+            engine.add(EngineRequest("c", p, greedy(7)))
+        engine.runner.last_logits = {}
+        for ev in engine.step().events:
+            logits[ev.req_id].append(engine.runner.last_logits[ev.req_id])
+        step += 1
+    return logits
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_decode_beside_a_prefill_rounds_as_among_decodes_alone(
+    make_engine: Any, dtype: str
+) -> None:
+    # test_n's seeded request sent twice: whether a choice's prefill shares a step with the
+    # others' decodes depends on when it arrived. A decode row must compute the same bits either
+    # way: on the torch path its attention rounded scores and probabilities to bf16 where the
+    # native kernel rounds once, and its norms and RoPE differed from the kernels' in the last
+    # bit now and then, so sampled tokens parted ways
+    assert fast_decode.ROW_ATTENTION
+    ref = _interleaved(make_engine("qwen2", dtype=dtype, enable_prefix_cache=False), 0)
+    got = _interleaved(make_engine("qwen2", dtype=dtype, enable_prefix_cache=False), 1)
+    for rid in "abc":
+        assert len(got[rid]) == len(ref[rid]) == (7 if rid == "c" else 8)
+        for j, (a, b) in enumerate(zip(got[rid], ref[rid], strict=True)):
+            assert torch.equal(a, b), (rid, j, (a - b).abs().max())
 
 
 @needs_native
