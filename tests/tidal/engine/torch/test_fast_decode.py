@@ -4,6 +4,8 @@ side."""
 
 from __future__ import annotations
 
+import logging
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -380,3 +382,45 @@ def test_kernels_off_or_unbuildable_leave_the_torch_path(
         assert native.load() is None
     finally:
         native.load.cache_clear()
+
+
+@needs_native
+def test_a_compiler_without_openmp_builds_the_kernels_on_one_thread(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a compiler that refuses -fopenmp (no OpenMP runtime): the same kernels, built without it
+    # (the attention then on the calling thread alone), the fallback logged
+    gxx = shutil.which("g++")
+    assert gxx is not None
+    cxx = tmp_path / "cxx-no-openmp"
+    cxx.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "error: no OpenMP" >&2; '
+        f'exit 1; }}; done\nexec {gxx} "$@"\n'
+    )
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TIDAL_NATIVE", "1")
+    native.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tidal.engine.torch.native"):
+            built = native.load()
+        assert built is not None
+        (so,) = (tmp_path / "cache" / "native").glob("decode_ops-*.so")
+        assert "gomp" not in subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout
+        g = torch.Generator().manual_seed(6)
+        H, Hk, D, T = 9, 3, 64, 40
+        qkv = torch.randn(1, (H + 2 * Hk) * D, generator=g).to(BF)
+        kc, vc = (torch.randn(T, Hk, D, generator=g).to(BF) for _ in range(2))
+        out, scores = torch.empty(1, H * D, dtype=BF), torch.empty(4 * 8 * T)
+        built.tidal_decode_attention(
+            _p(qkv), _p(kc), _p(vc), None, 0, T, H, Hk, D, D**-0.5, _p(scores), 4, _p(out)
+        )
+        q = qkv[:, : H * D].view(1, Hk, H // Hk, D).float()
+        k, v = (c.transpose(0, 1).unsqueeze(0).float() for c in (kc, vc))
+        ref = F.scaled_dot_product_attention(q, k, v, scale=D**-0.5)
+        torch.testing.assert_close(out.float().view(1, Hk, H // Hk, D), ref, atol=2e-2, rtol=0)
+    finally:
+        native.load.cache_clear()
+    assert any("not -march=native" in r.getMessage() and "-fopenmp" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
