@@ -25,7 +25,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from services.batch.dispatch import Dispatcher
-from services.batch.keeper import Keeper
+from services.batch.keeper import ACTIVE, Keeper
 from services.common.args import add_bus_args
 from services.common.batch_store import DISPATCH_CONSUMER, JOBS_STREAM, BatchStore
 from services.common.bus import connect
@@ -40,6 +40,10 @@ from tidal.schemas.messages import BatchStats, Heartbeat
 log = logging.getLogger("tidal.batch")
 
 STATS_S = 1.0
+# With no batch under way, nothing queued and no line in flight, the store is read (three
+# JetStream API calls) and the stats published this seldom; a line starting or a batch opening
+# is noticed within STATS_S (a look at the service's own state, no call)
+IDLE_STATS_S = 10.0
 
 
 async def _open_store(nc: NATS, stop: asyncio.Event) -> BatchStore | None:
@@ -87,8 +91,38 @@ async def _stats_loop(
         )
         with contextlib.suppress(Exception):
             await nc.publish(subjects.BATCH_STATS, codec.encode(stats))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=STATS_S)
+        quiet_until = time.monotonic() + IDLE_STATS_S
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=STATS_S)
+            if stop.is_set() or not _idle(queued, dispatcher, keeper):
+                break
+            if _follows(keeper, dispatcher) != _follows_stats(stats):
+                break  # something counted since: publish it now
+            if time.monotonic() >= quiet_until:
+                break
+
+
+def _follows(keeper: Keeper, dispatcher: Dispatcher) -> tuple[object, ...]:
+    """What the stats carry of the service's own state (no store call)."""
+    c = dispatcher.counters
+    return dict(keeper.by_status), c.done, c.failed, c.output_tokens, c.generated_tokens
+
+
+def _follows_stats(stats: BatchStats) -> tuple[object, ...]:
+    return (
+        stats.batches_by_status,
+        stats.lines_done_total,
+        stats.lines_failed_total,
+        stats.output_tokens_total,
+        stats.generated_tokens_total,
+    )
+
+
+def _idle(queued: int, dispatcher: Dispatcher, keeper: Keeper) -> bool:
+    """Nothing for the stats to follow: no batch under way, nothing queued, no line in flight."""
+    active = any(keeper.by_status.get(st) for st in ACTIVE)
+    return not active and queued == 0 and dispatcher.num_inflight == 0
 
 
 def _msg_time(ts: object) -> float:

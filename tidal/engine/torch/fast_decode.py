@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -56,6 +57,13 @@ class DecodeModel(Protocol):
 # this many tokens (its score buffer's size) the attention is torch's
 NATIVE_MAX_T = 8192
 _MAX_G, _MAX_D = 8, 256  # the kernels' stack buffers
+_MAX_SCRATCH = 64  # score blocks (256 KiB each): the most threads the attention splits over
+
+
+def scratch_blocks() -> int:
+    """Score blocks to keep: one per thread the attention may split over (torch's thread count
+    or this process's cores, whichever is more, at most `_MAX_SCRATCH`)."""
+    return max(1, min(_MAX_SCRATCH, max(torch.get_num_threads(), len(os.sched_getaffinity(0)))))
 
 
 class Kernels:
@@ -101,7 +109,9 @@ class NativeDecode:
             else Kernels(lib, "", torch.bfloat16, model)
         )
         self.split = None if self.small is None else Kernels(lib, "_f32", torch.bfloat16, model)
-        self.scores = torch.empty(_MAX_G * NATIVE_MAX_T, dtype=torch.float32)
+        # a block of score scratch for each thread of the team the attention splits over
+        self.n_scratch = scratch_blocks()
+        self.scores = torch.empty(self.n_scratch * _MAX_G * NATIVE_MAX_T, dtype=torch.float32)
         self.norms = [(lay.in_norm.data_ptr(), lay.post_norm.data_ptr()) for lay in model.layers]
 
     def fits(self, batch: ForwardBatch) -> bool:
@@ -172,12 +182,13 @@ class NativeDecode:
                 slots_b, lens = rows
                 k.attention_rows(
                     qkv.data_ptr(), self.qkv_width, kp, vp, slots_b.data_ptr(), lens.data_ptr(),
-                    slots_b.shape[1], B, H, Hk, D, model.scale, self.scores.data_ptr(), attn_p,
+                    slots_b.shape[1], B, H, Hk, D, model.scale, self.scores.data_ptr(),
+                    self.n_scratch, attn_p,
                 )  # fmt: skip
             elif native_attn:
                 k.decode_attention(
                     qkv.data_ptr(), kp, vp, ctx_p, start, T, H, Hk, D, model.scale,
-                    self.scores.data_ptr(), attn_p,
+                    self.scores.data_ptr(), self.n_scratch, attn_p,
                 )  # fmt: skip
             else:
                 # prefills beside the decodes (or a context past the kernel's): the decode rows
@@ -250,14 +261,14 @@ class NativeDecode:
         if span is not None:
             k.decode_attention(
                 qd.data_ptr(), kp, vp, None, span[0], span[1], H, self.Hk, D, scale, sp,
-                od.data_ptr(),
+                self.n_scratch, od.data_ptr(),
             )  # fmt: skip
         else:
             assert meta.decode_slots is not None and meta.decode_lens is not None
             slots, lens = meta.decode_slots.contiguous(), meta.decode_lens.contiguous()
             k.attention_rows(
                 qd.data_ptr(), qd.stride(0), kp, vp, slots.data_ptr(), lens.data_ptr(),
-                slots.shape[1], B, H, self.Hk, D, scale, sp, od.data_ptr(),
+                slots.shape[1], B, H, self.Hk, D, scale, sp, self.n_scratch, od.data_ptr(),
             )  # fmt: skip
         if not direct:
             out[rows] = od

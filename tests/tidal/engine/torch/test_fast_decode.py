@@ -4,6 +4,8 @@ side."""
 
 from __future__ import annotations
 
+import logging
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -80,7 +82,7 @@ def test_rope_kv_write_and_attention_match_torch() -> None:
         out = torch.empty(1, H * D, dtype=BF)
         sp = None if ctx is None else _p(ctx)
         lib.tidal_decode_attention(
-            _p(qkv), _p(kc), _p(vc), sp, 4, T, H, Hk, D, D**-0.5, _p(scores), _p(out)
+            _p(qkv), _p(kc), _p(vc), sp, 4, T, H, Hk, D, D**-0.5, _p(scores), 1, _p(out)
         )
         torch.testing.assert_close(out.float().view(1, Hk, H // Hk, D), ref, atol=2e-2, rtol=0)
 
@@ -108,7 +110,7 @@ def test_attention_rows_attend_each_row_over_its_own_context(dtype: str) -> None
     scores = torch.empty(8 * Tmax)
     getattr(lib, "tidal_decode_attention_rows" + sfx)(
         _p(qkv), width, _p(kc), _p(vc), _p(slots), _p(lens), Tmax, B, H, Hk, D, D**-0.5,
-        _p(scores), _p(out),
+        _p(scores), 1, _p(out),
     )  # fmt: skip
     tol = 2e-2 if dt == BF else 1e-5
     for r, n in enumerate(lens.tolist()):
@@ -119,6 +121,48 @@ def test_attention_rows_attend_each_row_over_its_own_context(dtype: str) -> None
         ref = F.scaled_dot_product_attention(q, k, v, scale=D**-0.5)
         got = out[r].float().view(1, Hk, H // Hk, D)
         torch.testing.assert_close(got, ref, atol=tol, rtol=0)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_attention_split_over_threads_gives_the_same_bits(dtype: str) -> None:
+    # the (row, KV head) pairs split over the calling thread's team: any thread count, the
+    # same output bits as one thread, for a batch and for a lone row in place
+    assert lib is not None
+    dt = getattr(torch, dtype)
+    sfx = "" if dt == BF else "_f32io"
+    g = torch.Generator().manual_seed(5)
+    H, Hk, D, slots_n = 9, 3, 64, 3000
+    lens = torch.tensor([700, 3, 1024, 256, 999])
+    B, Tmax = len(lens), int(lens.max())
+    width = (H + 2 * Hk) * D
+    qkv = torch.randn(B, width, generator=g).to(dt)
+    kc = torch.randn(slots_n, Hk, D, generator=g).to(dt)
+    vc = torch.randn(slots_n, Hk, D, generator=g).to(dt)
+    slots = torch.stack([torch.randperm(slots_n, generator=g)[:Tmax] for _ in range(B)])
+    was = torch.get_num_threads()
+    outs, lone = [], []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)  # the calling thread's OpenMP team
+            scores = torch.empty(threads * 8 * Tmax)
+            out = torch.full((B, H * D), float("nan"), dtype=dt)
+            getattr(lib, "tidal_decode_attention_rows" + sfx)(
+                _p(qkv), width, _p(kc), _p(vc), _p(slots), _p(lens), Tmax, B, H, Hk, D,
+                D**-0.5, _p(scores), threads, _p(out),
+            )  # fmt: skip
+            outs.append(out)
+            one = torch.full((1, H * D), float("nan"), dtype=dt)
+            getattr(lib, "tidal_decode_attention" + sfx)(
+                _p(qkv), _p(kc), _p(vc), None, 7, 1500, H, Hk, D, D**-0.5, _p(scores), threads,
+                _p(one),
+            )  # fmt: skip
+            lone.append(one)
+    finally:
+        torch.set_num_threads(was)
+    assert not outs[0].isnan().any() and not lone[0].isnan().any()
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert all(torch.equal(o, lone[0]) for o in lone[1:])
 
 
 @needs_native
@@ -133,7 +177,7 @@ def test_attention_at_the_longest_native_context_matches_sdpa() -> None:
     out = torch.empty(1, H * D, dtype=BF)
     scores = torch.empty(8 * T)
     lib.tidal_decode_attention(
-        _p(qkv), _p(kc), _p(vc), None, 5, T, H, Hk, D, D**-0.5, _p(scores), _p(out)
+        _p(qkv), _p(kc), _p(vc), None, 5, T, H, Hk, D, D**-0.5, _p(scores), 1, _p(out)
     )
     q = qkv[:, : H * D].view(1, Hk, H // Hk, D).float()
     k, v = (c[5:].transpose(0, 1).unsqueeze(0).float() for c in (kc, vc))
@@ -338,3 +382,45 @@ def test_kernels_off_or_unbuildable_leave_the_torch_path(
         assert native.load() is None
     finally:
         native.load.cache_clear()
+
+
+@needs_native
+def test_a_compiler_without_openmp_builds_the_kernels_on_one_thread(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a compiler that refuses -fopenmp (no OpenMP runtime): the same kernels, built without it
+    # (the attention then on the calling thread alone), the fallback logged
+    gxx = shutil.which("g++")
+    assert gxx is not None
+    cxx = tmp_path / "cxx-no-openmp"
+    cxx.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "error: no OpenMP" >&2; '
+        f'exit 1; }}; done\nexec {gxx} "$@"\n'
+    )
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TIDAL_NATIVE", "1")
+    native.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tidal.engine.torch.native"):
+            built = native.load()
+        assert built is not None
+        (so,) = (tmp_path / "cache" / "native").glob("decode_ops-*.so")
+        assert "gomp" not in subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout
+        g = torch.Generator().manual_seed(6)
+        H, Hk, D, T = 9, 3, 64, 40
+        qkv = torch.randn(1, (H + 2 * Hk) * D, generator=g).to(BF)
+        kc, vc = (torch.randn(T, Hk, D, generator=g).to(BF) for _ in range(2))
+        out, scores = torch.empty(1, H * D, dtype=BF), torch.empty(4 * 8 * T)
+        built.tidal_decode_attention(
+            _p(qkv), _p(kc), _p(vc), None, 0, T, H, Hk, D, D**-0.5, _p(scores), 4, _p(out)
+        )
+        q = qkv[:, : H * D].view(1, Hk, H // Hk, D).float()
+        k, v = (c.transpose(0, 1).unsqueeze(0).float() for c in (kc, vc))
+        ref = F.scaled_dot_product_attention(q, k, v, scale=D**-0.5)
+        torch.testing.assert_close(out.float().view(1, Hk, H // Hk, D), ref, atol=2e-2, rtol=0)
+    finally:
+        native.load.cache_clear()
+    assert any("not -march=native" in r.getMessage() and "-fopenmp" in r.getMessage()
+               for r in caplog.records)  # fmt: skip

@@ -61,7 +61,7 @@ def test_f32_norm_rope_and_attention_kernels_match_torch() -> None:
     ref = F.scaled_dot_product_attention(q, k, v, scale=D**-0.5)
     out, scores = torch.empty(1, H * D, dtype=BF), torch.empty(8 * T)
     lib.tidal_decode_attention_f32(
-        _p(qkv), _p(kc), _p(vc), None, 1, T, H, Hk, D, D**-0.5, _p(scores), _p(out)
+        _p(qkv), _p(kc), _p(vc), None, 1, T, H, Hk, D, D**-0.5, _p(scores), 1, _p(out)
     )
     torch.testing.assert_close(out.float().view(1, Hk, H // Hk, D), ref, atol=1e-2, rtol=0)
 

@@ -6,7 +6,9 @@ about a second, and a ctypes call costs ~1 us where a torch op costs 5-30 us. `l
 None, once logged, where that cannot be done (no compiler, a failed build, `TIDAL_NATIVE=0`):
 the engine then runs its plain torch path, which computes the same values.
 
-The source is plain C++ (no intrinsics); only the target flags depend on the CPU
+The attention splits its (row, KV head) pairs over the calling thread's OpenMP team
+(`-fopenmp`; built without it where the compiler refuses). The source is plain C++ (no
+intrinsics); only the target flags depend on the CPU
 (`arch_flag_choices`): `-march=native` where `cpu_caps` allows what this CPU has, with
 `-mno-avx512f` on an x86 CPU without AVX-512 or forced to behave as one (`TIDAL_CPU_ISA=avx2`);
 if the compiler refuses, `-mcpu=native` (what some aarch64/POWER compilers want), then no
@@ -35,12 +37,15 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_ops.cpp")
 # -fno-trapping-math lets floor() inline, so the exp loops vectorise; rounding is unchanged
 FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp-simd", "-shared", "-fPIC")
+# links libgomp.so.1: in a process that loaded torch, torch's own copy (same soname), so the
+# kernels' parallel regions run on the team torch's GEMMs use on that thread
+OPENMP = "-fopenmp"
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "tidal_add_rms_norm": (_P, _P, _P, _P, _I, _I, _F),
     "tidal_rope_kv_write": (_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I),
-    "tidal_decode_attention": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P),
-    "tidal_decode_attention_rows": (_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _P),
+    "tidal_decode_attention": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _I, _P),
+    "tidal_decode_attention_rows": (_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _I, _P),
     "tidal_silu_mul": (_P, _P, _I, _I),
 }
 # the same kernels for an fp32 model: with bf16 weight copies (`_f32`: fp32 residual, norms, KV,
@@ -118,7 +123,10 @@ def load() -> ctypes.CDLL | None:
         log.info("native decode kernels off: no C++ compiler (g++) on PATH; torch ops instead")
         return None
     caps = cpu_caps.probe()
-    choices = arch_flag_choices(caps)
+    # OpenMP first (the attention splits over the caller's team), then the same without it (a
+    # compiler with no OpenMP runtime: the attention on one thread)
+    archs = arch_flag_choices(caps)
+    choices = [(*arch, OPENMP) for arch in archs] + archs
     refused: list[str] = []  # why each earlier choice failed
     lib = None
     for arch in choices:

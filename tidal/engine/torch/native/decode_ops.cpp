@@ -4,12 +4,19 @@
 // torch ops (RMSNorm, RoPE, KV write, attention, SiLU*mul, residual adds), each costing 5-30 us of
 // dispatch for microseconds of work; at batch 32 the same ops still cost their dispatch. These
 // kernels do the small work in 4 calls a layer (3 where torch runs the attention).
-// Single-threaded on purpose: the work is tiny, and a second OpenMP runtime would fight torch's
-// (see services/common/torch_threads.py). bf16 values travel as uint16_t; every kernel computes in
-// fp32 and rounds where the torch ops it replaces round, so results match them to bf16 rounding.
+// The norm, RoPE and SiLU kernels are single-threaded: their work is tiny. The attention splits
+// its (row, KV head) pairs over the calling thread's OpenMP team: built with -fopenmp, this library
+// needs libgomp.so.1, which in a process that loaded torch is torch's own copy, so the team is the
+// one torch's GEMMs use on that thread (services/common/torch_threads.py), not a second runtime.
+// Each pair is computed whole by one thread on its own scratch, so the result is the same bits
+// for any thread count. bf16 values travel as uint16_t; every kernel computes in fp32 and rounds
+// where the torch ops it replaces round, so results match them to bf16 rounding.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace {
 
@@ -53,18 +60,19 @@ inline float exp_approx(float x) {
     return p * __builtin_bit_cast(float, bits);
 }
 
-// One query row's attention (see tidal_decode_attention). DC > 0 fixes the head size at compile
-// time, so the per-token loops over it unroll fully (2x faster at 64, measured); DC = 0 reads D.
+// One query row's attention for its KV head kh (see tidal_decode_attention). DC > 0 fixes the
+// head size at compile time, so the per-token loops over it unroll fully (2x faster at 64,
+// measured); DC = 0 reads D. scores: G * T floats of scratch.
 template <int DC, typename KV, typename IO>
-void decode_attention(const IO* q, const KV* k_cache, const KV* v_cache,
-                      const int64_t* slots, int64_t start, int64_t T, int64_t H, int64_t Hk,
-                      int64_t D_, float scale, float* scores, IO* out) {
+void decode_attention_head(const IO* q, const KV* k_cache, const KV* v_cache,
+                           const int64_t* slots, int64_t start, int64_t T, int64_t H, int64_t Hk,
+                           int64_t D_, int64_t kh, float scale, float* scores, IO* out) {
     const int64_t D = DC > 0 ? DC : D_;
     const int64_t G = H / Hk;
     float qf[8][256];
     float kf[256];
     float acc[8][256];
-    for (int64_t kh = 0; kh < Hk; ++kh) {
+    {
         for (int64_t g = 0; g < G; ++g)
             for (int64_t d = 0; d < D; ++d) qf[g][d] = ld(q[(kh * G + g) * D + d]) * scale;
         for (int64_t t = 0; t < T; ++t) {
@@ -159,28 +167,69 @@ void rope_kv_write(IO* qkv, int64_t stride, const T* cos_tab, const T* sin_tab,
 }
 
 template <typename T, typename IO>
-void attention(const IO* q, const T* k_cache, const T* v_cache, const int64_t* slots,
-               int64_t start, int64_t T_, int64_t H, int64_t Hk, int64_t D, float scale,
-               float* scores, IO* out) {
+void attention_head(const IO* q, const T* k_cache, const T* v_cache, const int64_t* slots,
+                    int64_t start, int64_t T_, int64_t H, int64_t Hk, int64_t D, int64_t kh,
+                    float scale, float* scores, IO* out) {
     if (D == 64)
-        decode_attention<64, T, IO>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, scale, scores, out);
+        decode_attention_head<64, T, IO>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, kh, scale, scores, out);
     else if (D == 128)
-        decode_attention<128, T, IO>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, scale, scores, out);
+        decode_attention_head<128, T, IO>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, kh, scale, scores, out);
     else
-        decode_attention<0, T, IO>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, scale, scores, out);
+        decode_attention_head<0, T, IO>(q, k_cache, v_cache, slots, start, T_, H, Hk, D, kh, scale, scores, out);
+}
+
+// The threads to split `units` (row, KV head) pairs over: the calling thread's OpenMP team
+// (torch's thread count on that thread), at most one per scratch block and per unit.
+inline int team_size(int64_t units, int64_t n_scratch) {
+#ifdef _OPENMP
+    int64_t n = omp_get_max_threads();
+    n = n < n_scratch ? n : n_scratch;
+    return static_cast<int>(n < units ? (n < 1 ? 1 : n) : units);
+#else
+    (void)units;
+    (void)n_scratch;
+    return 1;
+#endif
+}
+
+inline int thread_index() {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
 }
 
 // Decode attention for B rows, each over its own context: row r's q at q + r * q_stride, its
-// lens[r] tokens at slots[r * Tmax + t] (padding past lens[r] is not read), its output at
-// out + r * H * D. One thread, as every kernel here: splitting the rows over a second
-// std::thread made batch-32 steps slower, not faster (it contends with torch's OpenMP team).
+// lens[r] tokens at slots[r * Tmax + t] (padding past lens[r] is not read; lens == nullptr: Tmax
+// tokens each, at start + t where slots == nullptr too), its output at out + r * H * D. The
+// B * Hk (row, KV head) pairs are split over the OpenMP team, each thread scoring on its own
+// block of `scores` (n_scratch blocks of G * Tmax floats).
 template <typename T, typename IO>
 void attention_rows(const IO* q, int64_t q_stride, const T* k_cache, const T* v_cache,
-                    const int64_t* slots, const int64_t* lens, int64_t Tmax, int64_t B, int64_t H,
-                    int64_t Hk, int64_t D, float scale, float* scores, IO* out) {
-    for (int64_t r = 0; r < B; ++r)
-        attention<T, IO>(q + r * q_stride, k_cache, v_cache, slots + r * Tmax, 0, lens[r], H, Hk,
-                         D, scale, scores, out + r * H * D);
+                    const int64_t* slots, int64_t start, const int64_t* lens, int64_t Tmax,
+                    int64_t B, int64_t H, int64_t Hk, int64_t D, float scale, float* scores,
+                    int64_t n_scratch, IO* out) {
+    const int64_t units = B * Hk;
+    const int64_t block = (H / Hk) * Tmax;
+    const int nt = team_size(units, n_scratch);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t r = u / Hk, kh = u % Hk;
+        attention_head<T, IO>(q + r * q_stride, k_cache, v_cache,
+                              slots != nullptr ? slots + r * Tmax : nullptr, start,
+                              lens != nullptr ? lens[r] : Tmax, H, Hk, D, kh, scale,
+                              scores + thread_index() * block, out + r * H * D);
+    }
+}
+
+// One row over T tokens (see tidal_decode_attention): its KV heads split over the team.
+template <typename T, typename IO>
+void attention(const IO* q, const T* k_cache, const T* v_cache, const int64_t* slots,
+               int64_t start, int64_t T_, int64_t H, int64_t Hk, int64_t D, float scale,
+               float* scores, int64_t n_scratch, IO* out) {
+    attention_rows<T, IO>(q, 0, k_cache, v_cache, slots, start, nullptr, T_, 1, H, Hk, D, scale,
+                          scores, n_scratch, out);
 }
 
 // out = IO(IO(silu(g)) * u) for each of `rows` rows gu = [g | u] (2 * n), as F.silu(g) * u
@@ -246,15 +295,17 @@ void tidal_rope_kv_write_f32(uint16_t* qkv, int64_t stride, const float* cos_tab
 // (as SDPA's CPU kernel). scores: G * T floats of scratch.
 void tidal_decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                             const int64_t* slots, int64_t start, int64_t T, int64_t H,
-                            int64_t Hk, int64_t D, float scale, float* scores, uint16_t* out) {
-    attention<uint16_t, uint16_t>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
+                            int64_t Hk, int64_t D, float scale, float* scores,
+                            int64_t n_scratch, uint16_t* out) {
+    attention<uint16_t, uint16_t>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores,
+                                  n_scratch, out);
 }
 void tidal_decode_attention_f32(const uint16_t* q, const float* k_cache, const float* v_cache,
                                 const int64_t* slots, int64_t start, int64_t T, int64_t H,
                                 int64_t Hk, int64_t D, float scale, float* scores,
-                                uint16_t* out) {
+                                int64_t n_scratch, uint16_t* out) {
     attention<float, uint16_t>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores,
-                               out);
+                               n_scratch, out);
 }
 
 // out = bf16(bf16(silu(g)) * u) for each of `rows` rows gu = [g | u] (2 * n), as
@@ -269,17 +320,17 @@ void tidal_decode_attention_rows(const uint16_t* q, int64_t q_stride, const uint
                                  const uint16_t* v_cache, const int64_t* slots,
                                  const int64_t* lens, int64_t Tmax, int64_t B, int64_t H,
                                  int64_t Hk, int64_t D, float scale, float* scores,
-                                 uint16_t* out) {
-    attention_rows<uint16_t, uint16_t>(q, q_stride, k_cache, v_cache, slots, lens, Tmax, B, H, Hk,
-                                       D, scale, scores, out);
+                                 int64_t n_scratch, uint16_t* out) {
+    attention_rows<uint16_t, uint16_t>(q, q_stride, k_cache, v_cache, slots, 0, lens, Tmax, B, H,
+                                 Hk, D, scale, scores, n_scratch, out);
 }
 void tidal_decode_attention_rows_f32(const uint16_t* q, int64_t q_stride, const float* k_cache,
                                      const float* v_cache, const int64_t* slots,
                                      const int64_t* lens, int64_t Tmax, int64_t B, int64_t H,
                                      int64_t Hk, int64_t D, float scale, float* scores,
-                                     uint16_t* out) {
-    attention_rows<float, uint16_t>(q, q_stride, k_cache, v_cache, slots, lens, Tmax, B, H, Hk,
-                                    D, scale, scores, out);
+                                     int64_t n_scratch, uint16_t* out) {
+    attention_rows<float, uint16_t>(q, q_stride, k_cache, v_cache, slots, 0, lens, Tmax, B, H,
+                                 Hk, D, scale, scores, n_scratch, out);
 }
 
 // An fp32 model's fp32 matmuls (rows past its bf16 copies, or none): T and IO both float.
@@ -296,16 +347,18 @@ void tidal_rope_kv_write_f32io(float* qkv, int64_t stride, const float* cos_tab,
 }
 void tidal_decode_attention_f32io(const float* q, const float* k_cache, const float* v_cache,
                                   const int64_t* slots, int64_t start, int64_t T, int64_t H,
-                                  int64_t Hk, int64_t D, float scale, float* scores, float* out) {
-    attention<float, float>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores, out);
+                                  int64_t Hk, int64_t D, float scale, float* scores,
+                                  int64_t n_scratch, float* out) {
+    attention<float, float>(q, k_cache, v_cache, slots, start, T, H, Hk, D, scale, scores,
+                            n_scratch, out);
 }
 void tidal_decode_attention_rows_f32io(const float* q, int64_t q_stride, const float* k_cache,
                                        const float* v_cache, const int64_t* slots,
                                        const int64_t* lens, int64_t Tmax, int64_t B, int64_t H,
                                        int64_t Hk, int64_t D, float scale, float* scores,
-                                       float* out) {
-    attention_rows<float, float>(q, q_stride, k_cache, v_cache, slots, lens, Tmax, B, H, Hk, D,
-                                 scale, scores, out);
+                                       int64_t n_scratch, float* out) {
+    attention_rows<float, float>(q, q_stride, k_cache, v_cache, slots, 0, lens, Tmax, B, H,
+                                 Hk, D, scale, scores, n_scratch, out);
 }
 void tidal_silu_mul_f32io(const float* gu, float* out, int64_t rows, int64_t n) {
     silu_mul<float>(gu, out, rows, n);
