@@ -19,6 +19,8 @@ large rows would be the mirror image; no CPU measured here wanted it). The weigh
 enough layers to stream from memory rather than cache (up to `CALIBRATION_BYTES` of bf16). The
 choice is kept in `$TIDAL_CACHE_DIR` per CPU, torch version, thread count and model shape, so a
 restart (or a noisy moment) does not change it; `TIDAL_DTYPE` or an explicit dtype overrides it.
+A choice measured beside other work (`cpu_meter`) is cached too, and measured again at the first
+start that finds the machine quiet.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pathlib import Path
 import torch
 
 from tidal import envs
-from tidal.engine.torch import cpu_caps, packed
+from tidal.engine.torch import cpu_caps, cpu_meter, packed
 from tidal.engine.torch.engine_config import default_dtype
 from tidal.engine.torch.llama import linear, weight_layout
 from tidal.engine.torch.model_config import ModelConfig
@@ -69,6 +71,8 @@ class DtypeChoice:
     cpu: str = ""  # `CpuCaps.summary()` of the CPU it was measured on ("" when not measured)
     # float32 only: matmuls of up to this many rows run on bf16 weight copies (0: none)
     bf16_weight_rows: int = 0
+    # cores of other processes' work while it was measured (`cpu_meter`; 0 when not measured)
+    others_busy_cores: float = 0.0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -211,14 +215,20 @@ def measure_candidates(cfg: ModelConfig) -> DtypeChoice:
             why = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             skipped[_name(dt)] = why
             log.info("dtype calibration: %s skipped, it cannot run here: %s", _name(dt), why)
+    meter = cpu_meter.OthersMeter()
     measured = time_passes(passes)
+    others = round(meter.cores(), 2)
     note = "".join(f"; {k} skipped: {v}" for k, v in skipped.items())
     bf = torch.bfloat16
     if _name(bf) in measured and not cpu_caps.can_pack(torch.device("cpu"), bf):
         why = cpu_caps.pack_refusal(bf) or "oneDNN is off in this process"
         note += f"; bf16 timed on plain matmuls (oneDNN bf16 packing off: {why})"
+    if others > cpu_meter.LOADED_CORES:
+        note += f"; measured beside {others:.2f} cores of other work (re-measured when quiet)"
     choice = decide(measured, note)
-    return replace(choice, skipped=skipped, cpu=cpu_caps.probe().summary())
+    return replace(
+        choice, skipped=skipped, cpu=cpu_caps.probe().summary(), others_busy_cores=others
+    )
 
 
 def weight_rows(choice: DtypeChoice) -> int:
@@ -241,16 +251,18 @@ def choose_dtype(cfg: ModelConfig, device: torch.device, use_cache: bool = True)
     path = _cache_path()
     if not use_cache:
         return measure_candidates(cfg)
-    if (hit := _cached(path, key)) is not None:
+    if (hit := _cached(path, key)) is not None and not _remeasure(hit):
         return hit
     # One calibration at a time on this machine: sibling instances starting together (`tidal
     # up` starts two) each timed its matmuls under the other's load, and one such run cached
     # bf16 at 28x fp32's batch-1 time on a CPU where it takes 0.3x. The second waits, then
     # reads what the first measured.
     with _calibration_lock(path):
-        if (hit := _cached(path, key)) is not None:
+        if (hit := _cached(path, key)) is not None and not _remeasure(hit):
             return hit
         choice = measure_candidates(cfg)
+        if hit is not None and choice.others_busy_cores >= hit.others_busy_cores:
+            return hit  # no quieter than the cached one after all: keep that
         try:
             cached = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -266,6 +278,22 @@ def choose_dtype(cfg: ModelConfig, device: torch.device, use_cache: bool = True)
     return choice
 
 
+def _remeasure(hit: DtypeChoice) -> bool:
+    """Whether a cached choice was measured under load and the machine is quiet now: then it is
+    measured again (once quiet, for good). A loaded machine keeps the cached one, so a busy
+    host does not pay a calibration at every start."""
+    if hit.others_busy_cores <= cpu_meter.LOADED_CORES:
+        return False
+    quiet = cpu_meter.others_busy_now() < cpu_meter.QUIET_CORES
+    if quiet:
+        log.info(
+            "dtype calibration: the cached one was measured beside %.2f cores of other work; "
+            "the machine is quiet now, measuring again",
+            hit.others_busy_cores,
+        )
+    return quiet
+
+
 def _cached(path: Path, key: str) -> DtypeChoice | None:
     """The choice cached under `key` in `path`, or None."""
     try:
@@ -279,6 +307,7 @@ def _cached(path: Path, key: str) -> DtypeChoice | None:
         c.get("skipped", {}),
         c.get("cpu", ""),
         c.get("bf16_weight_rows", 0),
+        c.get("others_busy_cores", 0.0),
     )
 
 

@@ -27,6 +27,17 @@ TINY = ModelConfig(
 )
 
 
+REAL_CORES = dc.cpu_meter.OthersMeter.cores  # before the fixture below replaces it
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the tests below count calibrations: other work on this (shared) machine must not make a
+    # cached one look loaded; the tests of that set the meter themselves
+    monkeypatch.setattr(dc.cpu_meter.OthersMeter, "cores", lambda self: 0.0)
+    monkeypatch.setattr(dc.cpu_meter, "others_busy_now", lambda window_s=0.25: 0.0)
+
+
 def test_decide_picks_the_faster_dtype_by_geometric_mean() -> None:
     fast_small = {"float32": {"1": 10.0, "8": 20.0}, "bfloat16": {"1": 5.0, "8": 30.0}}
     c = dc.decide(fast_small)  # ratios 0.5 and 1.5: geometric mean 0.87
@@ -149,3 +160,40 @@ def test_engine_reports_its_choice(
     assert engine.model.dtype == torch.float32
     assert engine.dtype_choice is not None and engine.dtype_choice.reason == "TIDAL_DTYPE"
     assert make_engine("llama").dtype_choice is None  # an explicit dtype: nothing chosen
+
+
+def test_a_loaded_calibration_is_measured_again_once_the_machine_is_quiet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an AVX2 host calibrated while other work ran cached fp32 without its bf16 copies (3x
+    # slower at batch 1); the next start on a quiet machine measures again and keeps that
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TIDAL_DTYPE", raising=False)
+    loaded = {"float32": {"1": 2.0, "8": 2.0}, "bfloat16": {"1": 1.9, "8": 8.0}}
+    quiet = {"float32": {"1": 2.0, "8": 2.0}, "bfloat16": {"1": 0.6, "8": 8.0}}
+    tables, others = [loaded, quiet], [1.4, 0.05]
+    monkeypatch.setattr(dc, "calibration_passes", lambda cfg, dt: {})
+    monkeypatch.setattr(dc, "time_passes", lambda passes: tables.pop(0))
+    monkeypatch.setattr(dc.cpu_meter.OthersMeter, "cores", lambda self: others.pop(0))
+    first = dc.choose_dtype(TINY, torch.device("cpu"))
+    assert first.bf16_weight_rows == 0 and first.others_busy_cores == 1.4
+    assert "beside 1.40 cores of other work" in first.reason
+    # still loaded at the next start: the cached one, no calibration paid
+    monkeypatch.setattr(dc.cpu_meter, "others_busy_now", lambda window_s=0.25: 0.9)
+    assert dc.choose_dtype(TINY, torch.device("cpu")).reason.endswith("(cached)")
+    assert len(tables) == 1
+    # quiet: measured again, and that one is kept for good
+    monkeypatch.setattr(dc.cpu_meter, "others_busy_now", lambda window_s=0.25: 0.02)
+    second = dc.choose_dtype(TINY, torch.device("cpu"))
+    assert not tables and second.bf16_weight_rows == 1 and second.others_busy_cores == 0.05
+    third = dc.choose_dtype(TINY, torch.device("cpu"))
+    assert third.reason.endswith("(cached)") and third.bf16_weight_rows == 1
+
+
+def test_the_meter_counts_other_processes_not_this_one() -> None:
+    # this process spinning for 0.3 s is not "other work"
+    meter = dc.cpu_meter.OthersMeter()
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        pass
+    assert REAL_CORES(meter) < 0.9  # the spin alone would read ~1 core
