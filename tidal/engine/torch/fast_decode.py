@@ -63,7 +63,9 @@ _MAX_SCRATCH = 64  # score blocks (256 KiB each): the most threads the attention
 def scratch_blocks() -> int:
     """Score blocks to keep: one per thread the attention may split over (torch's thread count
     or this process's cores, whichever is more, at most `_MAX_SCRATCH`)."""
-    return max(1, min(_MAX_SCRATCH, max(torch.get_num_threads(), len(os.sched_getaffinity(0)))))
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere the CPU count
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return max(1, min(_MAX_SCRATCH, max(torch.get_num_threads(), cores)))
 
 
 class Kernels:
@@ -95,6 +97,8 @@ class NativeDecode:
         cfg = model.config
         self.model, self.lib = model, lib
         self.H, self.Hk, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # the kernels keep a KV head's query heads and a head's width in stack buffers
+        self.shapes_fit = self.H // self.Hk <= _MAX_G and self.D <= _MAX_D
         self.hidden, self.eps = cfg.hidden_size, float(cfg.rms_norm_eps)
         self.inter = cfg.intermediate_size
         self.qkv_width = cfg.q_size + 2 * cfg.kv_size
@@ -120,7 +124,6 @@ class NativeDecode:
         `attention.ATTENTION`'s, `NativeDecode.attention`), not on an fp32 model's bf16 copies.
         The model is a CPU bf16 one, whose weights are (out, in) as HF has them
         (`llama.weight_layout`), or an fp32 one ((in, out), bf16 copies for small rows)."""
-        cfg = self.model.config
         if len(batch.groups) != 1 or batch.groups[0][0] != 0:
             return False  # rows resumed after a preemption start at a later layer
         n, meta = batch.hidden.shape[0], batch.groups[0][2]
@@ -132,8 +135,7 @@ class NativeDecode:
         decodes_first = isinstance(rows, slice) and rows.start in (None, 0) and rows.step is None
         return (
             (rows == slice(0, n) or (bool(meta.prefills) and decodes_first))
-            and cfg.num_attention_heads // cfg.num_key_value_heads <= _MAX_G
-            and cfg.head_dim <= _MAX_D
+            and self.shapes_fit
             and batch.hidden.is_contiguous()
         )
 
@@ -228,6 +230,7 @@ class NativeDecode:
         if (
             B == 0
             or T > NATIVE_MAX_T
+            or not self.shapes_fit  # the kernels' stack buffers: G <= _MAX_G, D <= _MAX_D
             or (B > 1 and not ROW_ATTENTION)
             or q.dtype != k.io
             or k_cache.dtype != self.model.dtype

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from tests.tidal.engine.torch.test_llama import greedy, prompt
 from tidal.engine.api import EngineRequest
 from tidal.engine.torch import attention, fast_decode, native
+from tidal.engine.torch.attention import AttnMeta
 from tidal.engine.torch.engine import TorchEngine
 
 BF = torch.bfloat16
@@ -161,6 +162,9 @@ def test_attention_split_over_threads_gives_the_same_bits(dtype: str) -> None:
     finally:
         torch.set_num_threads(was)
     assert not outs[0].isnan().any() and not lone[0].isnan().any()
+    # the threads were real: the library was built with OpenMP (its runtime, in this process
+    # torch's libgomp)
+    assert "gomp" in subprocess.run(["ldd", lib._name], capture_output=True, text=True).stdout
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     assert all(torch.equal(o, lone[0]) for o in lone[1:])
 
@@ -424,3 +428,29 @@ def test_a_compiler_without_openmp_builds_the_kernels_on_one_thread(
         native.load.cache_clear()
     assert any("not -march=native" in r.getMessage() and "-fopenmp" in r.getMessage()
                for r in caplog.records)  # fmt: skip
+
+
+@needs_native
+def test_heads_past_the_kernels_buffers_stay_on_the_torch_attention() -> None:
+    # 12 query heads over one KV head (past the kernels' 8) and heads of 16: the model keeps
+    # its native path for what fits it, but a decode's attention is torch's (the kernels' stack
+    # buffers hold 8 query heads a KV head), the same values, nothing written out of bounds
+    from tidal.engine.torch.model_config import ModelConfig
+    from tidal_bench.engine.measure import random_engine
+
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=300, hidden_size=192, intermediate_size=256,
+        num_hidden_layers=1, num_attention_heads=12, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    model = random_engine(cfg, torch.device("cpu"), BF).model
+    nd = model.native_decode
+    assert nd is not None and not nd.shapes_fit
+    g = torch.Generator().manual_seed(7)
+    T = 40
+    q = torch.randn(1, 12, 16, generator=g).to(BF)
+    kc, vc = (torch.randn(T, 1, 16, generator=g).to(BF) for _ in range(2))
+    meta = AttnMeta(decode_rows=slice(0, 1), decode_slots=None, decode_bias=None)
+    meta.decode_span = (0, T)
+    got = nd.attention(q, kc, vc, meta, 0.25)
+    torch.testing.assert_close(got, attention.ATTENTION(q, kc, vc, meta, 0.25), atol=0, rtol=0)
