@@ -1,5 +1,5 @@
 """Prometheus metrics of the Batch API, from the batch service's `BatchStats` (once a second while
-batches run or lines are queued or in flight, every `IDLE_STATS_S` otherwise, services/batch/main.py).
+batches run or lines are queued or in flight, else every `IDLE_STATS_S`: services/batch/main.py).
 
 Counters in `BatchStats` count since that process started; a restart (a new `started_unix_s`)
 is added on, so `tidal_batch_lines_total`, `tidal_batch_output_tokens_total` and
