@@ -20,7 +20,9 @@ that figure is from what the hardware allows. The bound is a fluid (GPU-seconds)
    j attends I + j - 1 tokens): n = I + O - 1, S = O, pairs >= I (I + 1) / 2, context =
    (O - 1) I + (O - 1)(O - 2) / 2. Every step time is >= the sum of its requests' shares, so
    the GPU-seconds of N instances over the window T bound the total: N T >= online cost +
-   offline cost.
+   offline cost. Instances that share D < N devices (CPU engines pinned to fewer cores than
+   there are instances) have D T between them: a step model fitted to one engine alone on one
+   core prices that core's seconds, and two engines on it take turns.
 4. Online cost, a lower bound: only the online requests whose SLO deadline (arrival + TTFT +
    (O - 1) TPOT) falls inside the window must be served in it, and the `violation_pct` share
    of all online requests may fail: the most expensive of them are left out.
@@ -124,7 +126,7 @@ class OfflineLimit:
 
     limit_tokens_per_s: float  # most offline tokens/s any schedule adds beside the online load
     offline_only_tokens_per_s: float  # the same with no online load: the instances' capacity
-    gpu_s: float  # instance-seconds in the window: N x T
+    gpu_s: float  # device-seconds in the window: min(N, D) x T (D: devices, default N)
     online_gpu_s: float  # lower bound on the GPU-seconds the online load needs in the window
     cpu_credit_s: float  # GPU-seconds of decode attention the CPU workers could take at most
     offline_s_per_token: float  # floor of GPU-seconds per offline output token, at the mix
@@ -177,9 +179,11 @@ def offline_limit(
     offline: Sequence[SimRequest],
     violation_pct: float = 0.0,
     cpu: CpuAttnCapacity | None = None,
+    num_devices: int | None = None,
 ) -> OfflineLimit:
     """The most offline tokens/s any schedule adds beside `online` within `duration_s` on
-    `num_instances` instances of `model` (module docstring). `offline` gives the length mix."""
+    `num_instances` instances of `model` (module docstring). `offline` gives the length mix.
+    `num_devices`: how many devices the instances share (None: each has its own)."""
     if not isinstance(model, RooflineModel):
         raise ValueError(
             f"the offline limit is derived from the roofline step model; got "
@@ -187,12 +191,15 @@ def offline_limit(
         )
     if num_instances < 1 or kv_capacity_tokens < 1 or duration_s <= 0:
         raise ValueError("num_instances, kv_capacity_tokens and duration_s must be > 0")
+    if num_devices is not None and num_devices < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     if not 0 <= violation_pct <= 100:
         raise ValueError(f"violation_pct must be in [0, 100], got {violation_pct}")
     if not offline:
         raise ValueError("no offline requests: the offline length mix is empty")
     f = linear_floor(model)
-    gpu_s = num_instances * duration_s
+    devices = num_instances if num_devices is None else min(num_instances, num_devices)
+    gpu_s = devices * duration_s
     cpu_ctx = 0.0
     if cpu is not None and cpu.num_workers > 0:
         cpu_ctx = cpu.num_workers * cpu.bytes_per_s_per_worker * duration_s / cpu.kv_bytes_per_token
@@ -238,10 +245,15 @@ def offline_limit(
 
 
 def config_limit(
-    cfg: ClusterConfig, policy: str, violation_pct: float, offline_rate: float | None = None
+    cfg: ClusterConfig,
+    policy: str,
+    violation_pct: float,
+    offline_rate: float | None = None,
+    num_devices: int | None = None,
 ) -> OfflineLimit:
     """`offline_limit` for `cfg`'s cluster as `policy` runs it (its own instance list if it has
-    one), online trace and offline length mix (offered at `offline_rate` req/s if given)."""
+    one), online trace and offline length mix (offered at `offline_rate` req/s if given), on
+    `num_devices` devices shared by the instances (None: one each)."""
     from tidal.sim.build import _step_model, kv_geometry, with_offline_rate, workload
 
     if offline_rate is not None:
@@ -265,4 +277,5 @@ def config_limit(
         [r for r in reqs if r.req_class is RequestClass.OFFLINE],
         violation_pct,
         cpu if cw.count > 0 else None,
+        num_devices,
     )

@@ -8,6 +8,13 @@ computed offline limit (`tidal.sim.limit`; simulated).
   same config, window and resources (tokens/s) over the mix's mean output length, times a margin:
   a load no schedule could complete, so every policy saturates or misses the SLO at or below it.
 
+- **Devices** (`engine_devices`): the limit gives every instance a device of its own, as the
+  simulator does. The torch engine's instances run on the cores `--engine-cores` names (all
+  the host's if unpinned), and the fitted step profile prices one engine alone on one core: two
+  instances pinned to one core have that core's seconds between them. So the live figure's
+  share is of the limit on min(instances, engine cores) devices; the simulator's stays on its
+  own (one device an instance).
+
 The offline length mix is the config's offline stream drawn at `MIX_QPS` over the window (the
 limit depends on the offline stream only through its mix). The limit rests on the roofline step
 model; `limit_basis` says which model that is beside the engine's own step times.
@@ -92,20 +99,40 @@ def limit_basis(engine: str, sim_step_model: str, cfg: ClusterConfig) -> str:
     )
 
 
-def window_limit(cfg: ClusterConfig, policy: str, violation_pct: float, workers: int) -> Any:
+def window_limit(
+    cfg: ClusterConfig,
+    policy: str,
+    violation_pct: float,
+    workers: int,
+    devices: int | None = None,
+) -> Any:
     """`tidal.sim.limit.config_limit` for the window both sides run (warm-up included), the
-    policy's instances and `workers` usable CPU-attention workers; the offline mix at MIX_QPS."""
+    policy's instances and `workers` usable CPU-attention workers; the offline mix at MIX_QPS;
+    the instances on `devices` devices (None: one each)."""
     from tidal.sim.limit import config_limit
 
     c = dataclasses.replace(cfg, cpu_workers=dataclasses.replace(cfg.cpu_workers, count=workers))
-    return config_limit(c, policy, violation_pct, MIX_QPS)
+    return config_limit(c, policy, violation_pct, MIX_QPS, devices)
 
 
-def limit_row(lim: Any, basis: str) -> dict[str, Any]:
-    """A limit's JSON entry (simulated: derived from the step model, not measured)."""
+def engine_devices(
+    engine: str, engine_cores: tuple[int, ...] | None, host_cores: int
+) -> int | None:
+    """The devices the live instances' engines share: None (one each) on the sim engine, whose
+    steps are emulated per instance; on the torch engine the cores its engines may run on
+    (`engine_cores`, or all `host_cores` when unpinned)."""
+    if engine != "torch":
+        return None
+    return len(engine_cores) if engine_cores is not None else host_cores
+
+
+def limit_row(lim: Any, basis: str, devices: str = "one device an instance") -> dict[str, Any]:
+    """A limit's JSON entry (simulated: derived from the step model, not measured); `devices`
+    says what the instances run on."""
     return {
         "label": "simulated",
         "basis": basis,
+        "devices": devices,
         "tokens_per_s": lim.limit_tokens_per_s,
         "offline_only_tokens_per_s": lim.offline_only_tokens_per_s,
         "gpu_s": lim.gpu_s,

@@ -89,6 +89,13 @@ def limit_lines(report: dict[str, Any]) -> list[str]:
                 f"limit {lim['tokens_per_s']:.0f} tok/s: live {100 * e['share_of_limit']:.1f}%, "
                 f"simulator {100 * e['sim_share_of_limit']:.1f}%"
             )
+            if own := e.get("sim_limit"):
+                share = (
+                    f"limit {lim['tokens_per_s']:.0f} tok/s on {lim['devices']}: live "
+                    f"{100 * e['share_of_limit']:.1f}%; simulator "
+                    f"{100 * e['sim_share_of_limit']:.1f}% of its own "
+                    f"{own['tokens_per_s']:.0f} tok/s ({own['devices']})"
+                )
         else:
             share = f"no limit: {lim.get('error', 'not computed')}"
         out.append(

@@ -38,7 +38,7 @@ from tidal.config.cluster import ClusterConfig, parse_config, set_path
 from tidal.configs import config_path
 from tidal.sim.build import kv_geometry, with_offline_rate, workload
 from tidal.workload.mix import SimRequest
-from tidal_bench.colocation.caps import limit_basis, limit_row, window_limit
+from tidal_bench.colocation.caps import engine_devices, limit_basis, limit_row, window_limit
 from tidal_bench.colocation.live_window import measure_window
 from tidal_bench.colocation.max_offline import Measurement, Outcome, Point, search_max_offline
 from tidal_bench.kit import children_of, pct, stack, up_pid
@@ -349,15 +349,32 @@ def shares(
     args: argparse.Namespace, cfg: ClusterConfig, policy: str, workers: int, entry: dict
 ) -> dict[str, Any]:
     """The live and simulated figures as shares of the computed offline limit (simulated) for
-    the same config, window and resources; the limit's row, or why there is none."""
+    the same config, window and resources; the limit's row, or why there is none. The live
+    share is of the limit on the devices the live engines share (`caps.engine_devices`); the
+    simulator's of the limit on one device an instance, as it runs them; `sim_limit` is that one
+    where the two differ."""
+    pinned = args.engine_cores
+    cores = None if pinned is None else affinity.parse_cores(pinned, "--engine-cores")
+    devices = engine_devices(args.engine, cores, os.cpu_count() or 1)
+    basis = limit_basis(args.engine, args.sim_step_model, cfg)
     try:
-        lim = window_limit(cfg, policy, args.violation, workers)
+        own = window_limit(cfg, policy, args.violation, workers)
+        lim = window_limit(cfg, policy, args.violation, workers, devices)
     except ValueError as e:
         return {"limit": {"label": "simulated", "error": str(e)}}
+    n = sum(g.count for g in cfg.groups_for(policy))
+    if devices is None or devices >= n:
+        return {
+            "limit": limit_row(lim, basis),
+            "share_of_limit": lim.share(entry["max_offline_tokens_per_s"]),
+            "sim_share_of_limit": own.share(entry["sim_max_offline_tokens_per_s"]),
+        }
+    where = f"engine cores {pinned}" if pinned is not None else "the host"
     return {
-        "limit": limit_row(lim, limit_basis(args.engine, args.sim_step_model, cfg)),
+        "limit": limit_row(lim, basis, f"{n} instances on {devices} core(s) ({where})"),
         "share_of_limit": lim.share(entry["max_offline_tokens_per_s"]),
-        "sim_share_of_limit": lim.share(entry["sim_max_offline_tokens_per_s"]),
+        "sim_limit": limit_row(own, basis, "one device an instance, as the simulator runs them"),
+        "sim_share_of_limit": own.share(entry["sim_max_offline_tokens_per_s"]),
     }
 
 

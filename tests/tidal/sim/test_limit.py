@@ -65,6 +65,20 @@ def test_limit_hand_computed() -> None:
     assert forgiven.limit_tokens_per_s == pytest.approx(only.limit_tokens_per_s)
 
 
+def test_instances_sharing_fewer_devices_share_their_seconds() -> None:
+    model = RooflineModel(TINY, TINY_PARAMS)
+    off = [_req(RequestClass.OFFLINE, 0.0, 2, 3)]
+    on = [_req(RequestClass.ONLINE, 0.0, 1, 2)]
+    # 2 instances on 1 device: 100 device-seconds, as 1 instance has; on 2 or more: 200
+    shared = offline_limit(model, 2, 10, 100.0, on, off, num_devices=1)
+    assert shared.gpu_s == 100.0
+    assert shared.limit_tokens_per_s == pytest.approx((100 - 4.7) * 3 / 11.95 / 100)
+    assert offline_limit(model, 2, 10, 100.0, on, off, num_devices=4).gpu_s == 200.0
+    assert offline_limit(model, 2, 10, 100.0, on, off).gpu_s == 200.0
+    with pytest.raises(ValueError, match="num_devices"):
+        offline_limit(model, 2, 10, 100.0, on, off, num_devices=0)
+
+
 def test_cpu_workers_credit_at_most_their_bandwidth_or_all_decode_attention() -> None:
     model = RooflineModel(TINY, TINY_PARAMS)
     off = [_req(RequestClass.OFFLINE, 0.0, 2, 3)]

@@ -85,3 +85,10 @@ def test_a_config_off_the_roofline_needs_an_explicit_max_qps(tmp_path: Path) -> 
         caps.derive(cfg, ["ooco"], "sim", "linear", 3.0, 0, 1000, 32, None)
     # with --max-qps given, nothing needs the limit
     assert caps.derive(cfg, ["ooco"], "sim", "linear", 3.0, 0, 1000, None, 8.0)["max_qps"] == 8.0
+
+
+def test_the_live_engines_devices_are_their_cores_on_torch_and_one_an_instance_on_sim() -> None:
+    assert caps.engine_devices("sim", (0,), 2) is None  # emulated steps: one device an instance
+    assert caps.engine_devices("torch", (0,), 2) == 1
+    assert caps.engine_devices("torch", (0, 1, 3), 8) == 3
+    assert caps.engine_devices("torch", None, 2) == 2  # unpinned: every host core

@@ -197,7 +197,9 @@ def test_a_tiny_search_on_the_sim_engine_reports_live_and_simulated_figures(
 def test_figures_are_reported_as_shares_of_the_limit_with_what_ended_each_search(
     tmp_path: Path,
 ) -> None:
-    args = _args(set=["offline.max_output_tokens=256"], engine="sim", violation=3.0)
+    args = _args(
+        set=["offline.max_output_tokens=256"], engine="sim", violation=3.0, engine_cores="0"
+    )
     cfg, _ = cs.write_config(args, str(tmp_path))
     args.sim_step_model = cfg.step_model_spec()
     e = {**_entry(1000.0), "bound_text": "SLO-bound at 12 (fails at 16)"}
@@ -214,6 +216,34 @@ def test_figures_are_reported_as_shares_of_the_limit_with_what_ended_each_search
     # a config whose limit cannot be computed has none, and says why
     off = dataclasses.replace(cfg, latency_model="regression")
     assert "regression" in cs.shares(args, off, "tidal", 0, e)["limit"]["error"]
+
+
+def test_torch_engines_pinned_to_one_core_share_one_cores_limit(tmp_path: Path) -> None:
+    # tidal's two instances on core 0: the live figure is a share of the limit on one device;
+    # the simulator (one device an instance) keeps its own, twice the device-seconds
+    args = _args(
+        set=["offline.max_output_tokens=256"], engine="torch", violation=3.0, engine_cores="0"
+    )
+    cfg, _ = cs.write_config(args, str(tmp_path))
+    args.sim_step_model = cfg.step_model_spec()
+    assert sum(g.count for g in cfg.groups_for("tidal")) == 2
+    e = {**_entry(1000.0), "sim_max_offline_tokens_per_s": 2000.0}
+    e.update(cs.shares(args, cfg, "tidal", 0, e))
+    lim, own = e["limit"], e["sim_limit"]
+    assert lim["gpu_s"] == pytest.approx(own["gpu_s"] / 2) == pytest.approx(cfg.duration_s)
+    assert lim["tokens_per_s"] < own["tokens_per_s"] / 2  # the online load takes its part first
+    assert lim["devices"] == "2 instances on 1 core(s) (engine cores 0)"
+    assert e["share_of_limit"] == pytest.approx(1000.0 / lim["tokens_per_s"])
+    assert e["sim_share_of_limit"] == pytest.approx(2000.0 / own["tokens_per_s"])
+    e |= {"bound_text": "SLO-bound at 2 (fails at 4)", "simulator": {"bound_text": "saturated"}}
+    head = {"engine": "torch", "sim_step_model": args.sim_step_model, "config": "c", "window": "w"}
+    text = table({**head, "violation": 3.0, "repeats": 2, "policies": {"tidal": e}})
+    assert f"limit {lim['tokens_per_s']:.0f} tok/s on 2 instances on 1 core(s)" in text
+    assert f"of its own {own['tokens_per_s']:.0f} tok/s (one device an instance" in text
+    # on both cores (or unpinned on this 2-core host) each instance has one: one limit
+    args.engine_cores = "0-1"
+    both = cs.shares(args, cfg, "tidal", 0, _entry(1000.0))
+    assert "sim_limit" not in both and both["limit"]["gpu_s"] == pytest.approx(own["gpu_s"])
 
 
 def test_a_points_cpu_is_the_median_of_its_windows() -> None:
