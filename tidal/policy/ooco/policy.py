@@ -15,6 +15,7 @@ instance half, what relaxed and strict instances run each step, is `tidal.policy
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from tidal.perf.api import BatchShape
@@ -41,6 +42,10 @@ from tidal.policy.registry import register_policy
 from tidal.policy.state import ClusterView, InstanceRole, InstanceState, Phase, ReqState
 
 _EWMA_S = 10.0  # time constant of the online KV-inflow estimate used by gating, seconds
+# A pulled decode still running on a relaxed instance this long after its migration was asked was
+# refused (mid-chunk after a layer cut, no room on arrival, ...): the policy sees no refusal, so
+# the decode is a candidate again. A deferred migration waits one relaxed step (<< 1 s).
+ASK_TIMEOUT_S = 1.0
 
 
 def ooco_config(ctx: PolicyContext, params: dict[str, object] | None = None) -> OocoConfig:
@@ -66,7 +71,8 @@ class OocoPolicy(OocoSteps):
         self._kv_rate = 0.0  # online prompt tokens per second (EWMA), for gating
         self._kv_t = 0.0
         self._pull_seen: dict[int, float] = {}  # strict id -> PULL_SEQ hint last acted on
-        self._asked: set[str] = set()  # req_ids whose migration was asked (may be deferred)
+        # req_id -> when its migration was asked (it may be deferred to the step boundary)
+        self._asked: dict[str, float] = {}
 
     # ------------------------------------------------------------------ roles
     def _set_roles(self, roles: Sequence[InstanceRole]) -> None:
@@ -139,7 +145,7 @@ class OocoPolicy(OocoSteps):
             }
         dispatch = self.dispatch_offline(cluster, now) if cluster.held else {}
         ready = self.pull_ready(cluster)
-        migrate = self.pull_migrations(cluster, ready) if ready else ()
+        migrate = self.pull_migrations(cluster, ready, now) if ready else ()
         if not (set_role or dispatch or migrate):
             return ClusterActions()
         return ClusterActions(dispatch=dispatch, migrate=migrate, set_role=set_role)
@@ -189,18 +195,15 @@ class OocoPolicy(OocoSteps):
         return ready
 
     def pull_migrations(
-        self, cluster: ClusterView, ready: dict[int, BatchShape]
+        self, cluster: ClusterView, ready: dict[int, BatchShape], now: float
     ) -> tuple[Migration, ...]:
         """§3.4.3 pull model with the Alg. 1 length preference, toward the `ready` strict
-        instances (id -> the batch of their last step that had room)."""
+        instances (id -> the batch of their last step that had room). A decode asked for less
+        than `ASK_TIMEOUT_S` ago is left out; one asked before that and still on a relaxed
+        instance was refused and may be pulled again."""
         out: list[Migration] = []
-        if len(self._asked) > 4096:  # forget requests that have long since moved
-            self._asked = {
-                r.req_id
-                for i in self.relaxed
-                for r in cluster.instances[i].running
-                if r.req_id in self._asked
-            }
+        if len(self._asked) > 4096:  # forget asks old enough to be chosen again anyway
+            self._asked = {k: t for k, t in self._asked.items() if now - t < ASK_TIMEOUT_S}
         cands: list[DecodeCandidate] | None = None
         taken: set[str] = set()
         for sid, batch in ready.items():
@@ -215,7 +218,7 @@ class OocoPolicy(OocoSteps):
                     if not r.is_online
                     and r.phase is Phase.RUNNING
                     and r.is_decoding
-                    and r.req_id not in self._asked
+                    and now - self._asked.get(r.req_id, -math.inf) >= ASK_TIMEOUT_S
                     # NOTE: a migration deferred to the step boundary fails in the simulator if
                     # the request finishes in that step; skip requests within a span of the end.
                     and r.max_output_tokens - r.num_output_tokens > self.cfg.decode_repeat + 1
@@ -248,7 +251,7 @@ class OocoPolicy(OocoSteps):
                 max(0, room),
             )
             taken.update(str(g) for g in got)
-            self._asked.update(str(g) for g in got)
+            self._asked.update((str(g), now) for g in got)
             out.extend(Migration(str(g), sid) for g in got)
         return tuple(out)
 
