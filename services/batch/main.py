@@ -89,6 +89,7 @@ async def _stats_loop(
             generated_tokens_total=c.generated_tokens,
             oldest_job_age_s=oldest_s,
         )
+        published = _follows(keeper, dispatcher)  # what `stats` carries, read at the same moment
         with contextlib.suppress(Exception):
             await nc.publish(subjects.BATCH_STATS, codec.encode(stats))
         quiet_until = time.monotonic() + IDLE_STATS_S
@@ -97,7 +98,7 @@ async def _stats_loop(
                 await asyncio.wait_for(stop.wait(), timeout=STATS_S)
             if stop.is_set() or not _idle(queued, dispatcher, keeper):
                 break
-            if _follows(keeper, dispatcher) != _follows_stats(stats):
+            if _follows(keeper, dispatcher) != published:
                 break  # something counted since: publish it now
             if time.monotonic() >= quiet_until:
                 break
@@ -107,16 +108,6 @@ def _follows(keeper: Keeper, dispatcher: Dispatcher) -> tuple[object, ...]:
     """What the stats carry of the service's own state (no store call)."""
     c = dispatcher.counters
     return dict(keeper.by_status), c.done, c.failed, c.output_tokens, c.generated_tokens
-
-
-def _follows_stats(stats: BatchStats) -> tuple[object, ...]:
-    return (
-        stats.batches_by_status,
-        stats.lines_done_total,
-        stats.lines_failed_total,
-        stats.output_tokens_total,
-        stats.generated_tokens_total,
-    )
 
 
 def _idle(queued: int, dispatcher: Dispatcher, keeper: Keeper) -> bool:

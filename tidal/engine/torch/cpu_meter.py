@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 # a calibration measured beside more than this many cores of other work is re-measured when quiet
 LOADED_CORES = 0.3
@@ -40,15 +39,10 @@ def _own_s() -> float:
     return t.user + t.system
 
 
-@dataclass
 class OthersMeter:
     """Started at construction; `cores()` is the others' average cores busy since then."""
 
-    t0: float = 0.0
-    busy0: float | None = None
-    own0: float = 0.0
-
-    def __post_init__(self) -> None:
+    def __init__(self) -> None:
         self.t0, self.busy0, self.own0 = time.monotonic(), _machine_busy_s(), _own_s()
 
     def cores(self) -> float:
