@@ -178,30 +178,49 @@ def test_native_flag_choices_per_cpu() -> None:
     ]
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the kernels with")
-def test_native_kernels_build_without_march_where_the_compiler_refuses_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    # a compiler that rejects -march=native, as some aarch64 compilers do
+def _refusing_gxx(tmp_path: Path, flag: str, error: str) -> Path:
+    """A g++ that fails, saying `error`, when given `flag`, and is g++ otherwise."""
     cxx = tmp_path / "picky-g++"
     cxx.write_text(
         "#!/bin/sh\n"
-        'case " $* " in *" -march=native "*)\n'
-        "  echo \"picky-g++: error: unrecognized command-line option '-march=native'\" >&2\n"
+        f'case " $* " in *" {flag} "*)\n'
+        f'  echo "{error}" >&2\n'
         "  exit 1;;\n"
         "esac\n"
         f'exec {shutil.which("g++")} "$@"\n'
     )
     cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
+    return cxx
+
+
+def _load_built_by(
+    cxx: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    level: int,
+) -> Any:
+    """`native.load()` with `cxx` as the compiler, into a fresh cache under `tmp_path`, its
+    log records at `level` and above in `caplog`."""
     monkeypatch.setenv("CXX", str(cxx))
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("TIDAL_NATIVE", "1")
     native.load.cache_clear()
     try:
-        with caplog.at_level(logging.INFO, logger="tidal.engine.torch.native"):
-            lib = native.load()
+        with caplog.at_level(level, logger="tidal.engine.torch.native"):
+            return native.load()
     finally:
         native.load.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the kernels with")
+def test_native_kernels_build_without_march_where_the_compiler_refuses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a compiler that rejects -march=native, as some aarch64 compilers do
+    error = "picky-g++: error: unrecognized command-line option '-march=native'"
+    cxx = _refusing_gxx(tmp_path, "-march=native", error)
+    lib = _load_built_by(cxx, tmp_path, monkeypatch, caplog, logging.INFO)
     assert lib is not None
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("native decode kernels built with ")
@@ -236,3 +255,33 @@ def test_forced_avx2_builds_the_kernels_without_avx512(
         asm = subprocess.run([objdump, "-d", str(so)], capture_output=True, text=True).stdout
         assert "vfmadd" in asm or "vmul" in asm  # still vectorised (AVX2)
         assert "%zmm" not in asm and "%k1" not in asm
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the kernels with")
+def test_a_compiler_without_openmp_builds_the_kernels_on_one_thread(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a compiler that refuses -fopenmp (no OpenMP runtime): the same kernels, built without it
+    # (the attention then on the calling thread alone), the fallback logged
+    cxx = _refusing_gxx(tmp_path, "-fopenmp", "error: no OpenMP")
+    built = _load_built_by(cxx, tmp_path, monkeypatch, caplog, logging.WARNING)
+    assert built is not None
+    (so,) = (tmp_path / "cache" / "native").glob("decode_ops-*.so")
+    assert "gomp" not in subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout
+    assert any(
+        "not -march=native" in r.getMessage() and "-fopenmp" in r.getMessage()
+        for r in caplog.records
+    )
+    g = torch.Generator().manual_seed(6)
+    bf, H, Hk, D, T = torch.bfloat16, 9, 3, 64, 40
+    qkv = torch.randn(1, (H + 2 * Hk) * D, generator=g).to(bf)
+    kc, vc = (torch.randn(T, Hk, D, generator=g).to(bf) for _ in range(2))
+    out, scores = torch.empty(1, H * D, dtype=bf), torch.empty(4 * 8 * T)
+    built.tidal_decode_attention(
+        qkv.data_ptr(), kc.data_ptr(), vc.data_ptr(), None, 0, T, H, Hk, D, D**-0.5,
+        scores.data_ptr(), 4, out.data_ptr(),
+    )  # fmt: skip
+    q = qkv[:, : H * D].view(1, Hk, H // Hk, D).float()
+    k, v = (c.transpose(0, 1).unsqueeze(0).float() for c in (kc, vc))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=D**-0.5)
+    torch.testing.assert_close(out.float().view(1, Hk, H // Hk, D), ref, atol=2e-2, rtol=0)
