@@ -61,3 +61,21 @@ def test_cpu_clock_and_children_of_read_proc() -> None:
     finally:
         kid.kill()
         kid.wait()
+
+
+def test_distinct_prompts_have_the_asked_length_and_no_shared_first_block() -> None:
+    from tidal.engine.sim.tokens import load_sim_tokenizer
+
+    tok = load_sim_tokenizer()
+    bos = len(tok.encode("tide")) - 1
+    assert all(len(tok.encode("tide" + w)) == bos + 2 for w in kit.PROMPT_WORDS)
+    prompt = kit.distinct_prompt_maker(seed=1)
+    lengths = [1, 2, 17, 33, 100, 256] * 20
+    ids = [tok.encode(prompt(n)) for n in lengths]
+    assert [len(x) for x in ids] == [max(n, bos + 1) for n in lengths]
+    first_blocks = [tuple(x[:16]) for x in ids if len(x) > 16]  # the torch engine's block
+    assert len(set(first_blocks)) == len(first_blocks)
+    assert kit.distinct_prompt_maker(seed=1)(50) == kit.distinct_prompt_maker(seed=1)(50)
+    # the fixed prompts are each other's prefixes: what a prefix cache serves
+    fixed = kit.prompt_maker()
+    assert tok.encode(fixed(100))[:16] == tok.encode(fixed(200))[:16]
