@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,3 +80,30 @@ def test_distinct_prompts_have_the_asked_length_and_no_shared_first_block() -> N
     # the fixed prompts are each other's prefixes: what a prefix cache serves
     fixed = kit.prompt_maker()
     assert tok.encode(fixed(100))[:16] == tok.encode(fixed(200))[:16]
+
+
+@pytest.mark.slow
+def test_the_torch_engine_computes_every_token_of_distinct_prompts() -> None:
+    """The offline limit and the simulator charge every prompt token: so must the live run."""
+    from tidal.engine.api import EngineRequest, SamplingParams
+    from tidal.engine.sim.tokens import load_sim_tokenizer
+    from tidal.engine.torch.loader import load_torch_engine
+
+    tok = load_sim_tokenizer()
+    lengths = [40, 120, 33, 200, 64, 150]
+
+    def computed(prompt: Any) -> tuple[int, int]:
+        eng = load_torch_engine(None, kv_cache_tokens=4096)
+        total = done = 0
+        for i, n in enumerate(lengths):
+            ids = tok.encode(prompt(n))
+            total += len(ids)
+            eng.add(EngineRequest(f"r{i}", ids, SamplingParams(max_tokens=1, ignore_eos=True)))
+            while eng.has_work():
+                done += eng.step().telemetry.num_prefill_tokens
+        return total, done
+
+    total, done = computed(kit.distinct_prompt_maker(seed=3))
+    assert done == total == sum(lengths)
+    total, done = computed(kit.prompt_maker())  # each other's prefixes: the cache serves them
+    assert total == sum(lengths) and done < total / 2
