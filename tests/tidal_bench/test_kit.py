@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,3 +62,48 @@ def test_cpu_clock_and_children_of_read_proc() -> None:
     finally:
         kid.kill()
         kid.wait()
+
+
+def test_distinct_prompts_have_the_asked_length_and_no_shared_first_block() -> None:
+    from tidal.engine.sim.tokens import load_sim_tokenizer
+
+    tok = load_sim_tokenizer()
+    bos = len(tok.encode("tide")) - 1
+    assert all(len(tok.encode("tide" + w)) == bos + 2 for w in kit.PROMPT_WORDS)
+    prompt = kit.distinct_prompt_maker(seed=1)
+    lengths = [1, 2, 17, 33, 100, 256] * 20
+    ids = [tok.encode(prompt(n)) for n in lengths]
+    assert [len(x) for x in ids] == [max(n, bos + 1) for n in lengths]
+    first_blocks = [tuple(x[:16]) for x in ids if len(x) > 16]  # the torch engine's block
+    assert len(set(first_blocks)) == len(first_blocks)
+    assert kit.distinct_prompt_maker(seed=1)(50) == kit.distinct_prompt_maker(seed=1)(50)
+    # the fixed prompts are each other's prefixes: what a prefix cache serves
+    fixed = kit.prompt_maker()
+    assert tok.encode(fixed(100))[:16] == tok.encode(fixed(200))[:16]
+
+
+@pytest.mark.slow
+def test_the_torch_engine_computes_every_token_of_distinct_prompts() -> None:
+    """The offline limit and the simulator charge every prompt token: so must the live run."""
+    from tidal.engine.api import EngineRequest, SamplingParams
+    from tidal.engine.sim.tokens import load_sim_tokenizer
+    from tidal.engine.torch.loader import load_torch_engine
+
+    tok = load_sim_tokenizer()
+    lengths = [40, 120, 33, 200, 64, 150]
+
+    def computed(prompt: Any) -> tuple[int, int]:
+        eng = load_torch_engine(None, kv_cache_tokens=4096)
+        total = done = 0
+        for i, n in enumerate(lengths):
+            ids = tok.encode(prompt(n))
+            total += len(ids)
+            eng.add(EngineRequest(f"r{i}", ids, SamplingParams(max_tokens=1, ignore_eos=True)))
+            while eng.has_work():
+                done += eng.step().telemetry.num_prefill_tokens
+        return total, done
+
+    total, done = computed(kit.distinct_prompt_maker(seed=3))
+    assert done == total == sum(lengths)
+    total, done = computed(kit.prompt_maker())  # each other's prefixes: the cache serves them
+    assert total == sum(lengths) and done < total / 2

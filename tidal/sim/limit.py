@@ -36,8 +36,11 @@ Assumptions, stated because the bound rests on them: the step model is the roofl
 regression and module-wise fits have no closed floor: refused); a schedule serves offline
 requests in the offered mix's proportions (one that chose only short-prompt, long-output
 requests could beat it: the simulator's policies take offline work first come first served);
-preemption, recompute, migration and swapping only add work; the TPOT SLO, arrival times and
-TTFT are ignored (each can only lower what a schedule achieves). The figure is simulated.
+preemption, recompute, migration and swapping only add work; every prompt token is computed
+(an engine whose prefix cache serves prompts from one another, as the torch engine's serves
+prompts that are each other's prefixes, does less work than charged and can beat the bound); the
+TPOT SLO, arrival times and TTFT are ignored (each can only lower what a schedule achieves). The
+figure is simulated.
 """
 
 from __future__ import annotations

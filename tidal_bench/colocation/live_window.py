@@ -5,7 +5,9 @@ lines go in through the Batch API (`/v1/files` + `/v1/batches`, one batch a seco
 lines that arrived in it); online SLO attainment and TTFT/TPOT are counted from the warm-up's end,
 offline tokens/s and lines/s from the batch service's `/metrics` counters over the measured part.
 At the end the window's batches are left to finish or cancelled, so the next window starts on an
-empty stack.
+empty stack. Every prompt is of random words (`kit.distinct_prompt_maker`): no prompt is a prefix
+of another, so the torch engine's prefix cache computes what the simulator and the offline limit
+charge, every prompt token.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from typing import Any
 from tidal.config.cluster import ClusterConfig
 from tidal.workload.mix import SimRequest
 from tidal_bench.colocation.max_offline import Measurement
-from tidal_bench.kit import CpuClock, metric_samples, pct, prompt_maker
+from tidal_bench.kit import CpuClock, distinct_prompt_maker, metric_samples, pct
 from tidal_bench.stream_timing import StreamTimes, read_stream
 
 
 async def _submit(client: Any, model: str, lines: list[tuple[int, int]]) -> str:
     """One batch of (prompt tokens, output tokens) lines through /v1/files + /v1/batches."""
-    prompt = prompt_maker()
+    prompt = distinct_prompt_maker()
     body = "\n".join(
         json.dumps(
             {
@@ -111,7 +113,7 @@ async def measure_window(
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
-    prompt = prompt_maker()
+    prompt = distinct_prompt_maker()
     slo, end_s = cfg.slo, cfg.duration_s
     rows: list[tuple[float, float | None, float | None, int, int]] = []  # sent, 1st, last, n, want
     batch_ids: list[str] = []

@@ -3,7 +3,9 @@ systematically profiling target hardware across diverse batch compositions").
 
 Drives the engine with explicit random plans (how many decodes, how large a prefill chunk) over a
 changing request population, so the log covers decode-only, prefill-only and mixed steps over a
-range of batch sizes and contexts. The engine itself appends each step to the log (its
+range of batch sizes and contexts (`populations`: how many requests are in the engine, a new
+draw every 40 steps; each step decodes a random share of them, so the largest decode batches
+reach the largest population). The engine itself appends each step to the log (its
 `EngineConfig.step_log`). With `clock="wall"` the machine's load is part of what gets
 measured; on a shared machine `clock="thread"` logs the stepping thread's CPU time instead (with
 one torch thread all the compute runs on it), keeping the wall time as `wall_s`.
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+POPULATIONS = (1, 2, 4, 8, 16, 32, 48)  # requests in the engine, one drawn every 40 steps
+
 
 def record_engine_log(
     out: str,
@@ -31,10 +35,19 @@ def record_engine_log(
     chunks: tuple[int, ...] = (0, 16, 32, 64, 128, 256),
     clock: str = "wall",
     progress: Callable[[int], None] | None = None,
+    populations: tuple[int, ...] = POPULATIONS,
+    kv_cache_tokens: int = 65536,
 ) -> int:
     """Run `num_steps` planned steps, appending them to `out`; returns the steps recorded."""
     if clock not in ("wall", "thread"):
         raise ValueError(f"clock must be 'wall' or 'thread', got {clock!r}")
+    if not populations or min(populations) < 1:
+        raise ValueError(f"populations must be >= 1 requests each, got {populations}")
+    if max(populations) * (max_prompt + max_output) > kv_cache_tokens:
+        raise ValueError(
+            f"{max(populations)} requests of up to {max_prompt} + {max_output} tokens need more "
+            f"than the {kv_cache_tokens} KV tokens: lower the populations or raise the KV"
+        )
     if clock == "thread" and threads != 1:
         raise ValueError("clock='thread' measures one thread: use threads=1")
     import torch
@@ -48,13 +61,15 @@ def record_engine_log(
     log_path = out if clock == "wall" else out + ".wall.tmp"
     if clock == "thread":
         Path(log_path).unlink(missing_ok=True)
-    eng = load_torch_engine(model, device=device, step_log=log_path, kv_cache_tokens=65536)
+    eng = load_torch_engine(
+        model, device=device, step_log=log_path, kv_cache_tokens=kv_cache_tokens
+    )
     cpu_s: list[float] = []
     rng = np.random.default_rng(seed)
     target, next_id = 1, 0
     for i in range(num_steps):
-        if i % 40 == 0:  # a new population size every 40 steps: 1 .. 48 requests
-            target = int(rng.choice([1, 2, 4, 8, 16, 32, 48]))
+        if i % 40 == 0:  # a new population size every 40 steps
+            target = int(rng.choice(populations))
         views = eng.schedulable()
         while len(views) < target:
             prompt = rng.integers(1, 32000, int(rng.integers(8, max_prompt + 1))).tolist()

@@ -23,6 +23,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     rec.add_argument("--device", default="cpu")
     rec.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = default)")
     rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument("--max-prompt", type=int, default=384, help="longest prompt, tokens")
+    rec.add_argument("--max-output", type=int, default=64, help="longest output, tokens")
+    rec.add_argument(
+        "--populations", default="",
+        help="requests in the engine, one drawn every 40 steps (comma-separated; default "
+        "1,2,4,8,16,32,48); each step decodes a random share of them",
+    )  # fmt: skip
+    rec.add_argument("--kv-cache-tokens", type=int, default=65536)
     rec.add_argument(
         "--clock", choices=("wall", "thread"), default="wall",
         help="step_s as wall time, or the stepping thread's CPU time (shared machines)",
@@ -43,7 +51,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _record(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from tidal_bench.perf.record import record_engine_log
+    from tidal_bench.perf.record import POPULATIONS, record_engine_log
 
     with Progress() as bar:
         task = bar.add_task("recording engine steps", total=args.steps)
@@ -54,8 +62,22 @@ def _record(args: argparse.Namespace) -> int:
             args.device,
             args.threads or None,
             args.seed,
+            max_prompt=args.max_prompt,
+            max_output=args.max_output,
             clock=args.clock,
+            populations=_populations(args.populations) if args.populations else POPULATIONS,
+            kv_cache_tokens=args.kv_cache_tokens,
             progress=lambda i: bar.update(task, completed=i),
         )
     print(f"appended {args.steps} real {args.device} steps to {args.out}")
     return 0
+
+
+def _populations(spec: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in spec.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"--populations: comma-separated request counts, got {spec!r}") from None
+    if not out:
+        raise SystemExit("--populations: give at least one request count")
+    return out
