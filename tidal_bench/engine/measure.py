@@ -39,33 +39,54 @@ def _sync(device: torch.device) -> None:
 
 
 def copy_bandwidth(device: torch.device, mib: int = 512) -> float:
-    """Bytes/s of a large tensor copy (read + write both counted); on CPU the best of the
-    current thread count and one thread (one core's copy often beats two on a small machine,
-    and the roofline should be the machine's, not the thread setting's)."""
+    """Bytes/s of a large tensor copy (read + write both counted, as STREAM's Copy)."""
+    return _best_of_threads(device, lambda: _copy_bandwidth(device, mib))
+
+
+def read_bandwidth(device: torch.device, mib: int = 512) -> float:
+    """Bytes/s of reading a large tensor (its sum: one add per 4 bytes read, far below what a
+    core computes), the rate a decode step's weights and KV can stream at: it reads them and
+    writes next to nothing."""
+    return _best_of_threads(device, lambda: _read_bandwidth(device, mib))
+
+
+def _best_of_threads(device: torch.device, probe: Callable[[], float]) -> float:
+    """On CPU the best of the current thread count and one thread (one core's stream often
+    beats two on a small machine, and the roofline should be the machine's, not the thread
+    setting's)."""
     if device.type != "cpu" or torch.get_num_threads() == 1:
-        return _copy_bandwidth(device, mib)
+        return probe()
     n = torch.get_num_threads()
-    best = _copy_bandwidth(device, mib)
+    best = probe()
     torch.set_num_threads(1)
     try:
-        return max(best, _copy_bandwidth(device, mib))
+        return max(best, probe())
     finally:
         torch.set_num_threads(n)
+
+
+def _best_time(device: torch.device, fn: Callable[[], object], reps: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def _copy_bandwidth(device: torch.device, mib: int) -> float:
     n = mib * (1 << 20) // 4
     a = torch.ones(n, device=device)
     b = torch.empty_like(a)
-    b.copy_(a)
-    times = []
-    for _ in range(5):
-        _sync(device)
-        t0 = time.perf_counter()
-        b.copy_(a)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * a.numel() * a.element_size() / min(times)
+    return 2 * a.numel() * a.element_size() / _best_time(device, lambda: b.copy_(a))
+
+
+def _read_bandwidth(device: torch.device, mib: int) -> float:
+    a = torch.ones(mib * (1 << 20) // 4, device=device)
+    return a.numel() * a.element_size() / _best_time(device, a.sum)
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
