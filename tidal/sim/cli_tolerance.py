@@ -41,6 +41,15 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         metavar="LO,HI",
         help="latency budgets (s) the profiler searches, from HI down",
     )
+    t.add_argument(
+        "--best-of",
+        action="append",
+        default=[],
+        metavar="POLICY.PARAM=V1,V2,...",
+        help="profile the budget policy's budget at each setting of PARAM and keep the one with "
+        "the most offline tokens/s (repeat for a grid), e.g. "
+        "hygen.online_prefill_budgeted=true,false",
+    )
 
 
 def _budget_range(text: str) -> tuple[float, float]:
@@ -61,12 +70,20 @@ def tolerance_cmd(
     progress: Callable[[], Any],
     write: Callable[[Path, dict[str, Any]], None],
 ) -> int:
+    from tidal.sim.best_of import parse_best_of
     from tidal.sim.tolerance import pure_online, tolerance_search
 
     tols = [Tolerance.parse(t) for t in args.tolerance] or list(cfg.slo_tolerances)
     if not tols:
         raise ValueError("no tolerance: give --tolerance METRIC=RATIO or slo_tolerances")
     budget_range = _budget_range(args.budget_range)
+    for spec in args.best_of:
+        if spec.partition(".")[0].strip() != args.budget_policy:
+            raise ValueError(
+                f"--best-of {spec!r}: only the budget policy ({args.budget_policy}) is profiled "
+                "at several settings"
+            )
+    settings = parse_best_of(args.best_of, [args.budget_policy]).get(args.budget_policy, [()])
     out = Path(args.out)
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -90,6 +107,7 @@ def tolerance_cmd(
                 budget_range,
                 args.iters,
                 on_probe,
+                settings,
             )
             rows.append(res.row())
             _print_row(console, rows[-1])
@@ -104,6 +122,7 @@ def tolerance_cmd(
         "duration_s": cfg.duration_s,
         "seed": cfg.seed,
         "online_policy": args.online_policy,
+        "best_of": list(args.best_of),
         "pure_online": {
             "total_tokens_per_s": ref["online"]["total_tokens_per_s"],
             "tokens_per_s": ref["online"]["tokens_per_s"],
@@ -136,6 +155,7 @@ def _print_row(console: Console, r: dict[str, Any]) -> None:
         f"{star['policy']} {star['offline_qps']:.3g} QPS, {star['offline_tokens_per_s']:.0f} "
         f"offline tok/s; {hy['policy']} budget "
         + ("none" if budget is None else f"{1e3 * budget:.1f} ms")
+        + (f" ({hy['setting']})" if hy["setting"] else "")
         + f", {hy['offline_tokens_per_s']:.0f} offline tok/s; total vs pure online "
         f"{_x(r['total_vs_pure_online'])}, offline vs {star['policy']} "
         f"{_x(r['offline_vs_rate_policy'])}"

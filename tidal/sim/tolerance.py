@@ -11,7 +11,9 @@ The SLO is a `Tolerance`: one aggregate online metric (mean / P99 TBT or TTFT) a
    run stays within the tolerance (`tidal.sim.search.max_offline` with this check).
 3. *HyGen*: offline requests are a backlog (the config's offline stream, at a rate above what
    the GPU serves) and the SLO-aware profiler (§4.2) picks the largest per-step latency budget
-   whose run stays within the tolerance (`profile_budget_from_above`).
+   whose run stays within the tolerance (`profile_budget_from_above`); with several settings
+   of its other params (`--best-of`, e.g. `online_prefill_budgeted`), the profile of each, the
+   one with the most offline tokens/s kept.
 
 Ratios: HyGen's online + offline tokens/s over pure online's (prompt + output tokens of finished
 requests, and generated tokens only), and HyGen's offline tokens/s over HyGen\\*'s ("up to 5.84x
@@ -20,14 +22,14 @@ offline throughput gain" under the same SLO).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tidal.config.cluster import ClusterConfig
 from tidal.config.tolerance import Tolerance
 from tidal.policy.hygen.profiler import profile_budget_from_above
-from tidal.sim.best_of import with_setting
+from tidal.sim.best_of import Setting, label, with_setting
 from tidal.sim.build import simulate
 from tidal.sim.metrics import summarize
 from tidal.sim.search import SearchResult, max_offline
@@ -55,6 +57,8 @@ class BudgetResult:
     budget_s: float | None  # the largest budget within the tolerance (None: none was)
     best: dict[str, Any] | None  # summary at budget_s
     probes: list[tuple[float, dict[str, Any]]] = field(default_factory=list)  # (budget, summary)
+    setting: Setting = ()  # the policy params the search ran with, besides the budget
+    others: list[BudgetResult] = field(default_factory=list)  # the other settings' searches
 
 
 def budget_search(
@@ -84,6 +88,39 @@ def budget_search(
 
     budget = profile_budget_from_above(meets, lo_s, hi_s, iterations=iters)
     return BudgetResult(policy, budget, None if budget is None else seen[budget], probes)
+
+
+def best_budget_search(
+    cfg: ClusterConfig,
+    policy: str,
+    within: Callable[[dict[str, Any]], bool],
+    lo_s: float,
+    hi_s: float,
+    iters: int = 4,
+    on_probe: OnProbe | None = None,
+    settings: Sequence[Setting] = ((),),
+) -> BudgetResult:
+    """`budget_search` once per setting of `policy`'s other params; the one whose profiled
+    budget gives the most offline tokens/s wins (the first listed when none meets the SLO),
+    the others kept in its `others`."""
+    if not settings:
+        raise ValueError("no settings to profile")
+    runs = [
+        replace(
+            budget_search(
+                with_setting(cfg, policy, s), policy, within, lo_s, hi_s, iters, on_probe
+            ),
+            setting=s,
+        )
+        for s in settings
+    ]
+
+    def offline(r: BudgetResult) -> float:
+        return -1.0 if r.best is None else float(r.best["offline"]["tokens_per_s"])
+
+    best = max(runs, key=offline)  # max keeps the first of equals
+    best.others = [r for r in runs if r is not best]
+    return best
 
 
 @dataclass
@@ -127,11 +164,24 @@ class ToleranceResult:
             },
             "budget_policy": {
                 "policy": self.budget.policy,
+                "setting": label(self.budget.setting),
                 "latency_budget_s": self.budget.budget_s,
                 "offline_tokens_per_s": hy_off,
                 "offline_requests_per_s": hy.get("offline", {}).get("requests_per_s", 0.0),
                 "interference": interference(hy),
                 "probes": [(x, _probe(tol, ref, s)) for x, s in self.budget.probes],
+                "other_settings": [
+                    {
+                        "setting": label(o.setting),
+                        "latency_budget_s": o.budget_s,
+                        "offline_tokens_per_s": (o.best or {})
+                        .get("offline", {})
+                        .get("tokens_per_s", 0.0),
+                        "interference": interference(o.best or {}),
+                        "probes": [(x, _probe(tol, ref, s)) for x, s in o.probes],
+                    }
+                    for o in self.budget.others
+                ],
             },
             # HyGen §5.2's two headline ratios (None where a denominator is zero)
             "total_vs_pure_online": total(hy, "total_tokens_per_s") / ref_total
@@ -164,14 +214,19 @@ def tolerance_search(
     budget_range_s: tuple[float, float] = (0.01, 0.1),
     budget_iters: int = 4,
     on_probe: OnProbe | None = None,
+    budget_settings: Sequence[Setting] = ((),),
 ) -> ToleranceResult:
     """HyGen §5.2 for one tolerance (see the module docstring); `reference` is
-    `pure_online(cfg)`, shared by every tolerance of one config."""
+    `pure_online(cfg)`, shared by every tolerance of one config. `budget_settings`: settings
+    of the budget policy's other params to profile the budget at, the best kept
+    (`best_budget_search`)."""
 
     def within(s: dict[str, Any]) -> bool:
         return tol.meets(s, reference)
 
     rate = max_offline(cfg, rate_policy, 100.0, start_qps, max_qps, qps_iters, on_probe, within)
     lo, hi = budget_range_s
-    budget = budget_search(cfg, budget_policy, within, lo, hi, budget_iters, on_probe)
+    budget = best_budget_search(
+        cfg, budget_policy, within, lo, hi, budget_iters, on_probe, budget_settings
+    )
     return ToleranceResult(tol, reference, rate, budget)

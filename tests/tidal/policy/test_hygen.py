@@ -47,6 +47,30 @@ def test_online_decodes_are_never_dropped_even_over_budget() -> None:
     assert len(b.decode) == 500 and "off-d" not in b.decode
 
 
+def test_unbudgeted_online_chunk_is_cut_by_the_chunk_size_only_and_offline_adds_nothing() -> None:
+    # 30 ms budget = 200 tokens. One online decode + a 400-token prompt, chunk 512.
+    def step(budgeted: bool, prompt: int) -> tuple[dict[object, int], float]:
+        b = two_phase_schedule(
+            TOK, 0.03, 512, 16, 10_000,
+            online_running=[dec("on-d")],
+            online_waiting=[HyReq("on-p", prompt)],
+            offline_running=[dec("off-d")],
+            offline_waiting=[HyReq("off-a", 400)],
+            online_prefill_budgeted=budgeted,
+        )  # fmt: skip
+        return b.prefill, b.step_s
+
+    # Alg. 1 line 15 as written: the budget cuts the online chunk to 199 tokens (1 + 199).
+    assert step(True, 400) == ({"on-p": 199}, pytest.approx(0.03))
+    # The online phase bounded by chunk and memory only: the whole 400-token prompt goes in
+    # (41.1 ms, as Sarathi would run it) and the offline phase adds nothing to an over-budget step.
+    assert step(False, 400) == ({"on-p": 400}, pytest.approx(0.01 + 1e-4 * 401))
+    # A light online step is topped up to the budget with offline work either way: 1 + 50
+    # online tokens, then the offline decode and 148 tokens of off-a (10 + 0.1 * 200 = 30 ms).
+    for budgeted in (True, False):
+        assert step(budgeted, 50) == ({"on-p": 50, "off-a": 148}, pytest.approx(0.03))
+
+
 def test_offline_preempted_newest_first_when_online_needs_its_memory() -> None:
     # 10 free blocks; two offline prefills hold 20 blocks each. The online prompt needs 25 blocks.
     off = [HyReq("old", 640, 320, 20), HyReq("new", 640, 320, 20)]

@@ -61,3 +61,20 @@ def test_no_new_offline_prompt_while_offline_kv_is_swapped_out() -> None:
     plan = _policy().schedule(inst, 0.0)
     assert "off-new" not in plan.prefill
     assert plan.swap_in == ("off-s",)
+
+
+def test_online_prefill_budgeted_reaches_the_step() -> None:
+    # 10 ms + 0.1 ms per token: the 30 ms budget holds 200 tokens.
+    model = LinearStepModel(base_s=0.01, per_token_s=1e-4, per_ctx_token_s=0.0, per_attn_pair_s=0.0)
+
+    def plan_for(budgeted: bool) -> dict[str, int]:
+        inst = InstanceState(0, InstanceRole.AGGREGATED, 512, 256, 16, 1000, 1000, model, 1, 1e9)
+        r = ReqState("on-p", RequestClass.ONLINE, 0.0, 400, 10, SLO, instance_id=0)
+        r.phase = Phase.WAITING
+        inst.waiting.append(r)
+        params = {"latency_budget_s": 0.03, "online_prefill_budgeted": budgeted}
+        ctx = PolicyContext(1, (InstanceRole.AGGREGATED,), SLO, params, seed=0)
+        return dict(make_policy("hygen", ctx).schedule(inst, 0.0).prefill)
+
+    assert plan_for(True) == {"on-p": 200}
+    assert plan_for(False) == {"on-p": 400}

@@ -65,6 +65,22 @@ def test_tolerance_command_writes_both_ratios(tmp_path: Path) -> None:
     assert s["best"]["total_vs_pure_online"] == row["total_vs_pure_online"]
 
 
+def test_budget_profiled_at_each_setting_and_the_most_offline_kept(tmp_path: Path) -> None:
+    out = tmp_path / "tol"
+    argv = ["sim", "tolerance", "--config", CONFIG, "--out", str(out), "--duration", "60"]
+    argv += ["--set", "drain_s=20", "--tolerance", "ttft_p99=0.08", "--iters", "1"]
+    argv += ["--start-qps", "1", "--budget-range", "0.02,0.05"]
+    assert main([*argv, "--best-of", "hygen.online_prefill_budgeted=true,false"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    hy = s["tolerances"][0]["budget_policy"]
+    (other,) = hy["other_settings"]
+    settings = {hy["setting"], other["setting"]}
+    assert settings == {"online_prefill_budgeted=True", "online_prefill_budgeted=False"}
+    assert hy["offline_tokens_per_s"] >= other["offline_tokens_per_s"]
+    assert other["probes"]  # the losing setting's search is kept too
+    assert main([*argv, "--best-of", "hygen-star.offline_qps_cap=1,2"]) == 2
+
+
 def test_tolerance_command_rejects_a_bad_range(tmp_path: Path) -> None:
     argv = ["sim", "tolerance", "--config", CONFIG, "--out", str(tmp_path / "x")]
     assert main([*argv, "--budget-range", "0.2,0.1"]) == 2

@@ -138,14 +138,17 @@ class Budget:
         self.decode.extend([r.req_id for r in islice(reqs, lo)])
         self.decode_context.extend(cs[:lo])
 
-    def max_prefill(self, r: HyReq, ignore_memory: bool = False) -> int:
-        """PREDICTOR.get_max_prefill(t, c, m, r): the longest chunk within every budget."""
+    def max_prefill(
+        self, r: HyReq, ignore_memory: bool = False, ignore_latency: bool = False
+    ) -> int:
+        """PREDICTOR.get_max_prefill(t, c, m, r): the longest chunk within every budget
+        (`ignore_latency`: within the chunk and memory budgets only)."""
         hi = min(self.chunk_tokens, r.prompt_tokens - r.computed_tokens)
         if not ignore_memory:
             slack = max(0, r.held_blocks * self.block_size - r.computed_tokens)
             hi = min(hi, slack + self.free_blocks * self.block_size)
-        if hi <= 0:
-            return 0
+        if hi <= 0 or ignore_latency:
+            return max(0, hi)
         shape, done, now_s = self.shape, r.computed_tokens, self.step_s()
         step_s, limit = self.model.step_s, self.latency_s
         # Latency is monotone in the chunk length, so when one more token already breaks the
@@ -174,20 +177,25 @@ def slo_aware_schedule(
     prefill_order: Iterable[HyReq],
     online_phase: bool,
     preempt: Callable[[int], bool] | None = None,
+    online_prefill_budgeted: bool = True,
 ) -> None:
     """HyGen Alg. 1, filling `budget` in place.
 
     `preempt(blocks_needed)` is PERFORM_PREEMPTION of the online phase: it frees offline memory
     and returns whether anything was freed. NOTE: Alg. 1 preempts whenever l = 0; we preempt only
     when memory is what blocks the chunk, since preempting cannot shorten the step.
+
+    `online_prefill_budgeted=False`: the online phase sizes prefill chunks by the chunk and
+    memory budgets only, not the latency budget t (`HygenConfig.online_prefill_budgeted`).
     """
+    free_online = online_phase and not online_prefill_budgeted
     if online_phase:  # lines 6-12: every online decode goes in, whatever the budget
         budget.add_decodes_forced(decoding)
     else:  # offline decodes while the budget holds: largest FCFS prefix, by binary search
         budget.add_decode_prefix(decoding)
     for r in prefill_order:  # lines 13-29
         while True:
-            n = budget.max_prefill(r)
+            n = budget.max_prefill(r, ignore_latency=free_online)
             if n > 0:
                 budget.take_prefill(r, n)
                 break
@@ -228,6 +236,7 @@ def two_phase_schedule(
     online_waiting: Sequence[HyReq],
     offline_running: Sequence[HyReq],
     offline_waiting: Iterable[HyReq],
+    online_prefill_budgeted: bool = True,
 ) -> HybridBatch:
     """HyGen App. A.1 Alg. 2 (ASYNC_SCHEDULER body), synchronously.
 
@@ -239,7 +248,13 @@ def two_phase_schedule(
     off_held = sum([r.held_blocks for r in offline_running])
     b = Budget(model, latency_budget_s, chunk_size, free_blocks + off_held, block_size)
     on_dec, on_pre = _split(online_running)
-    slo_aware_schedule(b, on_dec, [*on_pre, *online_waiting], online_phase=True)
+    slo_aware_schedule(
+        b,
+        on_dec,
+        [*on_pre, *online_waiting],
+        online_phase=True,
+        online_prefill_budgeted=online_prefill_budgeted,
+    )
     # Lines 14-17: give back offline memory the online phase consumed.
     kept: Sequence[HyReq] = offline_running
     preempted: list[Hashable] = []

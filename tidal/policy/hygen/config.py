@@ -38,6 +38,17 @@ class HygenConfig:
     already promised to running prefills, as Sarathi-Serve (HyGen's base, §5.1) allocates a
     prompt's blocks at admission (configs/hygen.yaml). False (the default): admit chunk by
     chunk, Alg. 1 line 19 alone."""
+    online_prefill_budgeted: bool = True
+    """Whether the latency budget t also sizes the online phase's prefill chunks. True (the
+    default): Alg. 1 as written, line 15's get_max_prefill(t, c, m, r) in both phases. False:
+    online chunks are bounded by the chunk size c and memory only (as Sarathi runs them), and t
+    bounds what the offline phase adds. §4.1 describes the budget as the offline phase's ("the
+    remaining capacity is filled with offline requests ... based on the available batch
+    execution latency budget, i.e., the latency slack"), line 8 already exempts online decodes
+    from t, and in the online phase l = 0 leads to preemption and a retry (lines 22-24), which
+    can only free memory. A P99 TTFT tolerance needs False: a budget small enough to bound the
+    offline top-ups would otherwise cut long online prompts into more steps
+    (docs/results/hygen/README.md, `tidal sim tolerance --best-of`)."""
     offline_buffer: int = 2
     """Policy: offline requests dispatched to an instance's queue at a time (the rest wait in
     the policy's prefix-ordered offline queue)."""

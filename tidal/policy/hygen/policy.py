@@ -140,6 +140,7 @@ class HygenPolicy(Policy):
             # only be swapped out in turn (memory churn over PCIe, §4.1 retains state to avoid
             # exactly that); swapped requests come back first, below.
             offline_waiting=(() if inst.swapped else self._offline_waiting(inst, run)),
+            online_prefill_budgeted=cfg.online_prefill_budgeted,
         )
         swap_in: list[str] = []
         if not b.preempted and inst.swapped and not any(r.is_online for r in inst.waiting):

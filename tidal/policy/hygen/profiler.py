@@ -35,8 +35,9 @@ def profile_budget_from_above(
 
     §4.2's profiler first "establishes viable latency budget ranges" for the workload and SLO;
     compliance is monotone only inside that range. Below it a TTFT SLO fails again (the
-    budget also caps online prefill chunks, so online prompts take more steps), and
-    `profile_latency_budget`, which starts by testing the bottom, would then report nothing.
+    budget also caps online prefill chunks, so online prompts take more steps, unless
+    `online_prefill_budgeted` is off), and `profile_latency_budget`, which starts by testing
+    the bottom, would then report nothing.
     Searching down from the top finds the largest compliant budget either way. None when no
     budget down to `lo_s` meets the SLO."""
     if not 0 < lo_s <= hi_s:
