@@ -43,11 +43,13 @@ def copy_bandwidth(device: torch.device, mib: int = 512) -> float:
     return _best_of_threads(device, lambda: _copy_bandwidth(device, mib))
 
 
-def read_bandwidth(device: torch.device, mib: int = 512) -> float:
+def read_bandwidth(device: torch.device, mib: int = 512, probes: int = 3) -> list[float]:
     """Bytes/s of reading a large tensor (its sum: one add per 4 bytes read, far below what a
     core computes), the rate a decode step's weights and KV can stream at: it reads them and
-    writes next to nothing."""
-    return _best_of_threads(device, lambda: _read_bandwidth(device, mib))
+    writes next to nothing. `probes` readings, each on a new tensor: on a shared VM one reading
+    in three or four came out 50-60 % above the rest (53 against 30-35 GB/s), so the roofline
+    takes the median of many."""
+    return [_best_of_threads(device, lambda: _read_bandwidth(device, mib)) for _ in range(probes)]
 
 
 def _best_of_threads(device: torch.device, probe: Callable[[], float]) -> float:

@@ -8,8 +8,9 @@ memory-bandwidth roofline.
 Decode tokens/s at each batch size (prompts of --prompt-len tokens, --decode-steps timed steps),
 prefill tokens/s at each prompt length (one chunk), each beside HF `generate` on the same model,
 dtype and thread count, and beside the roofline: bytes one step reads (weights + KV) divided by
-the read bandwidth of a large tensor, the median of probes before the runs and after each dtype's
-(one probe swung 34-51 GB/s on a shared VM; the copy bandwidth is reported beside it). Also the
+the read bandwidth of a large tensor, the median of three probes before the runs and three after
+each dtype's (single probes swung 30-54 GB/s on a shared VM; the copy bandwidth is reported beside
+it). Also the
 time from `request_layer_cut()` to the engine being free during a long prefill (OOCO §3.4.1).
 Figures come from a real engine.
 
@@ -81,13 +82,13 @@ def run_bench(args: argparse.Namespace) -> int:
         hf_seen: dict[str, dict[str, Any]] = {}  # torch dtype -> HF figures already measured
         prog.update(task, advance=1, description="memory bandwidth")
         res["copy_bandwidth_gb_s"] = copy_bandwidth(device) / 1e9
-        reads = [read_bandwidth(device)]
+        reads = read_bandwidth(device)
         for dt in dtypes:
             res["runs"][dt] = _bench_dtype(
                 args, cfg, dt, hf_dir, batches, prefills, prog, task, hf_seen
             )
             prog.update(task, description="memory bandwidth")
-            reads.append(read_bandwidth(device))
+            reads += read_bandwidth(device)
         bw = statistics.median(reads)
         res["read_bandwidth_gb_s"] = bw / 1e9
         res["read_bandwidth_probes_gb_s"] = [round(r / 1e9, 2) for r in reads]
