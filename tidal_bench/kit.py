@@ -116,7 +116,9 @@ def _bos_tokens() -> int:
 def prompt_maker() -> Any:
     """prompt(n) -> a string the served tokenizer reads as exactly n tokens: " tide" is one
     token, plus whatever the tokenizer adds (a BOS). Every such prompt is a prefix of the longer
-    ones: for engines with a prefix cache use `distinct_prompt_maker`."""
+    ones: for engines with a prefix cache use `distinct_prompt_maker`. No bench sends these any
+    more (every live bench draws random words); kept as the prefix-sharing case the kit's tests
+    set against `distinct_prompt_maker`."""
     extra = _bos_tokens()
 
     def prompt(n: int) -> str:

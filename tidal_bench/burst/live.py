@@ -14,14 +14,15 @@ from typing import Any
 from tidal.config.cluster import ClusterConfig
 from tidal_bench.burst.guidellm_online import run_online
 from tidal_bench.burst.schedule import BurstSchedule, OnlineResult, outcome_of
-from tidal_bench.kit import prompt_maker
+from tidal_bench.kit import distinct_prompt_maker
 from tidal_bench.stream_timing import StreamTimes, read_stream
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
-async def _submit(client: Any, model: str, ids: list[str], sched: BurstSchedule) -> str:
-    prompt = prompt_maker()
+async def _submit(
+    client: Any, model: str, ids: list[str], sched: BurstSchedule, prompts: list[str]
+) -> str:
     rows = [
         {
             "custom_id": cid,
@@ -29,11 +30,11 @@ async def _submit(client: Any, model: str, ids: list[str], sched: BurstSchedule)
             "url": "/v1/completions",
             "body": {
                 "model": model,
-                "prompt": prompt(sched.line_prompt_tokens),
+                "prompt": text,
                 "max_tokens": sched.line_output_tokens,
             },
         }
-        for cid in ids
+        for cid, text in zip(ids, prompts, strict=True)
     ]
     data = "\n".join(map(json.dumps, rows)).encode()
     f = await client.files.create(file=("burst.jsonl", io.BytesIO(data)), purpose="batch")
@@ -43,20 +44,22 @@ async def _submit(client: Any, model: str, ids: list[str], sched: BurstSchedule)
     return str(b.id)
 
 
-async def _online(client: Any, model: str, sched: BurstSchedule, seed: int, t0: float) -> Any:
+async def _online(
+    client: Any, model: str, sched: BurstSchedule, prompts: list[tuple[float, str]], t0: float
+) -> Any:
+    """Each (arrival time, prompt) of `prompts` as a streamed request at its time from t0."""
     import openai
 
-    prompt = prompt_maker()
     results: list[OnlineResult] = []
 
-    async def one(at: float) -> None:
+    async def one(at: float, text: str) -> None:
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
         sent = time.perf_counter() - t0
         got = StreamTimes()
         try:
             stream = await client.completions.create(
                 model=model,
-                prompt=prompt(sched.prompt_tokens),
+                prompt=text,
                 max_tokens=sched.output_tokens,
                 stream=True,
                 extra_body={"request_class": "online"},
@@ -74,7 +77,7 @@ async def _online(client: Any, model: str, sched: BurstSchedule, seed: int, t0: 
         itl = None if first is None or last is None or n < 2 else (last - first) / (n - 1)
         results.append(OnlineResult(sent, "ok", ttft, itl))
 
-    await asyncio.gather(*(one(t) for t in sched.arrivals(seed)))
+    await asyncio.gather(*(one(t, text) for t, text in prompts))
     return results
 
 
@@ -113,12 +116,24 @@ async def run_live(
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=3600)
     model = (await client.models.list()).data[0].id
-    t0, t0_unix = time.perf_counter(), time.time()
+    # Prompts of random words (no prompt a prefix of another, so an engine with a prefix cache
+    # computes every prompt token, as the simulator charges), all drawn before the clock starts:
+    # drawing them costs the client no time inside the run.
+    prompt = distinct_prompt_maker(seed)
     ids = sched.line_ids()
-    batch_ids = await asyncio.gather(*(_submit(client, model, i, sched) for i in ids))
+    line_prompts = [[prompt(sched.line_prompt_tokens) for _ in job] for job in ids]
+    online_prompts = (
+        [] if guidellm else [(t, prompt(sched.prompt_tokens)) for t in sched.arrivals(seed)]
+    )
+    t0, t0_unix = time.perf_counter(), time.time()
+    batch_ids = await asyncio.gather(
+        *(_submit(client, model, i, sched, p) for i, p in zip(ids, line_prompts, strict=True))
+    )
     created = time.perf_counter() - t0
     if guidellm is None:
-        online: asyncio.Task[Any] = asyncio.create_task(_online(client, model, sched, seed, t0))
+        online: asyncio.Task[Any] = asyncio.create_task(
+            _online(client, model, sched, online_prompts, t0)
+        )
     else:
         exe, cfg = guidellm
         online = asyncio.create_task(

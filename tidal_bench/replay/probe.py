@@ -89,18 +89,19 @@ async def send_lone(base: str, model: str, lengths: list[int], gap_s: float) -> 
     """The probe requests, one at a time, `gap_s` apart after each ends."""
     import openai
 
-    from tidal_bench.kit import prompt_maker
+    from tidal_bench.kit import distinct_prompt_maker
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=600)
-    prompt = prompt_maker()
+    prompt = distinct_prompt_maker(seed=0)  # random words: no probe a prefix of another
+    texts = [prompt(n) for n in lengths]
     out: list[Lone] = []
     t0 = time.perf_counter()
     try:
-        for n in lengths:
+        for n, text in zip(lengths, texts, strict=True):
             sent = time.perf_counter() - t0
             stream = await client.completions.create(
                 model=model,
-                prompt=prompt(n),
+                prompt=text,
                 max_tokens=PROBE_OUTPUT_TOKENS,
                 stream=True,
                 extra_body={"request_class": "online"},

@@ -5,8 +5,9 @@ replayed in real time against `tidal up --engine sim --config CONFIG --policy P`
 engine takes each step's time from the simulator's own latency model (`MODEL@HARDWARE` of the
 config) and whose KV pool is the simulator's. Every request is a streamed `/v1/completions` call
 of the official openai client with a prompt of exactly its trace length in the served tokenizer
-and `max_tokens` = its trace output length. The simulator then runs the same requests with the
-same config and policy. Printed side by side: online SLO attainment, TTFT and TPOT p50/p99, and
+(random words, no prompt a prefix of another: `kit.distinct_prompt_maker`) and `max_tokens` =
+its trace output length. The simulator then runs the same requests with the same config and
+policy. Printed side by side: online SLO attainment, TTFT and TPOT p50/p99, and
 offline output tokens per second in the window. TTFT counts from the moment the client sent the
 request (as guidellm's does); how late the client sent it against the trace is shown apart.
 Both sides are emulation (the sim engine and the simulator); the point is their agreement.
@@ -34,7 +35,7 @@ from tidal.config.cluster import ClusterConfig, load_config
 from tidal.sim.build import instance_setups, simulate, workload
 from tidal.sim.metrics import summarize
 from tidal.workload.mix import SimRequest
-from tidal_bench.kit import gateway_metrics, pct, prompt_maker, save_json, stack
+from tidal_bench.kit import distinct_prompt_maker, gateway_metrics, pct, save_json, stack
 from tidal_bench.replay import trace as trc
 from tidal_bench.replay import window as wnd
 from tidal_bench.replay.table import KEYS, SIDES, print_table
@@ -59,10 +60,13 @@ async def _replay(
     # (request, sent, first token, last token, tokens, response id), times from t0
     rows: list[tuple[SimRequest, float, float | None, float | None, int, str]] = []
     off_tokens = 0  # offline output tokens streamed inside the window (as the simulator bins)
-    prompt = prompt_maker()
+    # random words, no prompt a prefix of another (an engine with a prefix cache computes every
+    # prompt token, as the simulator charges), drawn before the clock starts: no client lag
+    prompt = distinct_prompt_maker(seed=0)
+    texts = [prompt(r.input_tokens) for r in reqs]
     t0, unix0 = time.perf_counter(), time.time()
 
-    async def one(r: SimRequest) -> None:
+    async def one(r: SimRequest, text: str) -> None:
         nonlocal off_tokens
         await asyncio.sleep(max(0.0, r.arrival_s - (time.perf_counter() - t0)))
         got = StreamTimes()
@@ -70,7 +74,7 @@ async def _replay(
         try:
             stream = await client.completions.create(
                 model=model,
-                prompt=prompt(r.input_tokens),
+                prompt=text,
                 max_tokens=r.output_tokens,
                 stream=True,
                 extra_body={"request_class": str(r.req_class)},
@@ -83,7 +87,7 @@ async def _replay(
         first, last = (got.times[0], got.times[-1]) if got.times else (None, None)
         rows.append((r, sent, first, last, len(got.times), got.response_id))
 
-    await asyncio.gather(*(one(r) for r in reqs))
+    await asyncio.gather(*(one(r, text) for r, text in zip(reqs, texts, strict=True)))
     await client.close()
     slo = cfg.slo
     ttft, tpot, ok, num_online = [], [], 0, 0

@@ -4,10 +4,10 @@ Starts `tidal up --config classes.yaml --engine sim --sim-step-model STEP` (thre
 interactive, standard, batch; emulated step times), submits a `--batch-lines`-line batch through
 the Batch API, then sends each class's requests at its Poisson `--rate CLASS=R` for
 `--duration-s` with the official openai client (`X-Tidal-Class`, non-streamed,
-`--prompt-tokens` / `--max-tokens` each, EOS ignored). Per class it counts what was asked,
-where it ran (`X-Tidal-Class`, `X-Tidal-Demoted-From`), the 429s, the gateway's SLO
-attainment (`tidal_slo_requests_total`) and evictions (`tidal_class_preemptions_total`), and
-waits for the batch. Then the simulator runs the
+`--prompt-tokens` of random words, `kit.distinct_prompt_maker`, / `--max-tokens` each, EOS
+ignored). Per class it counts what was asked, where it ran (`X-Tidal-Class`,
+`X-Tidal-Demoted-From`), the 429s, the gateway's SLO attainment (`tidal_slo_requests_total`) and
+evictions (`tidal_class_preemptions_total`), and waits for the batch. Then the simulator runs the
 same arrivals, class table, step model and policy (`tidal.sim.classes`) and the two tables are
 printed side by side. Live figures are the sim engine's (emulated step times, real serving
 path); the simulator's are simulated.
@@ -37,7 +37,7 @@ from tidal.schemas.enums import RequestClass
 from tidal.sim.build import simulate
 from tidal.sim.classes import ClassGate, class_rows
 from tidal.workload.mix import SimRequest
-from tidal_bench.kit import metric_samples, prompt_maker, save_json, stack
+from tidal_bench.kit import distinct_prompt_maker, metric_samples, save_json, stack
 
 MODEL = "tidal-sim"
 DEFAULT_STEP = "linear:0.01,0.0001,0.0005,0"  # 10 ms a step + 0.1 ms a token + 0.5 ms a decode
@@ -74,14 +74,15 @@ class LiveCounts:
     error_samples: list[str]  # "class: status message" of the first few of them
 
 
-async def _drive(base: str, load: list[Arrival], prompt: str, max_tokens: int) -> LiveCounts:
+async def _drive(base: str, load: list[Arrival], prompts: list[str], max_tokens: int) -> LiveCounts:
+    """Each arrival of `load` with its prompt (`prompts`, one each) at its time."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=600)
     counts = LiveCounts(Counter(), Counter(), Counter(), Counter(), Counter(), [])
     t0 = time.monotonic()
 
-    async def one(a: Arrival) -> None:
+    async def one(a: Arrival, prompt: str) -> None:
         await asyncio.sleep(max(0.0, a.at_s - (time.monotonic() - t0)))
         counts.asked[a.class_name] += 1
         try:
@@ -106,13 +107,13 @@ async def _drive(base: str, load: list[Arrival], prompt: str, max_tokens: int) -
             counts.demoted[a.class_name] += 1
 
     try:
-        await asyncio.gather(*(one(a) for a in load))
+        await asyncio.gather(*(one(a, p) for a, p in zip(load, prompts, strict=True)))
     finally:
         await client.close()
     return counts
 
 
-def _batch(client: Any, lines: int, prompt: str, max_tokens: int) -> Any:
+def _batch(client: Any, prompts: list[str], max_tokens: int) -> Any:
     rows = [
         {
             "custom_id": f"b{i}",
@@ -121,7 +122,7 @@ def _batch(client: Any, lines: int, prompt: str, max_tokens: int) -> Any:
             "body": {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
                      "ignore_eos": True},
         }
-        for i in range(lines)
+        for i, prompt in enumerate(prompts)
     ]  # fmt: skip
     data = "\n".join(map(json.dumps, rows)).encode()
     f = client.files.create(file=("classes.jsonl", io.BytesIO(data)), purpose="batch")
@@ -143,12 +144,16 @@ def _attainment(base: str) -> dict[str, tuple[int, int]]:
 def run_live(args: argparse.Namespace, load: list[Arrival]) -> dict[str, Any]:
     import openai
 
-    prompt = prompt_maker()(args.prompt_tokens)
+    # a prompt of random words each, none a prefix of another (an engine with a prefix cache
+    # computes every prompt token, as the simulator charges), drawn before the load starts
+    prompt = distinct_prompt_maker(seed=args.seed)
+    lines = [prompt(args.prompt_tokens) for _ in range(args.batch_lines)]
+    online = [prompt(args.prompt_tokens) for _ in load]
     up = ["--config", args.config, "--engine", "sim", "--sim-step-model", args.sim_step_model]
     with stack(natsd.free_port(), *up) as base:
         client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=600)
-        batch = _batch(client, args.batch_lines, prompt, args.max_tokens)
-        counts = asyncio.run(_drive(base, load, prompt, args.max_tokens))
+        batch = _batch(client, lines, args.max_tokens)
+        counts = asyncio.run(_drive(base, load, online, args.max_tokens))
         deadline = time.monotonic() + args.batch_timeout_s
         while batch.status not in ("completed", "failed", "expired", "cancelled"):
             if time.monotonic() > deadline:
@@ -328,7 +333,7 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-lines", type=int, default=40, help="Batch API lines submitted first")
     p.add_argument("--batch-timeout-s", type=float, default=120.0, help="wait for the batch")
     p.add_argument("--sim-step-model", default=DEFAULT_STEP, help="emulated step time, both")
-    p.add_argument("--seed", type=int, default=0, help="arrival times")
+    p.add_argument("--seed", type=int, default=0, help="arrival times and prompt words")
     p.add_argument("--json", default="", help="also write the figures here as JSON")
     p.add_argument("--sim-only", action="store_true", help="the simulator alone (no stack)")
     p.add_argument(
