@@ -57,6 +57,7 @@ class DecodeModel(Protocol):
 # this many tokens (its score buffer's size) the attention is torch's
 NATIVE_MAX_T = 8192
 _MAX_G, _MAX_D = 8, 256  # the kernels' stack buffers
+_LANES = 16  # the attention runs over a head in vectors of up to this many floats (`LANES`)
 _MAX_SCRATCH = 64  # score blocks (256 KiB each): the most threads the attention splits over
 
 
@@ -97,8 +98,9 @@ class NativeDecode:
         cfg = model.config
         self.model, self.lib = model, lib
         self.H, self.Hk, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        # the kernels keep a KV head's query heads and a head's width in stack buffers
-        self.shapes_fit = self.H // self.Hk <= _MAX_G and self.D <= _MAX_D
+        # the kernels keep a KV head's query heads and a head's width in stack buffers, and
+        # take the head's width in whole steps of their dot products' lanes
+        self.shapes_fit = self.H // self.Hk <= _MAX_G and self.D <= _MAX_D and self.D % _LANES == 0
         self.hidden, self.eps = cfg.hidden_size, float(cfg.rms_norm_eps)
         self.inter = cfg.intermediate_size
         self.qkv_width = cfg.q_size + 2 * cfg.kv_size
@@ -230,7 +232,7 @@ class NativeDecode:
         if (
             B == 0
             or T > NATIVE_MAX_T
-            or not self.shapes_fit  # the kernels' stack buffers: G <= _MAX_G, D <= _MAX_D
+            or not self.shapes_fit  # stack buffers (G <= _MAX_G, D <= _MAX_D), D in whole vectors
             or (B > 1 and not ROW_ATTENTION)
             or q.dtype != k.io
             or k_cache.dtype != self.model.dtype

@@ -392,25 +392,33 @@ def test_kernels_off_or_unbuildable_leave_the_torch_path(
 
 
 @needs_native
-def test_heads_past_the_kernels_buffers_stay_on_the_torch_attention() -> None:
-    # 12 query heads over one KV head (past the kernels' 8) and heads of 16: the model keeps
-    # its native path for what fits it, but a decode's attention is torch's (the kernels' stack
-    # buffers hold 8 query heads a KV head), the same values, nothing written out of bounds
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(12, 1, 16), (4, 2, 24)],
+    ids=["12-query-heads-a-kv-head", "head-of-24"],
+)
+def test_heads_past_the_kernels_buffers_stay_on_the_torch_attention(
+    heads: int, kv_heads: int, head_dim: int
+) -> None:
+    # 12 query heads over one KV head (past the kernels' 8), or heads of 24 (the kernels' dot
+    # products take a head in whole vectors of 16 floats): the model keeps its native path for
+    # what fits it, but a decode's attention is torch's, the same values, nothing written out
+    # of bounds
     from tidal.engine.torch.model_config import ModelConfig
     from tidal_bench.engine.measure import random_engine
 
     cfg = ModelConfig(
-        model_type="llama", vocab_size=300, hidden_size=192, intermediate_size=256,
-        num_hidden_layers=1, num_attention_heads=12, num_key_value_heads=1, head_dim=16,
-        max_position_embeddings=256,
+        model_type="llama", vocab_size=300, hidden_size=heads * head_dim, intermediate_size=256,
+        num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, max_position_embeddings=256,
     )  # fmt: skip
     model = random_engine(cfg, torch.device("cpu"), BF).model
     nd = model.native_decode
     assert nd is not None and not nd.shapes_fit
     g = torch.Generator().manual_seed(7)
     T = 40
-    q = torch.randn(1, 12, 16, generator=g).to(BF)
-    kc, vc = (torch.randn(T, 1, 16, generator=g).to(BF) for _ in range(2))
+    q = torch.randn(1, heads, head_dim, generator=g).to(BF)
+    kc, vc = (torch.randn(T, kv_heads, head_dim, generator=g).to(BF) for _ in range(2))
     meta = AttnMeta(decode_rows=slice(0, 1), decode_slots=None, decode_bias=None)
     meta.decode_span = (0, T)
     got = nd.attention(q, kc, vc, meta, 0.25)

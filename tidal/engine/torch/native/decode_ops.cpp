@@ -60,9 +60,45 @@ inline float exp_approx(float x) {
     return p * __builtin_bit_cast(float, bits);
 }
 
+// Dot products on vectors of the CPU's width (GCC vector extensions): 16 floats where AVX-512 is
+// on, else 8 (AVX2's registers; two NEON ones), summed at the end in a fixed pairwise order. An
+// `omp simd` reduction summed its lanes one by one (a chain of 8-16 scalar adds per score);
+// wider vectors than the ISA's are split by the compiler without fused multiply-adds.
+#ifdef __AVX512F__
+constexpr int LANES = 16;
+#else
+constexpr int LANES = 8;
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+
+inline vf vload(const float* p) {
+    vf v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline float lane_sum(vf v) {
+    float s[LANES];
+    std::memcpy(s, &v, sizeof s);
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) s[l] += s[l + w];
+    return s[0];
+}
+
+// How many tokens ahead the attention asks for a key's cache lines: a decode's KV is read once
+// per step, from DRAM at any context past a few hundred tokens, in 128-512 B pieces (one KV head
+// of one token) a block's stride apart, which the hardware prefetcher does not follow far.
+constexpr int64_t PREFETCH_TOKENS = 4;
+
+template <typename KV>
+inline void prefetch_head(const KV* p, int64_t D) {
+    const char* c = reinterpret_cast<const char*>(p);
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64) __builtin_prefetch(c + b);
+}
+
 // One query row's attention for its KV head kh (see tidal_decode_attention). DC > 0 fixes the
 // head size at compile time, so the per-token loops over it unroll fully (2x faster at 64,
-// measured); DC = 0 reads D. scores: G * T floats of scratch.
+// measured); DC = 0 reads D, a multiple of LANES (`shapes_fit`). scores: G * T floats of scratch.
 template <int DC, typename KV, typename IO>
 void decode_attention_head(const IO* q, const KV* k_cache, const KV* v_cache,
                            const int64_t* slots, int64_t start, int64_t T, int64_t H, int64_t Hk,
@@ -78,12 +114,16 @@ void decode_attention_head(const IO* q, const KV* k_cache, const KV* v_cache,
         for (int64_t t = 0; t < T; ++t) {
             const int64_t s = slots != nullptr ? slots[t] : start + t;
             const KV* k = k_cache + (s * Hk + kh) * D;
+            if (t + PREFETCH_TOKENS < T) {  // this key's successor, and this value (read below)
+                const int64_t sn = slots != nullptr ? slots[t + PREFETCH_TOKENS] : s + PREFETCH_TOKENS;
+                prefetch_head(k_cache + (sn * Hk + kh) * D, D);
+            }
+            prefetch_head(v_cache + (s * Hk + kh) * D, D);
             for (int64_t d = 0; d < D; ++d) kf[d] = ld(k[d]);
             for (int64_t g = 0; g < G; ++g) {
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; ++d) dot += qf[g][d] * kf[d];
-                scores[g * T + t] = dot;
+                vf dot = {};
+                for (int64_t d = 0; d < D; d += LANES) dot += vload(qf[g] + d) * vload(kf + d);
+                scores[g * T + t] = lane_sum(dot);
             }
         }
         float inv[8];
