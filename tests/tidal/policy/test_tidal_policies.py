@@ -10,8 +10,10 @@ import pytest
 
 from tidal.perf.linear import LinearStepModel
 from tidal.policy.base import PolicyContext
+from tidal.policy.ooco.config import OocoConfig
 from tidal.policy.registry import available_policies, make_policy
 from tidal.policy.state import CpuPoolState, InstanceRole, Slo
+from tidal.policy.tidal.config import TidalConfig
 from tidal.schemas.enums import RequestClass
 from tidal.sim.core import InstanceSetup, Simulator
 from tidal.sim.models import CpuAttnRoofline
@@ -130,9 +132,13 @@ def test_tidal_strict_instances_prefill_offline_only_with_the_flag() -> None:
 def test_offline_work_runs_where_the_fixed_step_cost_is_over_the_offline_step_cap(
     name: str,
 ) -> None:
-    # SmolLM2 on a CPU: every step costs ~60 ms, more than OOCO's 50 ms offline-step cap. The cap
-    # must not starve the offline requests queued on the relaxed instance (it once did, live).
-    slow = LinearStepModel(base_s=0.06, per_token_s=1e-5, per_ctx_token_s=0.0, per_attn_pair_s=0.0)
+    # Every step costs more than the offline-step cap (OOCO's default, and `tidal`'s relaxed step),
+    # as SmolLM2 on a CPU once did with a 50 ms cap. The cap must not starve the offline requests
+    # queued on the relaxed instance (it once did, live).
+    base_s = 1.2 * max(OocoConfig().offline_step_cap_s, TidalConfig().relaxed_step_s)
+    slow = LinearStepModel(
+        base_s=base_s, per_token_s=1e-5, per_ctx_token_s=0.0, per_attn_pair_s=0.0
+    )
     roles = [InstanceRole.RELAXED, InstanceRole.STRICT]
     setups = [InstanceSetup(r, 256, 3000, slow, KV_BYTES) for r in roles]
     ctx = PolicyContext(2, tuple(roles), Slo(3.0, 0.25), {}, seed=3)

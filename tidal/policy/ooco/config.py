@@ -41,10 +41,13 @@ class OocoConfig:
     num_relaxed: int = -1
     """Policy: how many instances (the first ones) are latency-relaxed; -1 keeps the roles of
     the cluster config (relaxed/strict), or half of them (rounded up) if it names neither."""
-    offline_step_cap_s: float = 0.05
-    """Policy: longest offline-only step on a relaxed instance. NOTE: the simulator preempts at
-    step boundaries, not layer boundaries (§3.4.1); short offline steps bound the wait of an
-    arriving online prefill the way layer-level preemption does."""
+    offline_step_cap_s: float = 0.4
+    """Policy: the longest offline step on a relaxed instance that offline prefill may fill
+    (seconds, by the instance's step model). An online arrival cuts an offline prefill step at
+    its next layer boundary (§3.4.1, in the simulator and the engines alike) and the chunk
+    resumes later, so the cap does not bound an online prefill's wait; it sets how much offline
+    prefill one step holds: a shorter cap pays the fixed per-step cost more often on the
+    instance whose prefill binds, a longer one leaves more of a step to an online cut."""
     decode_repeat: int = 8
     """Policy: `max_repeat` of decode-only plans (a simulator speed hint)."""
     offline_buffer: int = 2

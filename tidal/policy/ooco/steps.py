@@ -1,8 +1,9 @@
 """OOCO's instance half: what a relaxed or a strict instance computes each step (papers/ooco.md).
 
 * Latency-relaxed instances (§3.2.1): online prefill first and alone (offline work pauses — the
-  preemption of §3.4.1, at step rather than layer granularity, see `offline_step_cap_s`); with no
-  online prefill waiting, offline decodes plus gated offline prefill (§3.4.2).
+  preemption of §3.4.1: an offline prefill step is cut at a layer boundary and its chunk
+  resumed; steps are capped by `offline_step_cap_s`); with no online prefill waiting, offline
+  decodes plus gated offline prefill (§3.4.2).
 * Latency-strict instances (§3.2.2): mix decoding selection each step (Alg. 2); room for pushed
   online requests is made by evicting offline decodes chosen by bottleneck (§3.4.1).
 
