@@ -117,3 +117,15 @@ def _one_torch_thread() -> Any:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dtype calibration's meter of other processes' work reads 0: a test that counts
+    calibrations or compares a cached choice with the measured one must not see a cached one
+    re-measured because other work on this (shared) machine made it look loaded; the tests of
+    that set the meter themselves."""
+    from tidal.engine.torch import cpu_meter
+
+    monkeypatch.setattr(cpu_meter.OthersMeter, "cores", lambda self: 0.0)
+    monkeypatch.setattr(cpu_meter, "others_busy_now", lambda window_s=0.25: 0.0)

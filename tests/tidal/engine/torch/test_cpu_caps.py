@@ -120,6 +120,7 @@ def test_an_engine_without_packing_decodes_as_the_packed_one(
     assert num_plain == 0 and got_plain == got_default
 
 
+@pytest.mark.usefixtures("quiet_machine")  # the second call reads the cache
 def test_calibration_under_forced_avx2_is_its_own_cache_entry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -143,6 +144,7 @@ def test_calibration_under_forced_avx2_is_its_own_cache_entry(
     assert again.reason == choice.reason + " (cached)" and again.cpu == choice.cpu
 
 
+@pytest.mark.usefixtures("quiet_machine")  # the second call reads the cache
 def test_a_dtype_that_cannot_run_is_skipped_with_the_reason(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -30,12 +30,8 @@ TINY = ModelConfig(
 REAL_CORES = dc.cpu_meter.OthersMeter.cores  # before the fixture below replaces it
 
 
-@pytest.fixture(autouse=True)
-def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the tests below count calibrations: other work on this (shared) machine must not make a
-    # cached one look loaded; the tests of that set the meter themselves
-    monkeypatch.setattr(dc.cpu_meter.OthersMeter, "cores", lambda self: 0.0)
-    monkeypatch.setattr(dc.cpu_meter, "others_busy_now", lambda window_s=0.25: 0.0)
+# the tests below count calibrations (`quiet_machine`: tests/tidal/engine/conftest.py)
+pytestmark = pytest.mark.usefixtures("quiet_machine")
 
 
 def test_decide_picks_the_faster_dtype_by_geometric_mean() -> None:
