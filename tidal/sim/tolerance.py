@@ -146,6 +146,17 @@ class ToleranceResult:
         def interference(s: dict[str, Any]) -> float | None:
             return tol.interference(s, ref) if s else None
 
+        def budget_row(b: BudgetResult) -> dict[str, Any]:  # one setting's budget search
+            s = b.best or {}
+            return {
+                "setting": label(b.setting),
+                "latency_budget_s": b.budget_s,
+                "offline_tokens_per_s": float(s.get("offline", {}).get("tokens_per_s", 0.0)),
+                "offline_requests_per_s": s.get("offline", {}).get("requests_per_s", 0.0),
+                "interference": interference(s),
+                "probes": [(x, _probe(tol, ref, p)) for x, p in b.probes],
+            }
+
         star_off = float(star.get("offline", {}).get("tokens_per_s", 0.0))
         hy_off = float(hy.get("offline", {}).get("tokens_per_s", 0.0))
         return {
@@ -164,24 +175,8 @@ class ToleranceResult:
             },
             "budget_policy": {
                 "policy": self.budget.policy,
-                "setting": label(self.budget.setting),
-                "latency_budget_s": self.budget.budget_s,
-                "offline_tokens_per_s": hy_off,
-                "offline_requests_per_s": hy.get("offline", {}).get("requests_per_s", 0.0),
-                "interference": interference(hy),
-                "probes": [(x, _probe(tol, ref, s)) for x, s in self.budget.probes],
-                "other_settings": [
-                    {
-                        "setting": label(o.setting),
-                        "latency_budget_s": o.budget_s,
-                        "offline_tokens_per_s": (o.best or {})
-                        .get("offline", {})
-                        .get("tokens_per_s", 0.0),
-                        "interference": interference(o.best or {}),
-                        "probes": [(x, _probe(tol, ref, s)) for x, s in o.probes],
-                    }
-                    for o in self.budget.others
-                ],
+                **budget_row(self.budget),
+                "other_settings": [budget_row(o) for o in self.budget.others],
             },
             # HyGen §5.2's two headline ratios (None where a denominator is zero)
             "total_vs_pure_online": total(hy, "total_tokens_per_s") / ref_total
