@@ -55,16 +55,16 @@ class TidalConfig:
     """Fraction of a strict instance's KV blocks kept free of new offline prefills, for online
     requests pushed after their prefill (OOCO §3.4.3 push)."""
     relaxed_step_s: float = 0.1
-    """Longest offline step on a latency-relaxed instance, seconds (OOCO's `offline_step_cap_s`
-    was 0.05; an `ooco:` section may still set it). OOCO §3.2.1 does not restrict a relaxed
-    step's time; each step pays the fixed per-step overhead (`tidal.policy.tidal.relaxed`), so
-    a longer one spends less of the instance on it, up to the instance's chunk. Every such
-    step stays preemptible (a cut chunk resumes from its layer, in the engines and the
-    simulator), so an online prefill still waits at most a layer. 0.1 against 0.05, offline
-    tok/s, simulated (`tidal sim max-offline`, first 600 s): 4,272 -> 4,337 on configs/ooco.yaml
-    (tuned on), 2,299 -> 2,312 with the arXiv offline mix and 6,109 -> 6,216 on
-    configs/ooco-code.yaml (held out); 0.15 lost on the arXiv mix (docs/policies.md,
-    "Closing `tidal`'s gap")."""
+    """Longest offline step on a latency-relaxed instance, seconds (`tidal`'s own; it was 0.05, as
+    `ooco`'s `offline_step_cap_s` was until 2026-11-29, 0.4 s since; an `ooco:` section may
+    still set it). OOCO §3.2.1 does not restrict a relaxed step's time; each step pays the fixed
+    per-step overhead (`tidal.policy.tidal.relaxed`), so a longer one spends less of the
+    instance on it, up to the instance's chunk. Every such step stays preemptible (a cut chunk
+    resumes from its layer, in the engines and the simulator), so an online prefill still waits
+    at most a layer. 0.1 against 0.05, offline tok/s, simulated (`tidal sim max-offline`, first
+    600 s): 4,272 -> 4,337 on configs/ooco.yaml (tuned on), 2,299 -> 2,312 with the arXiv
+    offline mix and 6,109 -> 6,216 on configs/ooco-code.yaml (held out); 0.15 lost on the arXiv
+    mix (docs/policies.md, "Closing `tidal`'s gap")."""
     relaxed_uncut_ttft: float = 0.0
     """An offline step on a relaxed instance lasting at most this fraction of the TTFT SLO is
     not cut at a layer boundary by an arriving online prefill (OOCO §3.4.1): the prefill waits

@@ -3,17 +3,15 @@
 OOCO §3.2.1: a latency-relaxed instance's step time "is not restricted", yet every step pays the
 fixed per-step cost (launches, scheduling: the roofline's O_p, OOCO §3.3), so an offline step
 capped at tens of milliseconds spends a share of the instance on it that a longer step does not
-(`TidalConfig.relaxed_step_s`, 0.1 s where OOCO's cap is 0.05). OOCO §3.4.1 lets an arriving
-online prefill cut an offline step at a layer boundary so that its TTFT is what pure P/D
-serving gives. The engines and the simulator keep a cut step's finished layers and resume the
-chunk, paying one more step's fixed part (`tidal.sim.resume`). A step that ends within a
-small share of the TTFT SLO anyway delays the online prefill by no more than that
-("acceptable compared to the seconds-level TTFT SLO", §3.4.1's own measure for a layer's
-wait), so `tidal` can leave such a step uncut (`TidalConfig.relaxed_uncut_ttft`, off by
-default). An online prefill step with room left
-under the same bound takes offline prefill chunks too (`TidalConfig.relaxed_fill`, HyGen §4.1's
-hybrid batch).
-"""
+(`TidalConfig.relaxed_step_s`, 0.1 s; `ooco`'s `offline_step_cap_s` was 0.05, 0.4 s since). OOCO
+§3.4.1 lets an arriving online prefill cut an offline step at a layer boundary so that its TTFT
+is what pure P/D serving gives. The engines and the simulator keep a cut step's finished layers
+and resume the chunk, paying one more step's fixed part (`tidal.sim.resume`). A step that ends
+within a small share of the TTFT SLO anyway delays the online prefill by no more than that
+("acceptable compared to the seconds-level TTFT SLO", §3.4.1's own measure for a layer's wait),
+so `tidal` can leave such a step uncut (`TidalConfig.relaxed_uncut_ttft`, off by default). An
+online prefill step with room left under the same bound takes offline prefill chunks too
+(`TidalConfig.relaxed_fill`, HyGen §4.1's hybrid batch)."""
 
 from __future__ import annotations
 
