@@ -104,7 +104,7 @@ def stack(
 
 
 @functools.cache  # the tokenizer is read once per process
-def _bos_tokens() -> int:
+def bos_tokens() -> int:
     """Tokens the served tokenizer (the sim engine's default, SmolLM2's) adds to every prompt
     (a BOS)."""
     from tidal.engine.sim.tokens import load_sim_tokenizer
@@ -112,36 +112,22 @@ def _bos_tokens() -> int:
     return len(load_sim_tokenizer().encode("tide")) - 1
 
 
-@functools.cache
-def prompt_maker() -> Any:
-    """prompt(n) -> a string the served tokenizer reads as exactly n tokens: " tide" is one
-    token, plus whatever the tokenizer adds (a BOS). Every such prompt is a prefix of the longer
-    ones: for engines with a prefix cache use `distinct_prompt_maker`. No bench sends these any
-    more (every live bench draws random words); kept as the prefix-sharing case the kit's tests
-    set against `distinct_prompt_maker`."""
-    extra = _bos_tokens()
-
-    def prompt(n: int) -> str:
-        return "tide" + " tide" * max(0, n - 1 - extra)
-
-    return prompt
-
-
 # words the served tokenizer reads as one token each after a space (test_kit checks)
 PROMPT_WORDS = (" tide", " sea", " wave", " sand", " shell", " boat", " wind", " salt")
 
 
 def distinct_prompt_maker(seed: int | None = None) -> Any:
-    """prompt(n) -> exactly n tokens, as `prompt_maker`'s, but of words drawn at random (`seed`;
-    None: fresh each process), so two prompts share a first KV block (16 tokens, 14 of them
-    drawn from 8 words) with odds of 8**-14 and the torch engine's prefix cache serves none of
-    one prompt from another. `prompt_maker`'s "tide tide ..."
-    prompts are each other's prefixes: the cache served all but their last partial block (88 %
-    of the prompt tokens of 40 lines of 8-256 tokens), which neither the simulator nor the
-    offline limit counts, so a live run measured far less prefill than they charge."""
+    """prompt(n) -> a string the served tokenizer (the sim engine's default, SmolLM2's) reads as
+    exactly n tokens, "tide" then words drawn at random (`seed`; None: fresh each process), plus
+    whatever the tokenizer adds (a BOS). Two prompts share a first KV block (16 tokens, 14 of
+    them drawn from 8 words) with odds of 8**-14, so the torch engine's prefix cache serves none
+    of one prompt from another. The benches' earlier "tide tide ..." prompts were each other's
+    prefixes: the cache served all but their last partial block (88 % of the prompt tokens of
+    40 lines of 8-256 tokens), which neither the simulator nor the offline limit counts, so a
+    live run measured far less prefill than they charge."""
     import random
 
-    extra, rng = _bos_tokens(), random.Random(seed)
+    extra, rng = bos_tokens(), random.Random(seed)
 
     def prompt(n: int) -> str:
         return "tide" + "".join(rng.choice(PROMPT_WORDS) for _ in range(max(0, n - 1 - extra)))
