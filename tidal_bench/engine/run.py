@@ -7,12 +7,11 @@ memory-bandwidth roofline.
 
 Decode tokens/s at each batch size (prompts of --prompt-len tokens, --decode-steps timed steps),
 prefill tokens/s at each prompt length (one chunk), each beside HF `generate` on the same model,
-dtype and thread count, and beside the roofline: bytes one step reads (weights + KV) divided by
-the read bandwidth of a large tensor, the median of three probes before the runs and three after
-each dtype's (single probes swung 30-54 GB/s on a shared VM; the copy bandwidth is reported beside
-it). Also the
-time from `request_layer_cut()` to the engine being free during a long prefill (OOCO §3.4.1).
-Figures come from a real engine.
+dtype and thread count, and beside the roofline: bytes one step reads (weights + KV) divided by the
+read bandwidth of a large tensor, the median of three probes before the runs and three after each
+dtype's (single probes swung 30-54 GB/s on a shared VM; the copy bandwidth is reported beside it).
+Also the time from `request_layer_cut()` to the engine being free during a long prefill (OOCO
+§3.4.1). Figures come from a real engine.
 
 On CPU both fp32 and bf16 run, side by side (or only --dtype), and the report says which one the
 engine picks by default here and why (`tidal.engine.torch.dtype_choice`: measured, not by CPU flag).
