@@ -2,7 +2,10 @@
 policy's `schedule(inst, now)` for the next `StepPlan`, and describe the instance in an
 `InstanceReport` for the scheduler.
 
-`now` and every time in the mirrored `ReqState`s are wall-clock Unix seconds. What a simulator
+`now` and every time in the mirrored `ReqState`s are wall-clock Unix seconds. Each step's
+measured time against what the step model predicted for its plan gives the policy
+`InstanceState.step_time_scale` (`tidal.perf.step_scale`: engines sharing cores run slower than
+the profile fitted to one alone). What a simulator
 knows and a live system does not is given as a live system knows it: a request's output length
 is its `max_tokens` (the policy's `ReqState.max_output_tokens`).
 """
@@ -17,8 +20,10 @@ from typing import Any
 from tidal.cluster.view import report_of, sync_instance
 from tidal.engine.api import SeqSnapshot
 from tidal.perf.api import StepModel
+from tidal.perf.step_scale import StepTimeScale
 from tidal.policy.base import Policy, StepPlan
 from tidal.policy.class_preempt import class_preemption
+from tidal.policy.plan_builder import plan_shape
 from tidal.policy.state import CpuPoolState, InstanceRole, InstanceState, ReqState, Slo
 from tidal.schemas.messages import InstanceReport
 from tidal.sim.models import CpuAttnRoofline
@@ -53,6 +58,8 @@ class PolicyAdapter:
     cpu_capacity: Callable[[], tuple[int, int]] | None = None
     # host bytes for offline KV checkpoints in all, when the engine keeps them (ConServe)
     checkpoint_capacity: Callable[[], int] | None = None
+    step_scale: StepTimeScale = field(default_factory=StepTimeScale)
+    predicted_s: float = 0.0  # the step model's time for the last plan (0: none computes)
 
     @staticmethod
     def build(
@@ -139,9 +146,12 @@ class PolicyAdapter:
         plan with no compute; the next call plans the step), else the policy's plan. The
         rule is the simulator's (`tidal.policy.class_preempt`)."""
         pre = class_preemption(self.inst)
-        if pre is not None:
-            return pre.plan
-        return self.policy.schedule(self.inst, now)
+        plan = pre.plan if pre is not None else self.policy.schedule(self.inst, now)
+        computes = plan.prefill or plan.decode
+        self.predicted_s = (
+            self.inst.step_model.step_s(plan_shape(self.inst, plan)) if computes else 0.0
+        )
+        return plan
 
     # ---- tokens -> metadata ----
 
@@ -154,6 +164,12 @@ class PolicyAdapter:
         elif m.last_token_unix_s is not None:
             m.max_tbt_s = max(m.max_tbt_s, now - m.last_token_unix_s)
         m.last_token_unix_s = now
+
+    def on_step_end(self, measured_s: float) -> None:
+        """A step of the last plan ran for `measured_s` (whole: not cut at a layer): the
+        policy's `step_time_scale` follows it."""
+        self.step_scale.observe(self.predicted_s, measured_s)
+        self.inst.step_time_scale = self.step_scale.value
 
     def on_step_start(self, plan: StepPlan, now: float) -> None:
         for rid in plan.prefill:

@@ -341,6 +341,8 @@ class Instance(Inbound, Publisher, Reporter):
             lat = getattr(self.engine, "last_preempt_latency_s", None)
             if lat is not None:
                 self.preempt_latency_s = [*self.preempt_latency_s[-999:], lat]
+        elif not fcfs:  # a whole step of the policy's plan: its time against the prediction
+            self.adapter.on_step_end(result.telemetry.step_s)
         self._note(result.events)
         self.unsent += result.events
         return True

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from tidal.perf.api import BatchShape, StepModel
-from tidal.policy.base import BlockBudget
+from tidal.policy.base import BlockBudget, StepPlan
 from tidal.policy.batch_shape import add_decode, add_prefill
 from tidal.policy.state import InstanceState, Phase, ReqState
 
@@ -76,6 +76,19 @@ class PlanBuilder:
         self.chunk_left -= n
         self.prefill[r.req_id] = n
         return n
+
+
+def plan_shape(inst: InstanceState, plan: StepPlan) -> BatchShape:
+    """The batch `plan`'s first step runs on `inst` (its GPU prefill chunks and decodes)."""
+    by_id = {r.req_id: r for r in inst.running}
+    for r in inst.waiting:
+        by_id.setdefault(r.req_id, r)
+    shape = BatchShape()
+    for rid, n in plan.prefill.items():
+        got = by_id.get(rid)
+        shape = add_prefill(shape, n, got.num_computed_tokens if got is not None else 0)
+    ctx = sum(by_id[rid].num_computed_tokens for rid in plan.decode if rid in by_id)
+    return add_decode(shape, len(plan.decode), ctx)
 
 
 def _max_chunk(model: StepModel, shape: BatchShape, limit: int, cached: int, bound_s: float) -> int:

@@ -188,6 +188,10 @@ class InstanceState:
     ckpt_capacity_tokens: int = 0  # host memory for offline KV checkpoints, tokens (0: none:
     # `StepPlan.checkpoint`/`release` are refused)
     ckpt_tokens: int = 0  # KV tokens checkpointed in host memory now
+    # Measured / predicted step time of this instance's recent steps, >= 1 (live: the instance
+    # measures it, `tidal.perf.step_scale`; the simulator's steps are the model's own: 1). A
+    # policy filling a step up to a latency bound divides the bound by it.
+    step_time_scale: float = 1.0
     # What the instance half of a policy leaves for its cluster half (name -> value). It is the
     # only state the halves share: it travels in the instance's `InstanceReport`, and the
     # simulator passes it through the same report, so both halves can run in different processes.

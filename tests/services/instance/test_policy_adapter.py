@@ -1,7 +1,13 @@
 """The policy adapter mirrors an engine's checkpoints into the policy's `InstanceState`, so a
-policy such as `aggregated` with `checkpoint_offline` plans checkpoints and releases live."""
+policy such as `aggregated` with `checkpoint_offline` plans checkpoints and releases live; and
+its steps' measured time against the model's, so `tidal` fills a strict step at the speed the
+instance really runs."""
 
 from __future__ import annotations
+
+import dataclasses
+
+import pytest
 
 from services.instance.policy_adapter import PolicyAdapter
 from tidal.engine.api import SeqSnapshot
@@ -74,3 +80,39 @@ def test_without_checkpoint_memory_the_policy_plans_none() -> None:
         plan = adapter.plan(10.0)
         assert plan.checkpoint == () and plan.release == ()
         assert plan.decode  # it still runs them
+
+
+def test_steps_slower_than_the_model_shrink_what_tidal_packs_into_a_strict_step() -> None:
+    # Live, two engines on one core each run a step in about twice the profile's time: the
+    # adapter measures it and `tidal`'s strict step carries only what fits at that speed.
+    model = LinearStepModel(0.01, 1e-4, 0.0, 0.0)  # 10 ms + 0.1 ms a token
+    roles = (InstanceRole.RELAXED, InstanceRole.STRICT)
+    ctx = PolicyContext(2, roles, Slo(2.0, 0.05), {"cpu_offload": False})
+    adapter = PolicyAdapter.build(
+        policy=make_policy("tidal", ctx),
+        index=1,
+        instance_id="i1",
+        role="strict",
+        chunk_size=512,
+        max_batch_reqs=64,
+        block_size=16,
+        num_blocks=1000,
+        step_model=model,
+        step_model_spec="linear:0.01,1e-4,0,0",
+        kv_bytes_per_token=KVB,
+    )
+    online = dataclasses.replace(
+        snap("on", 300), req_class=RequestClass.ONLINE, num_output_tokens=2
+    )
+    offline = dataclasses.replace(snap("off", 0, status="waiting"), num_prompt_tokens=2000)
+    adapter.sync([online, offline], 900, 10.0)
+    first = adapter.plan(10.0)
+    assert first.decode == ("on",) and first.prefill["off"] == 299  # 40 ms: 0.8 x 50 ms
+    assert adapter.predicted_s == pytest.approx(0.04)
+    for _ in range(8):  # each step took twice the model's time
+        adapter.on_step_end(2 * adapter.predicted_s)
+    assert adapter.inst.step_time_scale == pytest.approx(2.0)
+    adapter.sync([online, offline], 900, 10.5)
+    second = adapter.plan(10.5)
+    assert second.prefill["off"] == 99  # 20 ms of the model: 40 ms at the measured speed
+    assert 2 * adapter.predicted_s <= 0.04 + 1e-9

@@ -13,8 +13,13 @@ within `target` when each takes at most
     (t_first + target * (N - 1) - now) / (N - k)
 
 and the step's budget is the least of that over the online requests it decodes, capped by
-`strict_prefill_budget` x TPOT (HyGen's L). OmniServe's bound S_d/d - gamma (§3.3.4) subtracts the
-same kind of cost (what the latency model does not see) from the SLO before the model fills it.
+`strict_prefill_budget` x TPOT (HyGen's L). The budget is wall time; the step model that fills it
+predicts a step as on an engine alone on its cores, so it is divided by the instance's measured
+step time over the predicted one (`InstanceState.step_time_scale`, `tidal.perf.step_scale`):
+live with two engines on one core each step takes about twice its prediction, and a budget in
+the model's seconds overran the TPOT SLO (docs/colocation.md, `tidal` live at 4 lines/s).
+OmniServe's bound S_d/d - gamma (§3.3.4) subtracts the same kind of cost (what the latency model
+does not see) from the SLO before the model fills it.
 The requests' token times are the ones the instance publishes, in the simulator and live alike
 (live, a pushed request carries its first token's time to the decode instance), so the
 simulator and the live stack run this one rule on their own clocks.
@@ -40,10 +45,11 @@ def tpot_room_s(r: ReqState, now: float, target_s: float) -> float | None:
 def strict_step_budget(
     inst: InstanceState, now: float, tpot_slo_s: float, fraction: float, target: float
 ) -> float:
-    """Seconds a strict step of `inst` may take once it carries offline work: `fraction` x the
-    TPOT SLO, lowered to the TPOT room (`tpot_room_s` at `target` x each request's own TPOT
-    SLO) of the most pressed online request decoding on it. Below the step of its decodes alone
-    it adds no offline work (the decodes themselves are OOCO Alg. 2's, never cut here)."""
+    """Seconds of the step model a strict step of `inst` may take once it carries offline
+    work: `fraction` x the TPOT SLO, lowered to the TPOT room (`tpot_room_s` at `target` x each
+    request's own TPOT SLO) of the most pressed online request decoding on it, over the
+    instance's `step_time_scale` (wall seconds to the model's). Below the step of its decodes
+    alone it adds no offline work (the decodes themselves are OOCO Alg. 2's, never cut here)."""
     bound = fraction * tpot_slo_s
     for r in inst.running:
         if not r.is_online or not r.is_decoding:
@@ -52,4 +58,4 @@ def strict_step_budget(
         room = tpot_room_s(r, now, target * slo)
         if room is not None and room < bound:
             bound = room
-    return bound
+    return bound / inst.step_time_scale

@@ -44,7 +44,9 @@ class TidalConfig:
     the relaxed pool produces fits; that idle budget is where Tidal's extra offline work goes)."""
     strict_prefill_budget: float = 0.8
     """Latency budget of a strict step that carries offline prefill, as a fraction of the TPOT
-    SLO (HyGen's L of Alg. 2, with headroom for the online TPOT being a mean over tokens)."""
+    SLO (HyGen's L of Alg. 2, with headroom for the online TPOT being a mean over tokens). It is
+    wall time: live, divided by the instance's measured / predicted step time before the step
+    model fills it (`tidal.policy.tidal.budget`)."""
     strict_tpot_target: float = 0.9
     """The step budget is also held to what each online request decoding there has left of its
     TPOT (`tidal.policy.tidal.budget`): its mean TPOT is kept within this fraction of its SLO,

@@ -18,24 +18,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from tidal.perf.api import BatchShape
 from tidal.policy.base import StepPlan
-from tidal.policy.batch_shape import add_decode, add_prefill
-from tidal.policy.plan_builder import PlanBuilder
+from tidal.policy.plan_builder import PlanBuilder, plan_shape
 from tidal.policy.state import InstanceState, Phase, ReqState
-
-
-def plan_shape(inst: InstanceState, plan: StepPlan) -> BatchShape:
-    """The batch `plan`'s first step runs on `inst` (its GPU prefill chunks and decodes)."""
-    by_id = {r.req_id: r for r in inst.running}
-    for r in inst.waiting:
-        by_id.setdefault(r.req_id, r)
-    shape = BatchShape()
-    for rid, n in plan.prefill.items():
-        got = by_id.get(rid)
-        shape = add_prefill(shape, n, got.num_computed_tokens if got is not None else 0)
-    ctx = sum(by_id[rid].num_computed_tokens for rid in plan.decode if rid in by_id)
-    return add_decode(shape, len(plan.decode), ctx)
 
 
 def keep_uncut(

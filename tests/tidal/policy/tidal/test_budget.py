@@ -7,6 +7,7 @@ import pytest
 
 from tidal.perf.linear import LinearStepModel
 from tidal.policy.base import PolicyContext
+from tidal.policy.batch_shape import add_prefill, decode_shape
 from tidal.policy.registry import make_policy
 from tidal.policy.state import InstanceRole, InstanceState, Phase, ReqState, Slo
 from tidal.policy.tidal.budget import strict_step_budget, tpot_room_s
@@ -98,3 +99,27 @@ def test_strict_step_prefills_offline_only_in_what_the_online_tpot_leaves() -> N
     assert late == 215
     # 600 ms gone: 5 ms a step left, less than the decode alone: no offline work.
     assert _plan_prefill(10.0, 10.6) == 0
+
+
+def test_a_slower_instance_gets_a_budget_its_real_steps_keep() -> None:
+    # Steps measured at twice the model (two engines on one core): the budget is divided by 2,
+    # so the planned step, at twice its predicted time, stays within 0.8 x the TPOT SLO.
+    ctx = PolicyContext(2, (InstanceRole.RELAXED, InstanceRole.STRICT), SLO, {"cpu_offload": False})
+    pol = make_policy("tidal", ctx)
+    got = {}
+    for scale in (1.0, 2.0):
+        inst = strict([online("a", 10.0, out=1, total=100)], [offline_prompt("p")])
+        inst.step_time_scale = scale
+        assert strict_step_budget(inst, 10.0, 0.05, 0.8, 0.9) == pytest.approx(0.04 / scale)
+        plan = pol.schedule(inst, 10.0)
+        assert plan.decode == ("a",)
+        n = sum(plan.prefill.values())
+        real_s = scale * MODEL.step_s(add_prefill(decode_shape([400]), n, 0))
+        got[scale] = (n, real_s)
+    assert got[1.0][0] == 299  # as before: the model's time is the step's
+    assert got[1.0][1] <= 0.04 + 1e-9
+    # twice as slow: (20 ms - 10.04 ms) / 0.1 ms = 99 tokens; 2 x 19.94 ms <= 40 ms
+    assert got[2.0][0] == 99
+    assert got[2.0][1] <= 0.04 + 1e-9
+    # without the correction, those 299 tokens would have taken 2 x 40 ms: twice the budget
+    assert 2.0 * MODEL.step_s(add_prefill(decode_shape([400]), 299, 0)) > 0.079
