@@ -13,7 +13,11 @@ in `tidal/` changes) and reports, over the requests that arrive inside the windo
 * Alg. 2: how many arrivals found a feasible instance and how many did not (the random draw);
 * the requests and prompt + output tokens completed per second in the window's second half (at
   a rate above capacity: the wall no placement passes), preemptions, migrations and refusals;
-* per instance also the largest decode batch (against the step's `max_batch_reqs` cap).
+* per instance also the largest decode batch (against the step's `max_batch_reqs` cap), the
+  steps at that cap with decodes left out of the step, how many of those had HBM below the
+  policy's memory watermark M (where Alg. 1 moves nothing), and the steps carrying more requests
+  than the cap; per request the time it spent decoding-but-unscheduled, and the SLO misses of
+  the requests that waited so.
 Run from the repository root with PYTHONPATH=. so the checkout's code runs.
 """
 
@@ -50,13 +54,24 @@ def main() -> None:
     cfg = override_streams(cfg, None, None, None, a.duration)
 
     steps: dict[int, list[tuple[float, float, int, int, int]]] = defaultdict(list)
+    # per span, same index as `steps`: (HBM fraction, cap, requests in the step, left-out decodes)
+    caps: dict[int, list[tuple[float, int, int, tuple[str, ...]]]] = defaultdict(list)
     orig_span = apply_mod.compute_span
 
     def span(inst, plan, reqs, now, copy_tokens, bg_copy_tokens=0, cuts=None):  # type: ignore[no-untyped-def]
+        planned = set(plan.decode)
+        left = tuple(
+            r.req_id
+            for r in inst.running
+            if r.phase is Phase.RUNNING and r.is_decoding and r.req_id not in planned
+        )
+        frac = inst.num_used_blocks / inst.num_blocks
+        n_req = len(planned | set(plan.prefill))
         s = orig_span(inst, plan, reqs, now, copy_tokens, bg_copy_tokens, cuts)
         p_tok = sum(n for _, n in s.prefill)
         step = (s.end_s - s.start_s) / s.k
         steps[inst.instance_id].append((s.start_s, step, s.k, len(s.decode), p_tok))
+        caps[inst.instance_id].append((frac, inst.max_batch_reqs, n_req, left))
         return s
 
     apply_mod.compute_span = span  # type: ignore[assignment]
@@ -161,8 +176,18 @@ def main() -> None:
     out["ttft_p50_p90_p99_s"] = [round(float(np.percentile(ttft, q)), 3) for q in (50, 90, 99)]
     out["tpot_p50_p90_p99_ms"] = [round(1e3 * float(np.percentile(tp, q)), 1) for q in (50, 90, 99)]
     bins = int(t_end / rec.bin_s)
+    watermark = float(cfg.policy_params(a.policy).get("memory_watermark", 0.95))
+    waited: Counter[str] = Counter()  # req_id -> seconds decoding but left out of the step
     for iid, ss in sorted(steps.items()):
         w = [s for s in _applied(ss) if s[0] < t_end]
+        at_cap = below_m = over_cap = 0
+        for (_, st, k, nd, _), (frac, cap, n_req, left) in zip(w, caps[iid], strict=False):
+            for rid in left:
+                waited[rid] += st * k
+            if nd >= cap and left:
+                at_cap += k
+                below_m += k if frac < watermark else 0
+            over_cap += k if n_req > cap else 0
         busy = sum(rec.busy_s[iid][:bins])
         dec = [(st, k, nd) for _, st, k, nd, _ in w if nd]
         dk = np.array([st for st, k, _ in dec for _ in range(k)]) if dec else np.zeros(1)
@@ -179,7 +204,23 @@ def main() -> None:
             "max_decode_batch": max((nd for _, _, nd in dec), default=0),
             "prefill_tok_per_s": round(sum(p for _, _, _, _, p in w) / t_end, 1),
             "decode_tok_per_s": round(nd_w / t_end, 1),
+            "steps_at_cap_with_decodes_left_out": at_cap,
+            "of_which_hbm_below_watermark": below_m,
+            "steps_over_request_cap": over_cap,
         }
+    out["watermark"] = watermark
+    wt = {r.req_id: waited[r.req_id] for r in on if waited[r.req_id] > 0}
+    wv = Counter[str]()
+    for r in on:
+        if r.req_id in wt:
+            t_ok, p_ok = slo_flags(r)
+            wv["ok" if t_ok and p_ok else "ttft" if p_ok else "tpot" if t_ok else "both"] += 1
+    vals = np.array(list(wt.values())) if wt else np.zeros(1)
+    out["decodes_left_out"] = {
+        "requests": len(wt),
+        "wait_s_p50_p99_max": [round(float(np.percentile(vals, q)), 3) for q in (50, 99, 100)],
+        "their_slo": dict(wv),
+    }
     print(json.dumps(out, indent=1))
 
 

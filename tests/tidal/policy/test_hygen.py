@@ -96,6 +96,40 @@ def test_async_reconcile_drops_offline_entries_last_first_on_arrival() -> None:
     assert got.step_s == pytest.approx(0.01 + 1e-4 * 251)
 
 
+def test_unbudgeted_reconcile_sizes_arrivals_by_chunk_and_memory_like_the_main_builder() -> None:
+    # Planned one step ahead: an online decode, then off-a (100 tokens, 7 blocks) and off-b
+    # (200 tokens, 13 blocks) within the 50 ms budget.
+    planned = two_phase_schedule(
+        TOK, 0.05, 512, 16, 10_000, [dec("on-d")], [],
+        [], [HyReq("off-a", 100), HyReq("off-b", 200)],
+    )  # fmt: skip
+    off = {"off-a", "off-b"}
+
+    def arrive(budgeted: bool, free: int, *prompts: int) -> tuple[dict[object, int], float]:
+        new = [HyReq(f"on-{i}", p) for i, p in enumerate(prompts)]
+        got = reconcile_on_arrival(TOK, planned, new, 0.05, 512, 16, free, off, budgeted)
+        assert got.decode == ["on-d"]
+        return got.prefill, got.step_s
+
+    # Alg. 1 line 15 as written: the 50 ms budget cuts a 600-token prompt to 399 (1 + 399 tokens)
+    # and leaves no room for offline work.
+    assert arrive(True, 10_000, 600) == ({"on-0": 399}, pytest.approx(0.05))
+    # Unbudgeted (as `two_phase_schedule` runs the online phase): the chunk the online decode
+    # leaves, 511 tokens; the over-budget step keeps no offline entry.
+    assert arrive(False, 10_000, 600) == ({"on-0": 511}, pytest.approx(0.01 + 1e-4 * 512))
+    # Memory: 10 free blocks plus the 20 the dropped offline entries would take = 480 tokens.
+    assert arrive(False, 10, 600)[0] == {"on-0": 480}
+    # Two arrivals share the online chunk: 300, then the 211 tokens left of it.
+    assert arrive(False, 10_000, 300, 300)[0] == {"on-0": 300, "on-1": 211}
+    # A short arrival keeps the planned offline work either way: 1 + 50 + 100 + 200 = 351
+    # tokens, 45.1 ms within the budget.
+    for budgeted in (True, False):
+        assert arrive(budgeted, 10_000, 50) == (
+            {"off-a": 100, "off-b": 200, "on-0": 50},
+            pytest.approx(0.01 + 1e-4 * 351),
+        )
+
+
 # Paper §4.3 example, tokens as words: What=1 is=2 ML=3 AI=7; How=4 to=5 code=6 debug=8.
 EXAMPLE = {"What is ML": (1, 2, 3), "How to code": (4, 5, 6), "What is AI": (1, 2, 7)}
 

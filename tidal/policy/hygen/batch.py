@@ -312,10 +312,17 @@ def reconcile_on_arrival(
     block_size: int,
     free_blocks: int,
     offline_ids: set[Hashable],
+    online_prefill_budgeted: bool = True,
 ) -> HybridBatch:
     """Alg. 2 SCHEDULER (lines 24-31): the offline plan was made one step ahead by the async
     scheduler; online requests that arrived since are added (UPDATE_BUDGET) and offline entries
-    are dropped, last first, until the step fits again (PREEMPT_UNTIL_FIT)."""
+    are dropped, last first, until the step fits again (PREEMPT_UNTIL_FIT).
+
+    `free_blocks` are the blocks left once the planned step has allocated its own.
+    `online_prefill_budgeted=False` sizes an arrival's chunk as `two_phase_schedule` sizes the
+    online phase's (`HygenConfig.online_prefill_budgeted`): by the chunk the step's online work
+    leaves and by memory (free blocks plus those the planned offline entries would take, which
+    may be dropped), not by the latency budget, which then bounds only what offline keeps."""
     prefill = dict(planned.prefill)
     decode = list(planned.decode)
     used_chunk = sum(prefill.values()) + len(decode)
@@ -328,12 +335,22 @@ def reconcile_on_arrival(
     b = Budget(
         model, latency_budget_s, chunk_size - used_chunk, free_blocks, block_size, planned.shape
     )
+    online_chunk = chunk_size - online_shape.num_prefill_tokens - online_shape.num_decode_reqs
     for r in arrivals:
         # Online first: size its chunk against the budget left by the online part only.
-        probe = Budget(model, latency_budget_s, chunk_size, 1 << 60, block_size, online_shape)
-        n = probe.max_prefill(r)
+        if online_prefill_budgeted:
+            probe = Budget(model, latency_budget_s, chunk_size, 1 << 60, block_size, online_shape)
+            n = probe.max_prefill(r)
+        else:
+            mem = b.free_blocks + sum(
+                blocks_for(c + max(k, 1), block_size) - blocks_for(c, block_size)
+                for c, k in ((planned.context.get(rid, 0), k) for rid, k in off_entries)
+            )
+            probe = Budget(model, latency_budget_s, online_chunk, mem, block_size, online_shape)
+            n = probe.max_prefill(r, ignore_latency=True)
         if n <= 0:
             continue
+        online_chunk -= n
         online_shape = add_prefill(online_shape, n, r.computed_tokens)
         b.shape = add_prefill(b.shape, n, r.computed_tokens)
         b.chunk_tokens -= n

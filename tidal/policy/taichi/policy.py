@@ -80,6 +80,7 @@ class TaichiPolicy(Policy):
                 queued_prefill(i),
                 decode_shape([r.num_computed_tokens for r in i.running if r.is_decoding]),
                 i.step_model,
+                i.max_batch_reqs,
             )
             for i in insts
         ]
@@ -93,10 +94,10 @@ class TaichiPolicy(Policy):
             return Route.reject("taichi: no instance meets the TTFT SLO")
         if self.cfg.on_infeasible == "random":
             # §3.4: the paper's experiments assign an infeasible request to a random instance.
-            # NOTE: drawn among instances whose chunk budget is not used up by decodes: on one
-            # that is (a D-heavy chunk of 128 under flowing decode) the prompt would wait for
-            # minutes instead of merely missing its TTFT.
-            live = [t.instance_id for t in targets if t.chunk_tokens > t.decode.num_decode_reqs]
+            # NOTE: drawn among instances whose chunk budget and request slots are not all taken
+            # by decodes: on one that is (a D-heavy chunk of 128 under flowing decode) the prompt
+            # would wait for minutes instead of merely missing its TTFT.
+            live = [t.instance_id for t in targets if t.can_prefill]
             return Route.to(self.rng.choice(live) if live else self.rng.randrange(len(insts)))
         return Route.to(min(insts, key=lambda i: (i.num_waiting_tokens, i.instance_id)).instance_id)
 
@@ -210,7 +211,8 @@ def _movable(r: ReqState, asked: dict[str, tuple[int, float]]) -> bool:
 
 def chunked_prefill_step(inst: InstanceState) -> StepPlan:
     """Sarathi-style step: every decode, then prefill chunks FCFS up to the chunk size; when KV
-    runs out the newest running request is preempted (recompute)."""
+    runs out the newest running request is preempted (recompute). At most `max_batch_reqs`
+    requests in all, prefills included (vLLM's `max_num_seqs`, on which TaiChi runs, §3.5)."""
     if stuck := stuck_online(inst):
         return StepPlan(abort_no_kv=stuck)
     dec, pre = split_running(inst)
@@ -222,6 +224,12 @@ def chunked_prefill_step(inst: InstanceState) -> StepPlan:
         if r.phase is Phase.RUNNING and len(b.decode) < inst.max_batch_reqs:
             b.add_decode(r)
     for r in [*pre, *inst.waiting]:
+        # NOTE: a prompt takes a request slot too. Prefilling past the cap on an instance whose
+        # decodes fill it only made more decodes that could not be stepped (TaiChi §3.3 ①'s
+        # in-place decode after a D-heavy prefill), while Alg. 1 (§3.3 ②), which watches HBM
+        # alone, moved none of them; docs/results/taichi/README.md measures it.
+        if len(b.decode) + len(b.prefill) >= inst.max_batch_reqs:
+            break
         if b.chunk_left <= 0 or b.add_prefill(r) == 0:
             break
     if not b.prefill and not b.decode:

@@ -20,6 +20,14 @@ class PrefillTarget:
     queued_tokens: Sequence[int]  # prefill tokens left per queued request, FCFS order
     decode: BatchShape  # decodes it runs beside every chunk ("i.batch")
     model: StepModel
+    max_reqs: int = 0  # most requests in one step (vLLM's max_num_seqs); 0: no cap
+
+    @property
+    def can_prefill(self) -> bool:
+        """A step here has room for a prompt beside its decodes: chunk tokens and a request
+        slot (decodes at the slot cap prefill nothing, as in a budget full of decodes)."""
+        n = self.decode.num_decode_reqs
+        return self.chunk_tokens > n and (self.max_reqs <= 0 or self.max_reqs > n)
 
 
 def estimate_prefill_s(
@@ -85,6 +93,8 @@ def route_prefill(
     # in that order and stop at the first feasible one: same answer, fewer model calls. Each
     # queue estimate stops as soon as it alone breaks the budget (line 6 cannot hold then).
     for _, t in sorted(((sum(t.queued_tokens), t.instance_id), t) for t in targets):
+        if not t.can_prefill:
+            continue
         tt = transfer_s if t.is_p_heavy else 0.0
         e = estimate_prefill_s(t.model, prompt_tokens, t.chunk_tokens, t.decode)
         if e + tt >= budget:
