@@ -5,8 +5,8 @@ At batch 1 a SmolLM2 layer's four GEMVs take ~9 ms of a ~16 ms step; the rest wa
 ops a layer (RMSNorm, RoPE, KV write, attention, SiLU*mul, residual adds), each a 5-30 us dispatch
 around microseconds of work, and at batch 32 the same ops still cost their dispatch. Here the small
 work runs as three or four calls a layer into `tidal.engine.torch.native`; the matmuls stay torch's
-(ATen's GEMV at one row, written into buffers made once; oneDNN's packed GEMM at more,
-`llama.linear`):
+(the native bf16 GEMV at one row, `gemv`, written into buffers made once; oneDNN's packed GEMM
+at more, `llama.linear`):
 
     add+norm -> qkv matmul -> RoPE+KV write -> attention -> o matmul -> add+norm
     -> gate_up matmul -> SiLU*mul -> down matmul   (the next layer's add+norm adds its output)
@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tidal.engine.torch import attention, packed
+from tidal.engine.torch import attention, gemv
 from tidal.engine.torch.attention import AttnMeta, ForwardBatch
 from tidal.engine.torch.model_config import ModelConfig
 from tidal.engine.torch.small_rows import SmallRowWeights
@@ -115,6 +115,11 @@ class NativeDecode:
             else Kernels(lib, "", torch.bfloat16, model)
         )
         self.split = None if self.small is None else Kernels(lib, "_f32", torch.bfloat16, model)
+        # a lone row's four matmuls a layer on the native GEMV, straight from these tables (the
+        # checks of `gemv.gemv` made once): a bf16 model's own matrices, an fp32 one's copies
+        self.gemv_fn = gemv.kernel()
+        self.gemv_full = None if fp32 else _gemv_table(model, None)
+        self.gemv_split = None if self.small is None else _gemv_table(model, self.small)
         # a block of score scratch for each thread of the team the attention splits over
         self.n_scratch = scratch_blocks()
         self.scores = torch.empty(self.n_scratch * _MAX_G * NATIVE_MAX_T, dtype=torch.float32)
@@ -157,6 +162,7 @@ class NativeDecode:
         split = self.small is not None and self.small.applies(B)
         k = self.split if split and self.split is not None else self.full
         one = B == 1  # a lone decode (a one-token prefill chunk is a decode row too)
+        table = (self.gemv_split if split else self.gemv_full) if one and self.gemv_fn else None
         mixed = bool(meta.prefills)
         ctx = _context(meta) if one else None
         start, T, slots = ctx if ctx is not None else (0, 0, None)
@@ -178,7 +184,8 @@ class NativeDecode:
             k_cache, v_cache = kv_views[li]
             kp, vp = k_cache.data_ptr(), v_cache.data_ptr()
             k.add_rms_norm(xp, None if down is None else down.data_ptr(), in_norm, hp, B, n, eps)
-            qkv = self._mm(h, lay.qkv, k.qkv, lay.qkv_bias, split)
+            m_qkv, m_o, m_gu, m_down = _NO_GEMV if table is None else table[li]
+            qkv = self._mm(h, lay.qkv, k.qkv, lay.qkv_bias, split, m_qkv)
             k.rope_kv_write(
                 qkv.data_ptr(), self.qkv_width, cos_p, sin_p, pos_p, kp, vp, slot_p, B, H, Hk, D
             )
@@ -199,11 +206,11 @@ class NativeDecode:
                 # on the kernel still, as in a step of decodes alone
                 q = qkv[:, : H * D].view(B, H, D).to(model.dtype)
                 attn = self.attention(q, k_cache, v_cache, meta, model.scale).to(k.io)
-            o = self._mm(attn, lay.o, k.o, None, split)
+            o = self._mm(attn, lay.o, k.o, None, split, m_o)
             k.add_rms_norm(xp, o.data_ptr(), post_norm, hp, B, n, eps)
-            gu = self._mm(h, lay.gate_up, k.gu, None, split)
+            gu = self._mm(h, lay.gate_up, k.gu, None, split, m_gu)
             k.silu_mul(gu.data_ptr(), actp, B, self.inter)
-            down = self._mm(act, lay.down, k.down, None, split)
+            down = self._mm(act, lay.down, k.down, None, split, m_down)
             if should_stop is not None and li + 1 < L and should_stop():
                 x += down
                 return li + 1
@@ -286,10 +293,16 @@ class NativeDecode:
         out: torch.Tensor,
         b: torch.Tensor | None,
         split: bool,
+        mat: _GemvMat | None = None,
     ) -> torch.Tensor:
-        """x @ w.T (+ b): on the bf16 copies where they serve these rows (`split`); else into
-        `out` at one row (ATen's GEMV, on (in, out) fp32 matrices a plain mm), and the model's
-        packed GEMM for more."""
+        """x @ w.T (+ b): into `out` on the native GEMV where `mat`, w's (or its copy's) entry
+        of a `_gemv_table`, is given (one row); on the bf16 copies where they serve these rows
+        (`split`); else into `out` at one row (`gemv`, on (in, out) fp32 matrices a plain mm),
+        and the model's packed GEMM for more."""
+        if mat is not None:
+            assert self.gemv_fn is not None  # a table is only used with the kernel
+            self.gemv_fn(x.data_ptr(), mat[0], mat[1], out.data_ptr(), mat[2], mat[3])
+            return out
         if split:
             assert self.small is not None
             return self.small.linear(x, w, b, out=out)
@@ -297,7 +310,29 @@ class NativeDecode:
             return self.model._linear(x, w, b)
         if self.model.dtype == torch.float32:  # (in, out): `llama.weight_layout`
             return torch.mm(x, w, out=out) if b is None else torch.addmm(b, x, w, out=out)
-        return packed.gemv_native(x, w, b, out=out)
+        return gemv.gemv(x, w, b, out=out)
+
+
+_GemvMat = tuple[int, int | None, int, int]  # (weight, bias or None: addresses; in, out)
+_NO_GEMV: tuple[None, None, None, None] = (None, None, None, None)
+
+
+def _gemv_table(model: DecodeModel, small: SmallRowWeights | None) -> list[list[_GemvMat]] | None:
+    """Per layer, the native GEMV's entries for its qkv, o, gate_up and down matmuls (on the
+    bf16 copies in `small` where given, else the model's own matrices), or None where one of them
+    does not fit it (`gemv.fits`: not bf16, or a width the kernel does not take)."""
+    table = []
+    for lay in model.layers:
+        row: list[_GemvMat] = []
+        for w, b in ((lay.qkv, lay.qkv_bias), (lay.o, None), (lay.gate_up, None), (lay.down, None)):
+            wl = w if small is None else small.copy_of(w)
+            bl = b if small is None or b is None else small.copy_of(b)
+            if not gemv.fits(torch.empty(1, wl.shape[-1], dtype=wl.dtype), wl, bl):
+                return None
+            bp = None if bl is None else bl.data_ptr()
+            row.append((wl.data_ptr(), bp, wl.shape[1], wl.shape[0]))
+        table.append(row)
+    return table
 
 
 # Batches' decode rows attend on the native kernel, row by row over each row's own slots

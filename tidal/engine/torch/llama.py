@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tidal.engine.torch import attention, cpu_caps, native, packed
+from tidal.engine.torch import attention, cpu_caps, gemv, native, packed
 from tidal.engine.torch.attention import ForwardBatch
 from tidal.engine.torch.fast_decode import NativeDecode
 from tidal.engine.torch.model_config import ModelConfig
@@ -382,7 +382,7 @@ def linear(
     if transposed:
         return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
     if gemv_native and x.shape[0] == 1:
-        return packed.gemv_native(x, w, b)
+        return gemv.gemv(x, w, b)
     return F.linear(x, w, b)
 
 

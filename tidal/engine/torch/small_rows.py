@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from tidal.engine.torch import packed
+from tidal.engine.torch import gemv
 
 DTYPE = torch.bfloat16
 
@@ -65,10 +65,10 @@ class SmallRowWeights:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x (n, in) bf16 @ the copy of the model's `w` (+ its copy of `b`) -> (n, out) bf16;
-        into `out` at one row (ATen's GEMV)."""
+        into `out` at one row (`gemv`)."""
         wl, bl = self.w[id(w)], None if b is None else self.w[id(b)]
         if x.shape[0] == 1:
-            return packed.gemv_native(x, wl, bl, out=out)
+            return gemv.gemv(x, wl, bl, out=out)
         return F.linear(x, wl, bl)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -77,7 +77,7 @@ class SmallRowWeights:
 
     def linear_head(self, h: torch.Tensor) -> torch.Tensor:
         if h.shape[0] == 1:
-            return packed.gemv_native(h, self.lm_head, None)
+            return gemv.gemv(h, self.lm_head, None)
         return F.linear(h, self.lm_head)
 
     def copy_of(self, t: torch.Tensor) -> torch.Tensor:

@@ -112,14 +112,21 @@ def test_rows_past_the_bound_run_on_fp32_weights(make_engine: Any) -> None:
         return real(self, batch, *a)
 
     copies: list[int] = []  # rows of each matmul on the bf16 copies
-    real_linear = type(small).linear
+    real_linear, real_mm = type(small).linear, fast_decode.NativeDecode._mm
 
     def linear_spy(self: Any, x: Any, *a: Any, **kw: Any) -> Any:
         copies.append(x.shape[0])
         return real_linear(self, x, *a, **kw)
 
+    def mm_spy(self: Any, x: Any, w: Any, out: Any, b: Any, split: bool, mat: Any = None) -> Any:
+        if mat is not None:  # the native GEMV on a copy (`_gemv_table`), not through `linear`
+            assert split
+            copies.append(x.shape[0])
+        return real_mm(self, x, w, out, b, split, mat)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fast_decode.NativeDecode, "run", spy)
+        mp.setattr(fast_decode.NativeDecode, "_mm", mm_spy)
         mp.setattr(type(small), "linear", linear_spy)
         toks, _ = run_collect_logits(engine, PROMPTS, 6)
     # 3-row decode steps ran natively too, on the fp32 weights (`_f32io` kernels)

@@ -1,4 +1,5 @@
-"""Native CPU kernels for the torch engine's decode steps (`decode_ops.cpp`).
+"""Native CPU kernels for the torch engine's decode steps (`decode_ops.cpp`) and one-row matmuls
+(`gemv.cpp`), with what they share (`vec.h`).
 
 Built on first use with the machine's C++ compiler (`-O3 -march=native`) into a cache keyed by
 the source, the flags and the CPU, then loaded with ctypes: no torch headers, so a build takes
@@ -34,7 +35,9 @@ from tidal.engine.torch import cpu_caps
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_ops.cpp")
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "decode_ops.cpp", _HERE / "gemv.cpp")  # built into one library
+HEADERS = (_HERE / "vec.h",)
 # -fno-trapping-math lets floor() inline, so the exp loops vectorise; rounding is unchanged
 FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp-simd", "-shared", "-fPIC")
 # links libgomp.so.1: in a process that loaded torch, torch's own copy (same soname), so the
@@ -48,6 +51,7 @@ _SIGNATURES = {
     "tidal_decode_attention_rows": (_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F, _P, _I, _P),
     "tidal_silu_mul": (_P, _P, _I, _I),
 }
+GEMV = "tidal_gemv_bf16"  # (x, W, bias or None, y, n_in, n_out); its own signature, one variant
 # the same kernels for an fp32 model: with bf16 weight copies (`_f32`: fp32 residual, norms, KV,
 # bf16 matmul inputs and outputs), and on its fp32 matmuls (`_f32io`: everything fp32)
 _SIGNATURES |= {f"{k}_f32": v for k, v in _SIGNATURES.items() if k != "tidal_silu_mul"} | {
@@ -81,9 +85,9 @@ def arch_flag_choices(caps: cpu_caps.CpuCaps) -> list[tuple[str, ...]]:
 
 
 def build(compiler: str, out_dir: Path, arch: tuple[str, ...] = ("-march=native",)) -> Path:
-    """Compile `SOURCE` with `arch` target flags into `out_dir` (atomically: concurrent
+    """Compile `SOURCES` with `arch` target flags into `out_dir` (atomically: concurrent
     builders race harmlessly)."""
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     flags = (*FLAGS, *arch)
     key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_key()).hexdigest()[:16]
     so = out_dir / f"decode_ops-{key}.so"
@@ -94,7 +98,7 @@ def build(compiler: str, out_dir: Path, arch: tuple[str, ...] = ("-march=native"
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", tmp],
+            [compiler, *flags, *map(str, SOURCES), "-o", tmp],
             check=True,
             capture_output=True,
             text=True,
@@ -154,4 +158,6 @@ def load() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    gemv = getattr(lib, GEMV)
+    gemv.argtypes, gemv.restype = (_P, _P, _P, _P, _I, _I), None
     return lib
