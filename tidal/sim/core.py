@@ -406,10 +406,3 @@ class Simulator:
             self.instances[inst_id].chunk_size = size
         if act.next_tick_s is not None and act.next_tick_s > now:
             self._push(act.next_tick_s, _TICK, None)
-
-
-def count_by_class(reqs: Sequence[ReqState]) -> dict[RequestClass, int]:
-    out = dict.fromkeys(RequestClass, 0)
-    for r in reqs:
-        out[r.req_class] += 1
-    return out

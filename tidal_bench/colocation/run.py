@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from services.cli import natsd
-from tidal_bench.colocation.report import add_search_args
+from tidal_bench.colocation.search_cli import add_search_args
 from tidal_bench.kit import gateway_metrics, pct, save_json, stack
 from tidal_bench.stream_timing import read_stream
 
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _search(args: argparse.Namespace) -> int:
-    from tidal_bench.colocation.report import run_search
+    from tidal_bench.colocation.search_cli import run_search
 
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()] or [args.policy]
     args.without_cpu_attn = [p.strip() for p in args.without_cpu_attn.split(",") if p.strip()]
