@@ -81,7 +81,9 @@ def logprobs_of(
     logits: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int]
 ) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
     """Each row's chosen token's log-prob under `logits` (M, V), and its `num_top[i]` most
-    likely (token id, log-prob) pairs, most likely first."""
+    likely (token id, log-prob) pairs, most likely first; tied ones by token id, the order in
+    which greedy sampling (`argmax`: the first of equal maxima) chooses among them, so a greedy
+    token is its own first alternative. Logits rounded to bf16 tie often."""
     lp = torch.log_softmax(logits.float(), dim=-1)  # (M, V)
     chosen = lp.gather(1, torch.tensor(list(tokens), device=lp.device).unsqueeze(1)).squeeze(1)
     k = max(num_top, default=0)
@@ -90,7 +92,12 @@ def logprobs_of(
         values, ids = torch.topk(lp, k, dim=-1)  # (M, k)
         vals, idl = values.tolist(), ids.tolist()
         tops = [
-            tuple(zip(idl[i][: num_top[i]], vals[i][: num_top[i]], strict=True))
+            tuple(sorted(zip(idl[i], vals[i], strict=True), key=_by_logprob)[: num_top[i]])
             for i in range(len(tokens))
         ]
     return chosen.tolist(), tops
+
+
+def _by_logprob(pair: tuple[int, float]) -> tuple[float, int]:
+    """Most likely first, ties by token id (`torch.topk` leaves ties in no set order)."""
+    return -pair[1], pair[0]

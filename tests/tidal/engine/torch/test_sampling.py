@@ -81,6 +81,23 @@ def test_logprobs_of_lists_the_top_alternatives_most_likely_first() -> None:
     assert tops[0][0][1] == pytest.approx(lp[0, 1].item())
 
 
+def test_a_greedy_token_tied_at_the_top_is_its_own_first_alternative() -> None:
+    """Logits rounded to bf16 tie often: greedy takes the first of equal maxima, and the top
+    alternatives list ties in that order, whatever order `torch.topk` returns them in."""
+    from tidal.engine.torch.sampling import logprobs_of
+
+    vocab = 49152
+    g = torch.Generator().manual_seed(0)
+    for first, second in [(14, 9600), (300, 301), (7, 48000)]:
+        logits = (torch.randn(1, vocab, generator=g) * 2).to(torch.bfloat16).float()
+        logits[0, first] = logits[0, second] = 30.0
+        greedy = sample(logits, [SamplingParams(temperature=0.0)], [None], False)[0]
+        assert greedy == [min(first, second)]
+        _, tops = logprobs_of(logits, greedy, [3])
+        assert [t for t, _ in tops[0][:2]] == sorted((first, second))
+        assert tops[0][0][1] == tops[0][1][1]
+
+
 def test_penalties_and_bias_survive_a_migration() -> None:
 
     from services.instance.sglang.api import RecomputePayload
