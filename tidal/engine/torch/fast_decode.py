@@ -320,14 +320,14 @@ _NO_GEMV: tuple[None, None, None, None] = (None, None, None, None)
 def _gemv_table(model: DecodeModel, small: SmallRowWeights | None) -> list[list[_GemvMat]] | None:
     """Per layer, the native GEMV's entries for its qkv, o, gate_up and down matmuls (on the
     bf16 copies in `small` where given, else the model's own matrices), or None where one of them
-    does not fit it (`gemv.fits`: not bf16, or a width the kernel does not take)."""
+    does not fit it (`gemv.weight_fits`: not bf16, or a width the kernel does not take)."""
     table = []
     for lay in model.layers:
         row: list[_GemvMat] = []
         for w, b in ((lay.qkv, lay.qkv_bias), (lay.o, None), (lay.gate_up, None), (lay.down, None)):
             wl = w if small is None else small.copy_of(w)
             bl = b if small is None or b is None else small.copy_of(b)
-            if not gemv.fits(torch.empty(1, wl.shape[-1], dtype=wl.dtype), wl, bl):
+            if not gemv.weight_fits(wl, bl):
                 return None
             bp = None if bl is None else bl.data_ptr()
             row.append((wl.data_ptr(), bp, wl.shape[1], wl.shape[0]))

@@ -29,19 +29,27 @@ def kernel() -> Any | None:
 
 
 def fits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """Whether the native GEMV takes x (1, in) @ w.T (+ b): all bf16 and contiguous on CPU,
-    `in` a multiple of `CHUNK` up to `MAX_IN`."""
+    """Whether the native GEMV takes x (1, in) @ w.T (+ b): the weight `weight_fits`, and x a
+    contiguous bf16 (1, in) row on CPU."""
+    return (
+        weight_fits(w, b)
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and tuple(x.shape) == (1, w.shape[-1])
+        and x.is_contiguous()
+    )
+
+
+def weight_fits(w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether the native GEMV takes the weight w (out, in) and bias b: bf16, contiguous, on
+    CPU, `in` a multiple of `CHUNK` up to `MAX_IN`."""
     n_in = w.shape[-1]
     return (
-        x.dtype == torch.bfloat16
-        and w.dtype == torch.bfloat16
-        and x.device.type == "cpu"
+        w.dtype == torch.bfloat16
         and w.device.type == "cpu"
         and w.dim() == 2
-        and tuple(x.shape) == (1, n_in)
         and n_in % CHUNK == 0
         and n_in <= MAX_IN
-        and x.is_contiguous()
         and w.is_contiguous()
         and (b is None or _fits_bias(b, w.shape[0]))
     )
