@@ -119,7 +119,9 @@ def search_cmd(
         console.print(
             f"\\[simulated] limit: {lim['tokens_per_s']:.0f} offline tok/s beside the online load "
             f"(offline-only capacity {lim['offline_only_tokens_per_s']:.0f} tok/s; the online "
-            f"load needs >= {lim['online_gpu_s']:.0f} of {lim['gpu_s']:.0f} GPU-s)"
+            f"load needs >= {lim['online_gpu_s']:.0f} of {lim['gpu_s']:.0f} GPU-s; bound by "
+            f"{_BINDS[lim['binding']]}, {lim['paced_steps']} paced steps = "
+            f"{lim['paced_gpu_s']:.0f} GPU-s of step overhead)"
         )
     for pol, v in per_policy.items():
         chosen = f" \\[best of: {v['best_of']['chosen']}]" if "best_of" in v else ""
@@ -189,6 +191,9 @@ def _row(kind: str, res: SearchResult) -> dict[str, Any]:
     }
 
 
+_BINDS = {"kv": "KV residency", "pacing": "the SLO pace"}  # the limit's two step floors
+
+
 def _limits(
     cfg: ClusterConfig,
     per_policy: dict[str, Any],
@@ -224,6 +229,11 @@ def _limits(
         "num_online_charged": first.num_online_charged,
         "num_online": first.num_online,
         "num_offline_in_mix": first.num_offline,
+        "binding": first.binding,
+        "kv_bound_tokens_per_s": first.kv_bound_tokens_per_s,
+        "pacing_bound_tokens_per_s": first.pacing_bound_tokens_per_s,
+        "paced_steps": first.paced_steps,
+        "paced_gpu_s": first.paced_gpu_s,
         "mix_offline_qps": rate,
         "violation_pct_forgiven": violation_pct,
         "method": "docs/policies.md#how-far-from-the-hardware-the-offline-limit-simulated",

@@ -31,6 +31,21 @@ that figure is from what the hardware allows. The bound is a fluid (GPU-seconds)
    that many tokens' attention and step overhead is credited back; equally, at most all of it.
 6. Offline tokens are counted as `summarize` counts them (generated inside the window) and
    priced at the offered offline mix: the mean request cost over the mean output length.
+7. A second floor on the step count, from the SLO pace (`tidal.sim.pacing`). An online request
+   that meets its SLO produces its O tokens in O distinct steps (the prefill's last chunk gives
+   the first, each decode step one more; a request is in one step at a time), all ending
+   inside [arrival, its deadline]. Steps may be shared and run on any instance, so all
+   instances together run at least P steps, P = the fewest points such that each charged
+   request's interval holds O of them (interval multi-cover; the greedy by right end is
+   optimal). A schedule may fail the violation cap's share, and P counts what is left
+   whichever requests fail: the larger of P(due) less the `forgiven` largest O (a request
+   removed lowers P by at most its O) and a floor from request-disjoint chains of pairwise
+   disjoint intervals, which `forgiven` failures cannot all cut (`tidal.sim.pacing`). Then
+       N T >= online cost + offline cost (point 3 without the F / K terms) + F P,
+   a second valid bound beside point 2's; the limit is the smaller of the two (a step count
+   >= max(P, resident / K) gives exactly both). CPU workers credit only attention against it:
+   offloading attention removes no paced step. Steps of instances that share a device each
+   pay F on it, so D T still bounds their sum.
 
 Assumptions, stated because the bound rests on them: the step model is the roofline (the
 regression and module-wise fits have no closed floor: refused); a schedule serves offline
@@ -38,9 +53,10 @@ requests in the offered mix's proportions (one that chose only short-prompt, lon
 requests could beat it: the simulator's policies take offline work first come first served);
 preemption, recompute, migration and swapping only add work; every prompt token is computed
 (an engine whose prefix cache serves prompts from one another, as the torch engine's serves
-prompts that are each other's prefixes, does less work than charged and can beat the bound); the
-TPOT SLO, arrival times and TTFT are ignored (each can only lower what a schedule achieves). The
-figure is simulated.
+prompts that are each other's prefixes, does less work than charged and can beat the bound); a
+step gives a request at most one token (no speculative or multi-token decoding); arrival times,
+TTFT and the TPOT SLO enter only through the deadlines of points 4 and 7 (each tighter use
+could only lower what a schedule achieves). The figure is simulated.
 """
 
 from __future__ import annotations
@@ -53,6 +69,7 @@ import numpy as np
 from tidal.config.cluster import ClusterConfig
 from tidal.perf.roofline import RooflineModel
 from tidal.schemas.enums import RequestClass
+from tidal.sim.pacing import forgiven_points
 from tidal.workload.mix import SimRequest
 
 
@@ -136,6 +153,11 @@ class OfflineLimit:
     num_online: int  # online requests in the window
     num_online_charged: int  # of them, those charged (deadline in the window, not forgiven)
     num_offline: int  # offline requests of the mix
+    kv_bound_tokens_per_s: float  # point 2's bound alone (steps >= resident tokens / K)
+    pacing_bound_tokens_per_s: float | None  # point 7's alone (None: no step is paced)
+    paced_steps: int  # P: the fewest steps the charged online requests' SLO pace forces
+    paced_gpu_s: float  # F x P: their step overhead, GPU-seconds
+    binding: str  # which bound the limit is: "kv" (point 2) or "pacing" (point 7)
 
     def share(self, tokens_per_s: float) -> float:
         """`tokens_per_s` as a fraction of the limit."""
@@ -143,10 +165,16 @@ class OfflineLimit:
 
 
 def _costs(
-    f: LinearFloor, inp: np.ndarray, out: np.ndarray, kv_tokens: int, prefill_on_flops: bool
+    f: LinearFloor,
+    inp: np.ndarray,
+    out: np.ndarray,
+    kv_tokens: int | None,
+    prefill_on_flops: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per request: (floor GPU-seconds, the part CPU workers could take: decode attention plus
-    its share of step overhead). Point 3 of the module docstring."""
+    its share of step overhead, F / `kv_tokens` per resident token: point 2's bound; None:
+    none, point 7's). Point 3 of the module docstring."""
+    per_resident_s = 0.0 if kv_tokens is None else f.per_step_s / kv_tokens
     dec = np.maximum(out - 1, 0)
     n = inp + dec
     pairs = inp * (inp + 1) / 2
@@ -154,11 +182,11 @@ def _costs(
     pre = f.prefill_pair_s * pairs if prefill_on_flops else f.prefill_token_attn_s * inp
     # An offloaded decode still rides the GPU step as a row (its Q read and O write stay, as in
     # the simulator's step shape); its context's attention and KV residency leave the GPU.
-    attn = (f.num_layers * f.decode_ctx_s + f.per_step_s / kv_tokens) * ctx
+    attn = (f.num_layers * f.decode_ctx_s + per_resident_s) * ctx
     cost = (
         f.num_layers * (f.per_token_s * n + pre + f.decode_req_s * dec)
         + f.per_seq_s * out
-        + f.per_step_s / kv_tokens * inp
+        + per_resident_s * inp
         + attn
     )
     return cost, attn
@@ -208,32 +236,37 @@ def offline_limit(
         cpu_ctx = cpu.num_workers * cpu.bytes_per_s_per_worker * duration_s / cpu.kv_bytes_per_token
     off_in = np.array([r.input_tokens for r in offline], dtype=float)
     off_out = np.array([r.output_tokens for r in offline], dtype=float)
-    due = [
-        r
-        for r in online
-        if r.slo is None
-        or r.arrival_s + r.slo.ttft_s + max(r.output_tokens - 1, 0) * r.slo.tpot_s <= duration_s
-    ]
+    due = [r for r in online if r.slo is None or _deadline(r) <= duration_s]
     forgiven = int(violation_pct / 100 * len(online))
     on_in = np.array([r.input_tokens for r in due], dtype=float)
     on_out = np.array([r.output_tokens for r in due], dtype=float)
-    # GPU-seconds one CPU-streamed context token saves at most.
-    per_ctx = f.num_layers * f.decode_ctx_s + f.per_step_s / kv_capacity_tokens
-    best: tuple[float, float, float, float, float] | None = None
-    for flops_side in (True, False):
-        on_cost, on_attn = _costs(f, on_in, on_out, kv_capacity_tokens, flops_side)
-        keep = np.argsort(on_cost)[: max(len(due) - forgiven, 0)]
-        w_on, a_on = float(on_cost[keep].sum()), float(on_attn[keep].sum())
-        off_cost, off_attn = _costs(f, off_in, off_out, kv_capacity_tokens, flops_side)
-        kappa = float(off_cost.sum() / off_out.sum())  # s per offline token at the mix
-        alpha = float(off_attn.sum() / off_out.sum())  # of it, what CPU workers could take
-        credit = per_ctx * cpu_ctx
-        lim = _tokens(gpu_s, w_on, a_on, credit, kappa, alpha) / duration_s
-        only = _tokens(gpu_s, 0.0, 0.0, credit, kappa, alpha) / duration_s
-        if best is None or lim < best[0]:
-            best = (lim, only, w_on, credit, kappa)
-    assert best is not None
-    lim, only, w_on, credit, kappa = best
+    paced = [r for r in due if r.slo is not None]
+    steps = forgiven_points([(r.arrival_s, _deadline(r), r.output_tokens) for r in paced], forgiven)
+    # (bound, KV tokens a step holds, paced steps): point 2's; point 7's where steps are paced.
+    bounds: list[tuple[str, int | None, int]] = [("kv", kv_capacity_tokens, 0)]
+    if steps > 0:
+        bounds.append(("pacing", None, steps))
+    each: dict[str, tuple[float, float, float, float]] = {}
+    only = float("inf")
+    for name, kv, p in bounds:
+        # GPU-seconds one CPU-streamed context token saves at most: its attention and, against
+        # point 2's bound, its share of step overhead (no paced step leaves with it).
+        per_res = 0.0 if kv is None else f.per_step_s / kv
+        credit = (f.num_layers * f.decode_ctx_s + per_res) * cpu_ctx
+        for flops_side in (True, False):
+            on_cost, on_attn = _costs(f, on_in, on_out, kv, flops_side)
+            keep = np.argsort(on_cost)[: max(len(due) - forgiven, 0)]
+            w_on = float(on_cost[keep].sum()) + f.per_step_s * p
+            a_on = float(on_attn[keep].sum())
+            off_cost, off_attn = _costs(f, off_in, off_out, kv, flops_side)
+            kappa = float(off_cost.sum() / off_out.sum())  # s per offline token at the mix
+            alpha = float(off_attn.sum() / off_out.sum())  # of it, what CPU workers could take
+            lim = _tokens(gpu_s, w_on, a_on, credit, kappa, alpha) / duration_s
+            only = min(only, _tokens(gpu_s, 0.0, 0.0, credit, kappa, alpha) / duration_s)
+            if name not in each or lim < each[name][0]:
+                each[name] = (lim, w_on, credit, kappa)
+    binding = min(each, key=lambda k: each[k][0])
+    lim, w_on, credit, kappa = each[binding]
     return OfflineLimit(
         limit_tokens_per_s=lim,
         offline_only_tokens_per_s=only,
@@ -244,7 +277,18 @@ def offline_limit(
         num_online=len(online),
         num_online_charged=max(len(due) - forgiven, 0),
         num_offline=len(offline),
+        kv_bound_tokens_per_s=each["kv"][0],
+        pacing_bound_tokens_per_s=each["pacing"][0] if "pacing" in each else None,
+        paced_steps=steps,
+        paced_gpu_s=f.per_step_s * steps,
+        binding=binding,
     )
+
+
+def _deadline(r: SimRequest) -> float:
+    """When an online request's SLO has it finished: arrival + TTFT + (O - 1) TPOT."""
+    assert r.slo is not None
+    return r.arrival_s + r.slo.ttft_s + max(r.output_tokens - 1, 0) * r.slo.tpot_s
 
 
 def config_limit(

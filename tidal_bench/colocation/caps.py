@@ -141,6 +141,11 @@ def limit_row(lim: Any, basis: str, devices: str = "one device an instance") -> 
         "offline_s_per_token": lim.offline_s_per_token,
         "num_online_charged": lim.num_online_charged,
         "num_offline_in_mix": lim.num_offline,
+        "binding": lim.binding,
+        "kv_bound_tokens_per_s": lim.kv_bound_tokens_per_s,
+        "pacing_bound_tokens_per_s": lim.pacing_bound_tokens_per_s,
+        "paced_steps": lim.paced_steps,
+        "paced_gpu_s": lim.paced_gpu_s,
         "mix_offline_qps": MIX_QPS,
     }
 

@@ -59,6 +59,15 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def binding_text(lim: dict[str, Any]) -> str:
+    """Which of the limit's two step floors binds (`tidal.sim.limit`, points 2 and 7)."""
+    what = "the SLO pace" if lim["binding"] == "pacing" else "KV residency"
+    return (
+        f"the limit bound by {what} ({lim['paced_steps']} paced steps, "
+        f"{lim['paced_gpu_s']:.1f} GPU-s of step overhead)"
+    )
+
+
 def limit_lines(report: dict[str, Any]) -> list[str]:
     """Per policy: what ended each side's search, live / simulator, and both as shares of the
     computed offline limit (simulated), with what the limit is derived from; then the CPU the
@@ -83,6 +92,8 @@ def limit_lines(report: dict[str, Any]) -> list[str]:
                     f"{100 * e['sim_share_of_limit']:.1f}% of its own "
                     f"{own['tokens_per_s']:.0f} tok/s ({own['devices']})"
                 )
+            if "binding" in lim:
+                share += f"; {binding_text(lim)}"
         else:
             share = f"no limit: {lim.get('error', 'not computed')}"
         out.append(

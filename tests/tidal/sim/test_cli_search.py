@@ -42,6 +42,12 @@ def test_max_offline_reports_share_of_limit_and_the_best_setting(
     err = " ".join(capsys.readouterr().err.split())  # rich wraps at 80 columns
     assert "[simulated] limit:" in err and f"[best of: {best}]" in err
     assert "% of the limit" in err
+    # the smaller of its two bounds, named, with the steps the SLO pace forces
+    assert lim["binding"] in ("kv", "pacing") and lim["paced_steps"] > 0
+    assert lim["tokens_per_s"] == min(
+        lim["kv_bound_tokens_per_s"], lim["pacing_bound_tokens_per_s"] or float("inf")
+    )
+    assert f"{lim['paced_steps']} paced steps" in err and "bound by" in err
 
 
 def test_best_of_a_policy_not_searched_is_a_clear_error(

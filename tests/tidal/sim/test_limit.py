@@ -92,6 +92,84 @@ def test_cpu_workers_credit_at_most_their_bandwidth_or_all_decode_attention() ->
     assert lim.limit_tokens_per_s == pytest.approx((100 - 4.1) / (11.95 / 3 - 1) / 100)
 
 
+def test_the_slo_pace_binds_where_kv_is_plentiful() -> None:
+    # KV capacity 10^6: point 2 charges step overhead ~nothing. Online prompt 1, output 5, due
+    # at 0 + 10 + 4*5 = 30 s, needs 5 steps (the prefill's and 4 decodes) inside [0, 30]:
+    # P = 5, F P = 5 s. Its floor without the F/K terms: 5 GEMM tokens + 1 pair + 4*0.5
+    # (requests) + 5*0.25 + context 4 + 6 = 10 tokens * 0.5 = 14.25 s; the offline request's
+    # 11.95 - 0.2 - 5*0.1 = 11.25 s / 3 tokens.
+    model = RooflineModel(TINY, TINY_PARAMS)
+    off = [_req(RequestClass.OFFLINE, 0.0, 2, 3)]
+    on = [_req(RequestClass.ONLINE, 0.0, 1, 5)]
+    lim = offline_limit(model, 1, 10**6, 100.0, on, off)
+    assert lim.binding == "pacing" and lim.paced_steps == 5
+    assert lim.paced_gpu_s == pytest.approx(5.0)
+    assert lim.online_gpu_s == pytest.approx(14.25 + 5.0)
+    assert lim.limit_tokens_per_s == pytest.approx((100 - 19.25) * 3 / 11.25 / 100)
+    assert lim.pacing_bound_tokens_per_s == lim.limit_tokens_per_s
+    assert lim.kv_bound_tokens_per_s == pytest.approx((100 - 14.25) * 3 / 11.25 / 100, rel=1e-4)
+    assert lim.limit_tokens_per_s < lim.kv_bound_tokens_per_s < lim.offline_only_tokens_per_s
+    # a second request one second later shares the steps: still 5
+    two = offline_limit(model, 1, 10**6, 100.0, [*on, _req(RequestClass.ONLINE, 1.0, 1, 5)], off)
+    assert two.paced_steps == 5
+    # without an SLO nothing is paced: point 2's bound alone, as before
+    free = [SimRequest("x", RequestClass.ONLINE, 0.0, 1, 5, None)]
+    unpaced = offline_limit(model, 1, 10**6, 100.0, free, off)
+    assert (unpaced.binding, unpaced.paced_steps, unpaced.pacing_bound_tokens_per_s) == (
+        "kv",
+        0,
+        None,
+    )
+    assert unpaced.limit_tokens_per_s == unpaced.kv_bound_tokens_per_s
+    assert unpaced.limit_tokens_per_s == pytest.approx(lim.kv_bound_tokens_per_s)
+
+
+def test_forgiven_requests_take_their_steps_with_them() -> None:
+    # Two disjoint paced requests, 5 and 3 steps: P = 8. Forgiving one (50 % of 2) may drop
+    # the larger demand: P >= 8 - 5 = 3; the cost side drops the more expensive request.
+    model = RooflineModel(TINY, TINY_PARAMS)
+    off = [_req(RequestClass.OFFLINE, 0.0, 2, 3)]
+    on = [_req(RequestClass.ONLINE, 0.0, 1, 5), _req(RequestClass.ONLINE, 50.0, 1, 3)]
+    assert offline_limit(model, 1, 10**6, 100.0, on, off).paced_steps == 8
+    forgiven = offline_limit(model, 1, 10**6, 100.0, on, off, violation_pct=50)
+    assert forgiven.paced_steps == 3 and forgiven.binding == "pacing"
+    # the output-3 request alone: 3 + 1 + 2*0.5 + 0.75 + (2 + 1)*0.5 = 7.25 s, plus 3 steps
+    assert forgiven.online_gpu_s == pytest.approx(7.25 + 3.0)
+    # all forgiven: nothing paced, nothing charged
+    gone = offline_limit(model, 1, 10**6, 100.0, on, off, violation_pct=100)
+    assert (gone.paced_steps, gone.online_gpu_s, gone.binding) == (0, 0.0, "kv")
+
+
+def test_cpu_workers_credit_no_paced_step() -> None:
+    # 100 context tokens streamed: against the pacing bound each saves its attention, 0.5 s,
+    # not step overhead: credit 50 s, against point 2's 50 + 100 * 1e-6.
+    model = RooflineModel(TINY, TINY_PARAMS)
+    off = [_req(RequestClass.OFFLINE, 0.0, 2, 3)]
+    on = [_req(RequestClass.ONLINE, 0.0, 1, 5)]
+    lim = offline_limit(model, 1, 10**6, 100.0, on, off, cpu=CpuAttnCapacity(1, 1.0, 1.0))
+    assert lim.binding == "pacing" and lim.cpu_credit_s == pytest.approx(50.0)
+    # bandwidth cap (100 - 19.25 + 50) / 3.75; all attention gone (online 5 s, offline 2.5 s of
+    # 11.25): (100 - 14.25) / (3.75 - 2.5/3): the smaller
+    assert lim.limit_tokens_per_s == pytest.approx((100 - 14.25) / (3.75 - 2.5 / 3) / 100)
+
+
+def test_limit_stays_under_offline_only_capacity_on_random_loads() -> None:
+    rng = random.Random(1)
+    model = RooflineModel(TINY, TINY_PARAMS)
+    off = [_req(RequestClass.OFFLINE, 0.0, rng.randint(1, 9), rng.randint(1, 9)) for _ in range(5)]
+    for _ in range(40):
+        on = [
+            _req(RequestClass.ONLINE, rng.uniform(0, 90), rng.randint(1, 5), rng.randint(1, 12))
+            for _ in range(rng.randint(0, 6))
+        ]
+        kv, pct = rng.choice((10, 10**6)), rng.choice((0.0, 20.0))
+        lim = offline_limit(model, rng.randint(1, 2), kv, 100.0, on, off, violation_pct=pct)
+        assert 0 <= lim.limit_tokens_per_s <= lim.offline_only_tokens_per_s
+        assert lim.limit_tokens_per_s <= lim.kv_bound_tokens_per_s
+        if lim.pacing_bound_tokens_per_s is not None:
+            assert lim.limit_tokens_per_s <= lim.pacing_bound_tokens_per_s
+
+
 def test_floor_never_exceeds_the_step_model() -> None:
     # The bound holds only if the floor is under every step the simulator can time.
     rng = random.Random(0)
@@ -136,8 +214,11 @@ def test_simulated_policies_stay_under_the_limit() -> None:
     # Each run is held to the limit at the violation rate it had (violating requests forgiven).
     shares = {}
     for pol in ("online-priority", "ooco", "tidal"):
-        s = summarize(simulate(cfg, pol), cfg.duration_s, pol, cfg.name)
+        rec = simulate(cfg, pol)
+        s = summarize(rec, cfg.duration_s, pol, cfg.name)
         lim = config_limit(cfg, pol, s["online"]["violation_pct"])
         shares[pol] = lim.share(s["offline"]["tokens_per_s"])
         assert 0 < shares[pol] <= 1, (pol, s["offline"], s["online"]["violation_pct"], lim)
+        # the SLO pace forces steps, and the run took at least that many
+        assert 0 < lim.paced_steps <= rec.num_steps, (pol, lim, rec.num_steps)
     assert max(shares.values()) >= 0.5, shares

@@ -213,6 +213,10 @@ def test_figures_are_reported_as_shares_of_the_limit_with_what_ended_each_search
     text = table({**head, "violation": 3.0, "repeats": 3, "policies": {"tidal": e}})
     assert "live SLO-bound at 12 (fails at 16) lines/s, simulator saturated at 16" in text
     assert "live / simulator 0.50" in text and "same step model on both sides" in text
+    # which of the limit's two step floors binds, and the steps the SLO pace forces
+    what = {"kv": "KV residency", "pacing": "the SLO pace"}[lim["binding"]]
+    assert f"the limit bound by {what} ({lim['paced_steps']} paced steps" in text
+    assert lim["paced_steps"] > 0 and lim["paced_gpu_s"] > 0
     # a config whose limit cannot be computed has none, and says why
     off = dataclasses.replace(cfg, latency_model="regression")
     assert "regression" in cs.shares(args, off, "tidal", 0, e)["limit"]["error"]
