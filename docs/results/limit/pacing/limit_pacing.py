@@ -130,7 +130,7 @@ LIVE = [
         ("offline.max_output_tokens=256", "handout_ms=10.6"),
         14.0,
         None,
-        {"online-priority": 1998, "ooco (0.4 s cap)": 2641, "tidal": 3036},
+        {"online-priority": 2414, "ooco (0.4 s cap)": 2641, "tidal": 3036},
     ),
     (
         "live, torch engine: embedded.yaml s 0-25, 2 instances on 1 core",
