@@ -118,6 +118,11 @@ class ClusterConfig:
     # the scheduler's `tidal.inst.<id>.preempt` signal). Off: the policy's route stands.
     preempt_for_online: bool = False
     cpu_workers: CpuWorkers = CpuWorkers()
+    # The instances share this many devices (the live torch engines pinned to fewer cores than
+    # instances, `--engine-cores`): in the simulator their steps run under processor sharing
+    # (`tidal.sim.sharing`), in the offline limit they have these devices' seconds between them
+    # (`tidal.sim.limit`). None: each instance has its own.
+    num_devices: int | None = None
     # Offline requests are Batch API lines: at most this many in the cluster at once, the rest
     # wait FIFO (the live batch service's `tidal up --batch-max-inflight`); None = no cap.
     batch_max_inflight: int | None = None
@@ -150,6 +155,8 @@ class ClusterConfig:
             raise ValueError("handoff_delay_ms must be in [0, link_latency_ms] (a part of it)")
         if self.duration_s <= 0 or self.drain_s < 0 or self.bin_s <= 0:
             raise ValueError("duration_s and bin_s must be > 0, drain_s >= 0")
+        if self.num_devices is not None and self.num_devices < 1:
+            raise ValueError(f"num_devices must be >= 1, got {self.num_devices}")
         if self.batch_max_inflight is not None and self.batch_max_inflight < 1:
             raise ValueError(f"batch_max_inflight must be >= 1, got {self.batch_max_inflight}")
         if self.online is None and self.offline is None:

@@ -8,7 +8,8 @@ instance while both step). A policy that fills a step up to a latency budget wit
 predictions (`tidal`'s strict step, `tidal.policy.tidal.budget`) overruns that budget by the same
 factor unless it knows it. The instance measures it here, step by step, and hands it to the
 policy as `InstanceState.step_time_scale`; the simulator, whose steps are the model's own,
-leaves it at 1.
+leaves it at 1, unless its instances share devices (`tidal.sim.sharing`): there each step's
+time under sharing over its time alone feeds this same measure.
 
 The figure is the sum of the measured times over the sum of the predicted ones over the last
 `window` steps, so the long steps (the ones a budget fills) weigh most and a run of short decode

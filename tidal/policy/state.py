@@ -189,8 +189,9 @@ class InstanceState:
     # `StepPlan.checkpoint`/`release` are refused)
     ckpt_tokens: int = 0  # KV tokens checkpointed in host memory now
     # Measured / predicted step time of this instance's recent steps, >= 1 (live: the instance
-    # measures it, `tidal.perf.step_scale`; the simulator's steps are the model's own: 1). A
-    # policy filling a step up to a latency bound divides the bound by it.
+    # measures it, `tidal.perf.step_scale`; the simulator: 1, its steps are the model's own,
+    # unless its instances share devices, `tidal.sim.sharing`, which measures it the same way).
+    # A policy filling a step up to a latency bound divides the bound by it.
     step_time_scale: float = 1.0
     # What the instance half of a policy leaves for its cluster half (name -> value). It is the
     # only state the halves share: it travels in the instance's `InstanceReport`, and the

@@ -139,6 +139,7 @@ def simulate(
         handoff_delay_s=cfg.handoff_delay_ms / 1000,
         handout_s=cfg.handout_ms / 1000,
         preempt_for_online=cfg.preempt_for_online,
+        num_devices=cfg.num_devices,
         cpu=cpu,
         horizon_s=cfg.duration_s + cfg.drain_s,
         bin_s=cfg.bin_s,

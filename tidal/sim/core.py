@@ -5,8 +5,9 @@ run is a pure function of (workload, policy, seed): the simulator never reads th
 Each instance runs one *step* at a time; a policy's decode-only plan may ask to repeat
 (`StepPlan.max_repeat`), which the simulator runs as one *span* of steps, cut short at the next
 step boundary as soon as anything lands on that instance. Plans are applied and checked here
-(`tidal.sim.apply`, `tidal.sim.span`), KV moves between instances in `tidal.sim.transfers`; this
-module owns time, events, steps and the cluster queue.
+(`tidal.sim.apply`, `tidal.sim.span`), KV moves between instances in `tidal.sim.transfers`,
+steps of instances that share devices in `tidal.sim.sharing`; this module owns time, events,
+steps and the cluster queue.
 """
 
 from __future__ import annotations
@@ -14,15 +15,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from tidal.cluster.view import build_cluster_view, report_of
-from tidal.perf.api import StepModel
 from tidal.policy.base import ClusterActions, Policy, PolicyError, RouteAction
 from tidal.policy.state import (
     ClusterView,
     CpuPoolState,
-    InstanceRole,
     InstanceState,
     Phase,
     ReqState,
@@ -36,6 +35,8 @@ from tidal.sim.integrity import check_invariants
 from tidal.sim.preempt_signal import PreemptSignals
 from tidal.sim.recorder import Recorder
 from tidal.sim.resume import Cuts
+from tidal.sim.setup import InstanceSetup
+from tidal.sim.sharing import DeviceShare
 from tidal.sim.span import Span, finish_span
 from tidal.sim.transfers import Transfers
 from tidal.workload.mix import SimRequest
@@ -45,30 +46,6 @@ _STEP, _XFER, _TICK, _HANDOFF = 0, 1, 2, 3  # event kinds
 # instance's idle report interval), so it can ask for work: OOCO's strict instances pull
 # offline decodes only after a `schedule` that found room, which an idle one never ran.
 IDLE_PLAN_S = 0.5
-
-
-@dataclass(frozen=True)
-class InstanceSetup:
-    """Static description of one instance for the simulator."""
-
-    role: InstanceRole
-    chunk_size: int  # token budget of one step
-    num_blocks: int  # GPU KV blocks
-    step_model: StepModel
-    kv_bytes_per_token: float  # per GPU of the instance
-    block_size: int = 16
-    max_batch_reqs: int = 256
-    pcie_bytes_per_s: float = 25e9  # GPU <-> host copies (swap, offload)
-    num_layers: int = 32  # layer boundaries a `StepPlan.layer_cut` step is cut at
-    ckpt_capacity_tokens: int = 0  # host memory for offline KV checkpoints, tokens (0: none)
-
-    def __post_init__(self) -> None:
-        if self.chunk_size < 1 or self.num_blocks < 1 or self.block_size < 1:
-            raise ValueError("chunk_size, num_blocks and block_size must be >= 1")
-        if self.max_batch_reqs < 1 or self.kv_bytes_per_token <= 0 or self.pcie_bytes_per_s <= 0:
-            raise ValueError("max_batch_reqs, kv_bytes_per_token and pcie_bytes_per_s must be > 0")
-        if self.ckpt_capacity_tokens < 0:
-            raise ValueError(f"ckpt_capacity_tokens must be >= 0, got {self.ckpt_capacity_tokens}")
 
 
 class Simulator:
@@ -93,6 +70,7 @@ class Simulator:
         handout_s: float = 0.0,
         classes: ClassGate | None = None,
         preempt_for_online: bool = False,
+        num_devices: int | None = None,
     ) -> None:
         if dispatch_s < 0 or dispatch_s_per_token < 0:
             raise ValueError("dispatch_s and dispatch_s_per_token must be >= 0")
@@ -124,6 +102,12 @@ class Simulator:
         self._handout_until = [0.0] * len(setups)  # an idle instance starts nothing before
         # an online request no instance has KV room for preempts offline work (`preempt_signal`)
         self.signals = PreemptSignals() if preempt_for_online else None
+        # fewer devices than instances: their steps share them (`tidal.sim.sharing`)
+        self.sharing: DeviceShare | None = None
+        if num_devices is not None and num_devices < len(setups):
+            self.sharing = DeviceShare(
+                num_devices, len(setups), lambda t, p: self._push(t, _STEP, p)
+            )
         self.instances = [
             InstanceState(
                 instance_id=i,
@@ -248,6 +232,8 @@ class Simulator:
             self._apply(self.policy.tick(self._view(t), t), t)
             self.transfers.retry(t)
             self._kick(t)
+            if self.sharing is not None:  # a step started or ended: the others' ends move
+                self.sharing.settle(self._spans, self.instances, t)
             if self._check:
                 self.check_integrity()
             if progress is not None and t - last_progress >= 1.0:
@@ -357,6 +343,8 @@ class Simulator:
         inst = self.instances[inst_id]
         self._spans[inst_id] = None
         done, first = finish_span(inst, span, now, self.rec, self.cuts)
+        if self.sharing is not None:
+            self.sharing.ended(inst, span)
         self._num_open -= done
         for r in first:  # prefill just finished: where does it decode?
             if self._via_reports:

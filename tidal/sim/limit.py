@@ -300,11 +300,14 @@ def config_limit(
 ) -> OfflineLimit:
     """`offline_limit` for `cfg`'s cluster as `policy` runs it (its own instance list if it has
     one), online trace and offline length mix (offered at `offline_rate` req/s if given), on
-    `num_devices` devices shared by the instances (None: one each)."""
+    `num_devices` devices shared by the instances (None: the config's `num_devices`, by default
+    one each)."""
     from tidal.sim.build import _step_model, kv_geometry, with_offline_rate, workload
 
     if offline_rate is not None:
         cfg = with_offline_rate(cfg, offline_rate)
+    if num_devices is None:
+        num_devices = cfg.num_devices
     model = _step_model(cfg.model, cfg.hardware, cfg.tp, cfg.latency_model, cfg.profile)
     if not isinstance(model, RooflineModel):
         raise ValueError(

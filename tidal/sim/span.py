@@ -57,6 +57,22 @@ class Span:
         self.version = next(_versions)
         return True
 
+    def rescale(self, now: float, ratio: float) -> bool:
+        """What is left of the span after `now` takes `ratio` times as long (its device's
+        share changed, `tidal.sim.sharing`): every boundary after `now`, and the layers' start,
+        so the layer boundaries still ahead move with it. True if its end moved."""
+        b = self.bounds
+        moved = False
+        for j in range(self.k):
+            if b[j] > now:
+                b[j] = now + ratio * (b[j] - now)
+                moved = True
+        if self.layers:  # layer_ends() spaces the layers from here to the end, in proportion
+            self.layer_t0 = now + ratio * (self.layer_t0 - now)
+        if moved:
+            self.version = next(_versions)
+        return moved
+
     def preempt_at_layer(self, now: float) -> bool:
         """OOCO §3.4.1: end the step at the next layer boundary after `now`; its chunks keep
         the layers done and resume later (`finish_span`). True if the span was cut."""

@@ -8,12 +8,12 @@ computed offline limit (`tidal.sim.limit`; simulated).
   same config, window and resources (tokens/s) over the mix's mean output length, times a margin:
   a load no schedule could complete, so every policy saturates or misses the SLO at or below it.
 
-- **Devices** (`engine_devices`): the limit gives every instance a device of its own, as the
-  simulator does. The torch engine's instances run on the cores `--engine-cores` names (all
-  the host's if unpinned), and the fitted step profile prices one engine alone on one core: two
-  instances pinned to one core have that core's seconds between them. So the live figure's
-  share is of the limit on min(instances, engine cores) devices; the simulator's stays on its
-  own (one device an instance).
+- **Devices** (`engine_devices`): the torch engine's instances run on the cores
+  `--engine-cores` names (all the host's if unpinned), and the fitted step profile prices one
+  engine alone on one core: two instances pinned to one core have that core's seconds between
+  them. So the limit is on min(instances, engine cores) devices, and the simulator beside the
+  live run shares them too (`sim_side.sim_config`, `tidal.sim.sharing`): live and simulated
+  figures are shares of one limit (`shares`).
 
 The offline length mix is the config's offline stream drawn at `MIX_QPS` over the window (the
 limit depends on the offline stream only through its mix). The limit rests on the roofline step
@@ -22,11 +22,14 @@ model; `limit_basis` says which model that is beside the engine's own step times
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
+from services.common import affinity
 from tidal.config.cluster import ClusterConfig
 from tidal.workload.mix import SimRequest
 
@@ -124,6 +127,39 @@ def engine_devices(
     if engine != "torch":
         return None
     return len(engine_cores) if engine_cores is not None else host_cores
+
+
+def live_devices(args: argparse.Namespace) -> int | None:
+    """`engine_devices` of the live stack `args` describe (`--engine`, `--engine-cores`)."""
+    pinned = args.engine_cores
+    cores = None if pinned is None else affinity.parse_cores(pinned, "--engine-cores")
+    return engine_devices(args.engine, cores, os.cpu_count() or 1)
+
+
+def shares(
+    args: argparse.Namespace, cfg: ClusterConfig, policy: str, workers: int, entry: dict
+) -> dict[str, Any]:
+    """The live and simulated figures as shares of the computed offline limit (simulated) for
+    the same config, window and resources, on the devices the live engines share
+    (`live_devices`), which the simulator's instances share too (`sim_side.sim_config`); the
+    limit's row, or why there is none."""
+    devices = live_devices(args)
+    basis = limit_basis(args.engine, args.sim_step_model, cfg)
+    try:
+        lim = window_limit(cfg, policy, args.violation, workers, devices)
+    except ValueError as e:
+        return {"limit": {"label": "simulated", "error": str(e)}}
+    n = sum(g.count for g in cfg.groups_for(policy))
+    where = "one device an instance"
+    if devices is not None and devices < n:
+        pinned = args.engine_cores
+        at = f"engine cores {pinned}" if pinned is not None else "the host"
+        where = f"{n} instances on {devices} core(s) ({at}), live and simulated"
+    return {
+        "limit": limit_row(lim, basis, where),
+        "share_of_limit": lim.share(entry["max_offline_tokens_per_s"]),
+        "sim_share_of_limit": lim.share(entry["sim_max_offline_tokens_per_s"]),
+    }
 
 
 def limit_row(lim: Any, basis: str, devices: str = "one device an instance") -> dict[str, Any]:

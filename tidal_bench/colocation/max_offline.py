@@ -12,10 +12,13 @@ search over three policies fits in minutes.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -172,3 +175,37 @@ def search_max_offline(
         else:
             bad = mid
     return Outcome(best, probes, failed_at=bad)
+
+
+def point_row(p: Point) -> dict[str, Any]:
+    return {
+        "offline_qps": p.load_qps,
+        "attainment_pct": p.attainment_pct,
+        "attainment_median_pct": p.attainment_median_pct,
+        "attainment_spread": p.spread("attainment_pct"),
+        "offline_tokens_per_s": p.offline_tokens_per_s,
+        "offline_tokens_per_s_spread": p.spread("offline_tokens_per_s"),
+        "offline_lines_per_s": p.offline_lines_per_s,
+        "cpu": point_cpu(p),
+        "runs": [dataclasses.asdict(m) for m in p.runs],
+    }
+
+
+def point_cpu(p: Point) -> dict[str, Any] | None:
+    """The median over a point's windows of each process's CPU s/s, of their sum and of each
+    core's busy share; None where no window measured CPU (the simulator's)."""
+    rows = [m.cpu for m in p.runs if m.cpu]
+    if not rows:
+        return None
+
+    def med(values: list[float]) -> float:
+        return round(float(np.median(values)), 3)
+
+    names = sorted({n for r in rows for n in r["cpu_s_per_s"]})
+    cores = sorted({c for r in rows for c in r["core_busy"]})
+    return {
+        "cpu_s_per_s": {n: med([r["cpu_s_per_s"].get(n, 0.0) for r in rows]) for n in names},
+        "stack_and_loadgen_cpu_s_per_s": med([r["stack_and_loadgen_cpu_s_per_s"] for r in rows]),
+        "core_busy": {c: med([r["core_busy"].get(c, 0.0) for r in rows]) for c in cores},
+        "loadavg_1m": med([r.get("loadavg_1m", float("nan")) for r in rows]),
+    }

@@ -81,11 +81,13 @@ def limit_lines(report: dict[str, Any]) -> list[str]:
         sim_bound = e.get("simulator", {}).get("bound_text", "?")
         if "tokens_per_s" in lim:
             basis = lim["basis"]
+            on = lim.get("devices", "one device an instance")
+            on = "" if on == "one device an instance" else f" on {on}"
             share = (
-                f"limit {lim['tokens_per_s']:.0f} tok/s: live {100 * e['share_of_limit']:.1f}%, "
-                f"simulator {100 * e['sim_share_of_limit']:.1f}%"
+                f"limit {lim['tokens_per_s']:.0f} tok/s{on}: live "
+                f"{100 * e['share_of_limit']:.1f}%, simulator {100 * e['sim_share_of_limit']:.1f}%"
             )
-            if own := e.get("sim_limit"):
+            if own := e.get("sim_limit"):  # reports from before the simulator shared devices
                 share = (
                     f"limit {lim['tokens_per_s']:.0f} tok/s on {lim['devices']}: live "
                     f"{100 * e['share_of_limit']:.1f}%; simulator "

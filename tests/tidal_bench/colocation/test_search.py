@@ -12,6 +12,7 @@ import pytest
 
 from services.cli.main import main
 from tidal_bench.colocation import search as cs
+from tidal_bench.colocation import sim_side
 from tidal_bench.colocation.report import merged, table
 
 TINY = [
@@ -62,8 +63,8 @@ def test_the_config_after_set_is_what_both_sides_run(tmp_path: Path) -> None:
 
 def test_a_simulated_window_counts_only_after_the_warm_up(tmp_path: Path) -> None:
     cfg, _ = cs.write_config(_args(set=["offline.max_output_tokens=16"]), str(tmp_path))
-    alone = cs.sim_window(cfg, "ooco", 0.0, 2.0)
-    busy = cs.sim_window(cfg, "ooco", 2.0, 2.0)
+    alone = sim_side.sim_window(cfg, "ooco", 0.0, 2.0)
+    busy = sim_side.sim_window(cfg, "ooco", 2.0, 2.0)
     assert alone.offline_tokens_per_s == 0.0 and alone.num_online == busy.num_online > 0
     # 16-token lines finish in well under a second of emulated time: about 2 lines/s complete
     assert 1.0 <= busy.offline_lines_per_s <= 3.0
@@ -74,9 +75,9 @@ def test_a_simulated_window_keeps_the_batch_lines_in_flight_and_counts_tokens_as
     tmp_path: Path,
 ) -> None:
     cfg, _ = cs.write_config(_args(set=["offline.max_output_tokens=256"]), str(tmp_path))
-    assert cs.window_bin_s(2.0, 6.0) == 2.0 and cs.window_bin_s(4.0, 14.5) == 0.5
-    free = cs.sim_window(cfg, "ooco", 16.0, 2.0)
-    capped = cs.sim_window(dataclasses.replace(cfg, batch_max_inflight=2), "ooco", 16.0, 2.0)
+    assert sim_side.window_bin_s(2.0, 6.0) == 2.0 and sim_side.window_bin_s(4.0, 14.5) == 0.5
+    free = sim_side.sim_window(cfg, "ooco", 16.0, 2.0)
+    capped = sim_side.sim_window(dataclasses.replace(cfg, batch_max_inflight=2), "ooco", 16.0, 2.0)
     assert capped.num_online == free.num_online > 0
     assert 0 < capped.tpot_p99_s < 0.05 and 0 < capped.ttft_p99_s < 2.0  # beside the live p99s
     # two lines at a time cannot keep up with 16 lines/s of up to 256 tokens each
@@ -223,8 +224,8 @@ def test_figures_are_reported_as_shares_of_the_limit_with_what_ended_each_search
 
 
 def test_torch_engines_pinned_to_one_core_share_one_cores_limit(tmp_path: Path) -> None:
-    # tidal's two instances on core 0: the live figure is a share of the limit on one device;
-    # the simulator (one device an instance) keeps its own, twice the device-seconds
+    # tidal's two instances on core 0: the live figure and the simulator's (whose instances
+    # share that core too) are shares of the limit on one device
     args = _args(
         set=["offline.max_output_tokens=256"], engine="torch", violation=3.0, engine_cores="0"
     )
@@ -233,21 +234,43 @@ def test_torch_engines_pinned_to_one_core_share_one_cores_limit(tmp_path: Path) 
     assert sum(g.count for g in cfg.groups_for("tidal")) == 2
     e = {**_entry(1000.0), "sim_max_offline_tokens_per_s": 2000.0}
     e.update(cs.shares(args, cfg, "tidal", 0, e))
-    lim, own = e["limit"], e["sim_limit"]
+    lim = e["limit"]
+    own = cs.shares(
+        argparse.Namespace(**{**vars(args), "engine_cores": "0-1"}), cfg, "tidal", 0, e
+    )["limit"]
     assert lim["gpu_s"] == pytest.approx(own["gpu_s"] / 2) == pytest.approx(cfg.duration_s)
     assert lim["tokens_per_s"] < own["tokens_per_s"] / 2  # the online load takes its part first
-    assert lim["devices"] == "2 instances on 1 core(s) (engine cores 0)"
+    assert lim["devices"] == "2 instances on 1 core(s) (engine cores 0), live and simulated"
     assert e["share_of_limit"] == pytest.approx(1000.0 / lim["tokens_per_s"])
-    assert e["sim_share_of_limit"] == pytest.approx(2000.0 / own["tokens_per_s"])
+    assert e["sim_share_of_limit"] == pytest.approx(2000.0 / lim["tokens_per_s"])
+    assert "sim_limit" not in e
     e |= {"bound_text": "SLO-bound at 2 (fails at 4)", "simulator": {"bound_text": "saturated"}}
     head = {"engine": "torch", "sim_step_model": args.sim_step_model, "config": "c", "window": "w"}
     text = table({**head, "violation": 3.0, "repeats": 2, "policies": {"tidal": e}})
     assert f"limit {lim['tokens_per_s']:.0f} tok/s on 2 instances on 1 core(s)" in text
-    assert f"of its own {own['tokens_per_s']:.0f} tok/s (one device an instance" in text
-    # on both cores (or unpinned on this 2-core host) each instance has one: one limit
-    args.engine_cores = "0-1"
-    both = cs.shares(args, cfg, "tidal", 0, _entry(1000.0))
-    assert "sim_limit" not in both and both["limit"]["gpu_s"] == pytest.approx(own["gpu_s"])
+    # on both cores (or unpinned on this 2-core host) each instance has one
+    assert own["devices"] == "one device an instance"
+
+
+def test_the_simulator_shares_the_cores_the_live_engines_share(tmp_path: Path) -> None:
+    args = _args(set=["offline.max_output_tokens=16"], engine="torch", engine_cores="0")
+    cfg, _ = cs.write_config(args, str(tmp_path))
+    assert cfg.num_devices is None  # the stack's config is not changed
+    shared = sim_side.sim_config(args, cfg, "ooco")
+    assert shared.num_devices == 1 and shared.instances == cfg.instances
+    both = argparse.Namespace(**{**vars(args), "engine_cores": "0-1"})
+    assert sim_side.sim_config(both, cfg, "ooco") is cfg  # a core each: nothing shared
+    # the sim engine emulates each instance's steps on its own
+    assert (
+        sim_side.sim_config(argparse.Namespace(**{**vars(args), "engine": "sim"}), cfg, "ooco")
+        is cfg
+    )
+    set_own = dataclasses.replace(cfg, num_devices=2)
+    assert sim_side.sim_config(args, set_own, "ooco") is set_own  # the config's own stands
+    own = sim_side.sim_window(cfg, "ooco", 8.0, 2.0)
+    one = sim_side.sim_window(shared, "ooco", 8.0, 2.0)
+    assert one.num_online == own.num_online > 0
+    assert one.tpot_p99_s > own.tpot_p99_s  # every step slower while both step
 
 
 def test_a_points_cpu_is_the_median_of_its_windows() -> None:
@@ -277,9 +300,9 @@ def test_the_simulator_is_run_at_every_load_the_live_search_probed(tmp_path: Pat
         Point(0.0, (Measurement(100.0, 0.0, 0.0),)),
         Point(2.0, (Measurement(100.0, 20.0, 2.0),)),
     ]
-    rows = cs.at_loads(cfg, "ooco", args, 0, Outcome(live[1], live))
+    rows = sim_side.at_loads(cfg, "ooco", args, 0, Outcome(live[1], live))
     assert [r["offline_qps"] for r in rows] == [2.0]  # not the zero-load point
     (row,) = rows
-    sim = cs.sim_window(dataclasses.replace(cfg, batch_max_inflight=64), "ooco", 2.0, 2.0)
+    sim = sim_side.sim_window(dataclasses.replace(cfg, batch_max_inflight=64), "ooco", 2.0, 2.0)
     assert row["sim_offline_tokens_per_s"] == sim.offline_tokens_per_s > 0
     assert row["live_over_sim"] == pytest.approx(20.0 / sim.offline_tokens_per_s)
