@@ -123,6 +123,9 @@ class ClusterConfig:
     # (`tidal.sim.sharing`), in the offline limit they have these devices' seconds between them
     # (`tidal.sim.limit`). None: each instance has its own.
     num_devices: int | None = None
+    # While more steps than `num_devices` are in flight, each runs at (D / k) / this: the work a
+    # step does beside another on its device over its work alone (1: perfect time sharing).
+    shared_device_slowdown: float = 1.0
     # Offline requests are Batch API lines: at most this many in the cluster at once, the rest
     # wait FIFO (the live batch service's `tidal up --batch-max-inflight`); None = no cap.
     batch_max_inflight: int | None = None
@@ -157,6 +160,10 @@ class ClusterConfig:
             raise ValueError("duration_s and bin_s must be > 0, drain_s >= 0")
         if self.num_devices is not None and self.num_devices < 1:
             raise ValueError(f"num_devices must be >= 1, got {self.num_devices}")
+        if self.shared_device_slowdown < 1.0:
+            raise ValueError(
+                f"shared_device_slowdown must be >= 1, got {self.shared_device_slowdown}"
+            )
         if self.batch_max_inflight is not None and self.batch_max_inflight < 1:
             raise ValueError(f"batch_max_inflight must be >= 1, got {self.batch_max_inflight}")
         if self.online is None and self.offline is None:

@@ -140,6 +140,7 @@ def simulate(
         handout_s=cfg.handout_ms / 1000,
         preempt_for_online=cfg.preempt_for_online,
         num_devices=cfg.num_devices,
+        shared_device_slowdown=cfg.shared_device_slowdown,
         cpu=cpu,
         horizon_s=cfg.duration_s + cfg.drain_s,
         bin_s=cfg.bin_s,

@@ -71,6 +71,7 @@ class Simulator:
         classes: ClassGate | None = None,
         preempt_for_online: bool = False,
         num_devices: int | None = None,
+        shared_device_slowdown: float = 1.0,
     ) -> None:
         if dispatch_s < 0 or dispatch_s_per_token < 0:
             raise ValueError("dispatch_s and dispatch_s_per_token must be >= 0")
@@ -102,12 +103,12 @@ class Simulator:
         self._handout_until = [0.0] * len(setups)  # an idle instance starts nothing before
         # an online request no instance has KV room for preempts offline work (`preempt_signal`)
         self.signals = PreemptSignals() if preempt_for_online else None
-        # fewer devices than instances: their steps share them (`tidal.sim.sharing`)
+        # fewer devices than instances: their steps share them, each slowed the more by
+        # `shared_device_slowdown` while they do (`tidal.sim.sharing`)
         self.sharing: DeviceShare | None = None
         if num_devices is not None and num_devices < len(setups):
-            self.sharing = DeviceShare(
-                num_devices, len(setups), lambda t, p: self._push(t, _STEP, p)
-            )
+            step_at = lambda t, p: self._push(t, _STEP, p)  # noqa: E731
+            self.sharing = DeviceShare(num_devices, len(setups), step_at, shared_device_slowdown)
         self.instances = [
             InstanceState(
                 instance_id=i,

@@ -8,6 +8,11 @@ alone on one core (docs/colocation.md). A config says so with `num_devices`
 instances share D < N devices. While k steps are in flight then, each progresses at
 min(1, D / k) of its own rate: processor sharing, the OS's time slices (milliseconds, against
 steps of tens to hundreds) averaged over a step; a one-thread step never runs faster than alone.
+`ClusterConfig.shared_device_slowdown` (c, default 1) adds what the time share leaves out:
+while k > D steps share the devices each runs at (D / k) / c, a step doing more work beside
+another than alone (caches and memory bandwidth shared; measured for the torch engines on one
+core by `python -m tidal_bench.colocation.shared_core`). Alone on a device (k <= D) a step runs
+at its own rate whatever c is.
 Turn-taking (one whole step after the other) is the alternative; it is not what the OS does,
 and it would leave a step's time alone unchanged while the live ones all stretched about
 twice (2.0-2.2x on both instances, docs/colocation.md).
@@ -47,27 +52,35 @@ class _Flight:
 
 class DeviceShare:
     """`num_instances` instances on `num_devices` shared devices (fewer than the instances).
-    `step_at(t, (instance, version))` schedules a span's new end."""
+    `step_at(t, (instance, version))` schedules a span's new end; `slowdown`: c, each shared
+    step's work beside the others over its work alone (`ClusterConfig.shared_device_slowdown`)."""
 
     def __init__(
         self,
         num_devices: int,
         num_instances: int,
         step_at: Callable[[float, tuple[int, int]], None],
+        slowdown: float = 1.0,
         window: int = 32,
     ) -> None:
         if not 1 <= num_devices < num_instances:
             raise ValueError(
                 f"num_devices must be in [1, {num_instances}) to share them, got {num_devices}"
             )
+        if slowdown < 1.0:
+            raise ValueError(f"shared_device_slowdown must be >= 1, got {slowdown}")
         self.num_devices = num_devices
+        self.contention = slowdown  # c: each shared step's extra over its time share
         self._step_at = step_at
         self._flights: dict[int, _Flight] = {}
         self.scales = [StepTimeScale(window) for _ in range(num_instances)]
 
     def slowdown(self, num_steps: int) -> float:
-        """How much longer each of `num_steps` steps in flight takes than alone."""
-        return max(1.0, num_steps / self.num_devices)
+        """How much longer each of `num_steps` steps in flight takes than alone: k / D times c
+        while k > D share D devices, else 1."""
+        if num_steps <= self.num_devices:
+            return 1.0
+        return num_steps / self.num_devices * self.contention
 
     def settle(
         self, spans: Sequence[Span | None], instances: Sequence[InstanceState], now: float

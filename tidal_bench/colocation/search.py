@@ -179,6 +179,7 @@ def run_policy(
     sim = simulated(sim_cfg, policy, args, res["cpu_attn_workers_usable"])
     sim["at_live_probes"] = at_loads(sim_cfg, policy, args, res["cpu_attn_workers_usable"], out)
     sim["num_devices"] = sim_cfg.num_devices  # None: one device an instance
+    sim["shared_device_slowdown"] = sim_cfg.shared_device_slowdown  # 1: a perfect time share
     prog.update(task, description=f"{policy} (cpu-attn {cpu_attn}): done")
     best = out.best
     entry: dict[str, Any] = {

@@ -4,7 +4,10 @@ config, window and resources as the live stack, counted as the live windows are.
 The simulator's instances share the devices the live engines share (`sim_config`): the torch
 engines pinned to fewer cores than instances (`--engine-cores 0` runs both on core 0) step
 under processor sharing there (`tidal.sim.sharing`), as the OS runs them; the step profile
-prices one engine alone on one core.
+prices one engine alone on one core. Each shared step also does more work than alone (caches
+and memory bandwidth shared): the factor measured on the profile's host, stored with the
+profile (`shared_device_slowdown`, `profile_slowdown`), becomes the simulator's
+`shared_device_slowdown`; the bench never measures it at run time.
 """
 
 from __future__ import annotations
@@ -26,12 +29,34 @@ from tidal_bench.kit import pct
 def sim_config(args: argparse.Namespace, cfg: ClusterConfig, policy: str) -> ClusterConfig:
     """`cfg` as the simulator beside `policy`'s live stack runs it: its instances on the
     devices the live engines share (`caps.live_devices`) where those are fewer than the
-    instances; a `num_devices` the config sets itself stands."""
+    instances, each shared step slowed by the factor stored with the config's step profile
+    (`profile_slowdown`); a `num_devices` the config sets itself stands."""
     devices = live_devices(args)
     n = sum(g.count for g in cfg.groups_for(policy))
     if cfg.num_devices is not None or devices is None or devices >= n:
         return cfg
-    return dataclasses.replace(cfg, num_devices=devices)
+    slowdown = cfg.shared_device_slowdown
+    if slowdown == 1.0:  # the config's own (other than the default) stands
+        slowdown = profile_slowdown(cfg.profile)
+    return dataclasses.replace(cfg, num_devices=devices, shared_device_slowdown=slowdown)
+
+
+def profile_slowdown(profile: str | None) -> float:
+    """The contention factor stored with a step profile (its `shared_device_slowdown.factor`:
+    two engines stepping on one core, each step's time over twice its time alone, measured by
+    `python -m tidal_bench.colocation.shared_core` on the host the profile was fitted on);
+    1 where the profile has none (or there is no profile)."""
+    if not profile:
+        return 1.0
+    from tidal.perf.profile import load_profile
+
+    entry = load_profile(profile).get("shared_device_slowdown")
+    if entry is None:
+        return 1.0
+    factor = float(entry["factor"])
+    if factor < 1.0:
+        raise ValueError(f"{profile}: shared_device_slowdown.factor must be >= 1, got {factor}")
+    return factor
 
 
 def window_bin_s(warmup_s: float, end_s: float) -> float:

@@ -2,12 +2,16 @@
 core 0: `torch_own_limit_distinct_{tidal2,oprio2,ooco2}.json`), with each instance on a device
 of its own (as the runs' own simulator column) and with both on one shared core, as the live
 engines run (`num_devices: 1`, processor sharing, `tidal.sim.sharing`; what the bench's
-simulator does now, `tidal_bench.colocation.sim_side.sim_config`). Per policy and load: offline
+simulator does now, `tidal_bench.colocation.sim_side.sim_config`, each shared step slowed by
+the contention factor stored with the step profile, `shared_device_slowdown`, measured by
+`python -m tidal_bench.colocation.shared_core`), and on the shared core with a perfect time
+share (`shared_c1`: the factor left at 1, as before it was measured). Per policy and load: offline
 tok/s, lines/s done, online attainment and TPOT p99 over the measured 20 s, counted as the live
 windows are (`sim_window`); at 4 lines/s, the steps by kind per instance, as
 `scripts/tlive4_diag/analyze.py` sums the live ones, and each online request's hand-off (its
 first token to its next). A diagnostic beside them (`sensitivity`, not a setting anywhere):
-the shared runs at 4 lines/s with every step `f` times its profile's time, f = 1.03 (the strict
+the shared runs with a perfect time share at 4 lines/s with every step `f` times its profile's
+time, f = 1.03 (the strict
 instance's measured / predicted alone, docs/colocation.md) and 1.05 (the live steps' 2.05-2.13x
 while both stepped, over the simulator's 2.0x); and `tidal` on the shared core with its
 measured step-time scale not fed (`without_scale_feed`: left at 1, as before the live fix).
@@ -204,7 +208,9 @@ def main() -> None:
             batch_max_inflight=res["batch_max_inflight"],
         )
         live = {p["offline_qps"]: p for p in run["policies"][policy]["probes"]}
-        sides = {"own": cfg, "shared": sim_config(args, cfg, policy)}
+        shared = sim_config(args, cfg, policy)
+        c1 = dataclasses.replace(shared, shared_device_slowdown=1.0)
+        sides = {"own": cfg, "shared": shared, "shared_c1": c1}
         rows = []
         for load in LOADS:
             row: dict[str, Any] = {"offline_qps": load}
@@ -220,6 +226,7 @@ def main() -> None:
                     m = sim_window(c, policy, load, args.warmup_s)
                 row[side] = {
                     "num_devices": c.num_devices,
+                    "shared_device_slowdown": c.shared_device_slowdown,
                     "offline_tokens_per_s": round(m.offline_tokens_per_s, 2),
                     "offline_lines_per_s": round(m.offline_lines_per_s, 3),
                     "attainment_pct": round(m.attainment_pct, 1),
@@ -235,7 +242,7 @@ def main() -> None:
         live_tok = live[STEPS_AT]["offline_tokens_per_s"]
         sens = []
         for f in SENSITIVITY:
-            m = scaled_window(sides["shared"], policy, STEPS_AT, args.warmup_s, f)
+            m = scaled_window(sides["shared_c1"], policy, STEPS_AT, args.warmup_s, f)
             sens.append(
                 {
                     "step_time_factor": f,
@@ -248,16 +255,17 @@ def main() -> None:
         report[policy] = {
             "run": f"torch_own_limit_distinct_{tag}.json",
             "loads": rows,
-            "sensitivity_at_4_shared": sens,
+            "sensitivity_at_4_shared_c1": sens,
         }
         if policy == "tidal":
-            m = without_scale_feed(sides["shared"], policy, STEPS_AT, args.warmup_s)
-            report[policy]["without_scale_feed_at_4_shared"] = {
-                "offline_tokens_per_s": round(m.offline_tokens_per_s, 2),
-                "offline_lines_per_s": round(m.offline_lines_per_s, 3),
-                "attainment_pct": round(m.attainment_pct, 1),
-                "tpot_p99_ms": round(1e3 * m.tpot_p99_s, 1),
-            }
+            for side in ("shared", "shared_c1"):
+                m = without_scale_feed(sides[side], policy, STEPS_AT, args.warmup_s)
+                report[policy][f"without_scale_feed_at_4_{side}"] = {
+                    "offline_tokens_per_s": round(m.offline_tokens_per_s, 2),
+                    "offline_lines_per_s": round(m.offline_lines_per_s, 3),
+                    "attainment_pct": round(m.attainment_pct, 1),
+                    "tpot_p99_ms": round(1e3 * m.tpot_p99_s, 1),
+                }
     print(json.dumps(report, indent=1))
 
 

@@ -50,9 +50,13 @@ class Pinned(Policy):
         return StepPlan(decode=dec, max_repeat=self.repeat) if dec else StepPlan()
 
 
-def _sim(policy: Policy, num_devices: int | None, n: int = 2, layers: int = 32) -> Simulator:
+def _sim(
+    policy: Policy, num_devices: int | None, n: int = 2, layers: int = 32, slowdown: float = 1.0
+) -> Simulator:
     setup = InstanceSetup(InstanceRole.AGGREGATED, 4096, 200, LINEAR, 1.0, num_layers=layers)
-    return Simulator([setup] * n, policy, check=True, num_devices=num_devices)
+    return Simulator(
+        [setup] * n, policy, check=True, num_devices=num_devices, shared_device_slowdown=slowdown
+    )
 
 
 def _run(sim: Simulator, *reqs: SimRequest) -> dict[str, ReqState]:
@@ -142,6 +146,54 @@ def test_three_instances_on_two_devices_each_run_at_two_thirds_speed() -> None:
     assert [r.first_token_s for r in got.values()] == [pytest.approx(0.15)] * 3
 
 
+def test_the_contention_factor_slows_steps_only_while_they_share() -> None:
+    # c = 1.1: while both step each runs at (1 / 2) / 1.1 of its speed; alone, at its own
+    sim = _sim(Pinned(), 1, slowdown=1.1)
+    both = _run(sim, SimRequest("0a", ON, 0.0, 90, 1), SimRequest("1b", ON, 0.0, 90, 1))
+    assert both["0a"].first_token_s == both["1b"].first_token_s == pytest.approx(0.22)
+    assert [i.step_time_scale for i in sim.instances] == [pytest.approx(2.2)] * 2
+    assert sim.sharing is not None
+    assert [sim.sharing.slowdown(k) for k in (0, 1, 2)] == [1.0, 1.0, pytest.approx(2.2)]
+    alone_sim = _sim(Pinned(), 1, slowdown=1.1)
+    alone = _run(alone_sim, SimRequest("0a", ON, 0.0, 90, 1))
+    assert alone["0a"].first_token_s == pytest.approx(0.1)
+    assert [i.step_time_scale for i in alone_sim.instances] == [1.0, 1.0]
+    # a joins midway: a alone 0.05 s (half its work), then both at 1 / 2.2: a's other half takes
+    # 0.11 s, to 0.16; b did 0.05 of work by then and runs its other half alone, to 0.21
+    got = _run(
+        _sim(Pinned(), 1, slowdown=1.1),
+        SimRequest("0a", ON, 0.0, 90, 1),
+        SimRequest("1b", ON, 0.05, 90, 1),
+    )
+    assert got["0a"].first_token_s == pytest.approx(0.16)
+    assert got["1b"].first_token_s == pytest.approx(0.21)
+    # three on two devices: each at (2 / 3) / 1.1
+    three = _run(
+        _sim(Pinned(), 2, n=3, slowdown=1.1),
+        *(SimRequest(f"{i}x", ON, 0.0, 90, 1) for i in range(3)),
+    )
+    assert [r.first_token_s for r in three.values()] == [pytest.approx(0.165)] * 3
+
+
+def test_the_contention_factor_leaves_unshared_runs_and_its_default_unchanged() -> None:
+    both = (SimRequest("0a", ON, 0.0, 90, 1), SimRequest("1b", ON, 0.0, 90, 1))
+
+    def rows(sim: Simulator) -> dict[str, dict]:
+        return {k: dataclasses.asdict(r) for k, r in _run(sim, *both).items()}
+
+    own = rows(_sim(Pinned(), None))
+    assert rows(_sim(Pinned(), None, slowdown=1.5)) == own  # each on its own device: no sharing
+    assert rows(_sim(Pinned(), 2, slowdown=1.5)) == own
+    shared = rows(_sim(Pinned(), 1))
+    assert rows(_sim(Pinned(), 1, slowdown=1.0)) == shared  # the default is c = 1
+    cfg = load_config("configs/ooco.yaml")
+    assert cfg.shared_device_slowdown == 1.0
+    with pytest.raises(ValueError, match="shared_device_slowdown"):
+        dataclasses.replace(cfg, shared_device_slowdown=0.9)
+    with pytest.raises(ValueError, match="shared_device_slowdown"):
+        DeviceShare(1, 2, lambda t, p: None, slowdown=0.5)
+
+
 def test_bad_device_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="num_devices"):
         _sim(Pinned(), 0)
@@ -166,8 +218,13 @@ def test_a_config_without_sharing_runs_as_before_and_one_device_slows_it() -> No
 
     base, tokens = run(cfg)
     assert run(dataclasses.replace(cfg, num_devices=n)) == (base, tokens)  # one each: no sharing
+    unshared = dataclasses.replace(cfg, shared_device_slowdown=1.2)
+    assert run(unshared) == (base, tokens)  # the contention factor needs shared devices
     one, one_tokens = run(dataclasses.replace(cfg, num_devices=1))
     assert one != base
     # alone, the two instances step 24 of their 30 instance-seconds: one device's 15 s make
     # fewer tokens (not in proportion: its slower steps batch more)
     assert one_tokens < 0.9 * tokens
+    # and each shared step doing 20 % more work makes fewer still
+    _, slower_tokens = run(dataclasses.replace(cfg, num_devices=1, shared_device_slowdown=1.2))
+    assert slower_tokens < one_tokens

@@ -273,6 +273,36 @@ def test_the_simulator_shares_the_cores_the_live_engines_share(tmp_path: Path) -
     assert one.tpot_p99_s > own.tpot_p99_s  # every step slower while both step
 
 
+def test_the_shared_cores_take_the_slowdown_stored_with_the_step_profile(tmp_path: Path) -> None:
+    args = _args(set=["offline.max_output_tokens=16"], engine="torch", engine_cores="0")
+    cfg, _ = cs.write_config(args, str(tmp_path))
+    assert sim_side.sim_config(args, cfg, "ooco").shared_device_slowdown == 1.0  # no profile
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"format": "tidal-perf-profile/1"}))
+    with_prof = dataclasses.replace(cfg, profile=str(prof))
+    assert sim_side.sim_config(args, with_prof, "ooco").shared_device_slowdown == 1.0  # none there
+    prof.write_text(
+        json.dumps({"format": "tidal-perf-profile/1", "shared_device_slowdown": {"factor": 1.07}})
+    )
+    shared = sim_side.sim_config(args, with_prof, "ooco")
+    assert shared.num_devices == 1 and shared.shared_device_slowdown == 1.07
+    own = dataclasses.replace(with_prof, shared_device_slowdown=1.2)
+    assert sim_side.sim_config(args, own, "ooco").shared_device_slowdown == 1.2  # the config's
+    both = argparse.Namespace(**{**vars(args), "engine_cores": "0-1"})
+    assert sim_side.sim_config(both, with_prof, "ooco") is with_prof  # a core each: no slowdown
+    prof.write_text(
+        json.dumps({"format": "tidal-perf-profile/1", "shared_device_slowdown": {"factor": 0.9}})
+    )
+    with pytest.raises(ValueError, match="factor must be >= 1"):
+        sim_side.sim_config(args, with_prof, "ooco")
+    # the torch co-location runs' profile carries the factor measured on this project's host
+    measured = sim_side.profile_slowdown(
+        "docs/results/colocation/torch_steps_profile_batch128.json"
+    )
+    report = json.loads(Path("docs/results/colocation/shared_core_contention.json").read_text())
+    assert measured == report["c_all_kinds_median"] > 1.0
+
+
 def test_a_points_cpu_is_the_median_of_its_windows() -> None:
     from tidal_bench.colocation.live_window import cpu_row
     from tidal_bench.colocation.max_offline import Measurement, Point
