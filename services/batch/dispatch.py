@@ -94,9 +94,10 @@ class Dispatcher:
 
     @property
     def num_inflight(self) -> int:
-        """Every delivery being handled here, waiting ones included: a fetch may hand over
-        more messages than it asked for (`_pull`), and none of them may be left uncounted."""
-        return sum(len(ts) for lines in self.tasks.values() for ts in lines.values())
+        """Lines being handled here, each until its last delivery is done (one at a time runs:
+        a redelivery waits, holding no request on the bus). A fetch may hand over more lines
+        than it asked for (`_pull`): they count too, so nothing more is fetched meanwhile."""
+        return sum(len(lines) for lines in self.tasks.values())
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
