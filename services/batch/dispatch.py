@@ -10,6 +10,9 @@ scheduler's queue until the policy admits it). Per line:
   is given up: its error line is stored, and the batch still completes;
 * while a line runs, its ack deadline is extended (`in_progress`); it is acknowledged
   (`ack_sync`) only after its result line is durably stored (first writer wins);
+* a line delivered again while it runs here (JetStream redelivered it) is not run a second
+  time beside the first: that delivery waits, kept alive, for the run, then finds the stored
+  result and is acknowledged (or runs the line, if the first run put it back);
 * a busy cluster (429/503) is waited out, the job held; a failed generation is tried again up to
   `MAX_DELIVER` times, then its error goes in the error file.
 
@@ -80,16 +83,21 @@ class Dispatcher:
     max_inflight: int
     lane: RequestClassSpec = field(default_factory=lambda: default_table().lowest)  # lines' class
     counters: Counters = field(default_factory=Counters)
-    tasks: dict[str, dict[str, asyncio.Task[None]]] = field(
+    # batch_id -> custom_id -> the tasks of that line's deliveries here: the first runs it, each
+    # later one (a redelivery) waits for the one before
+    tasks: dict[str, dict[str, list[asyncio.Task[None]]]] = field(
         default_factory=lambda: defaultdict(dict)
-    )  # batch_id -> custom_id -> the task running that line
+    )
     handles: dict[str, RequestHandle] = field(default_factory=dict)
     _freed: asyncio.Event = field(default_factory=asyncio.Event)
     _pending: set[asyncio.Task[None]] = field(default_factory=set)  # fire-and-forget acks
 
     @property
     def num_inflight(self) -> int:
-        return sum(len(t) for t in self.tasks.values())
+        """Lines being handled here, each until its last delivery is done (one at a time runs:
+        a redelivery waits, holding no request on the bus). A fetch may hand over more lines
+        than it asked for (`_pull`): they count too, so nothing more is fetched meanwhile."""
+        return sum(len(lines) for lines in self.tasks.values())
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -130,6 +138,10 @@ class Dispatcher:
                     await asyncio.wait_for(self._freed.wait(), timeout=FETCH_TIMEOUT_S)
                 continue
             try:
+                # NOTE: nats-py may return more than `free` messages: a fetch first takes all
+                # its subscription holds, which includes what an earlier pull request (one the
+                # client timed out on, still open on the server) delivered late. They all
+                # start, and count, so nothing more is fetched until they are done.
                 msgs = await sub.fetch(free, timeout=FETCH_TIMEOUT_S)
             except TimeoutError:  # NOTE: nats-py raises asyncio's, not only its own subclass
                 continue
@@ -145,12 +157,27 @@ class Dispatcher:
             self._pending.add(term)
             term.add_done_callback(self._pending.discard)
             return
-        task = asyncio.create_task(self._job(job, msg))
-        self.tasks[job.batch_id][job.custom_id] = task
+        line = self.tasks[job.batch_id].setdefault(job.custom_id, [])
+        before = line[-1] if line else None
+        if before is not None:
+            # NOTE: a copy left in nats-py's queue past the ack deadline was delivered again;
+            # two runs of the line at once put one more request on the bus than it takes
+            # (429s, waited out behind every newly fetched line: a line done minutes late).
+            log.info(
+                "batch line %s/%s delivered again while it runs here; it waits for that run",
+                job.batch_id,
+                job.custom_id,
+            )
+        task = asyncio.create_task(self._job(job, msg, before))
+        line.append(task)
+        # NOTE: not in `_job`'s `finally`: a task cancelled before it first ran never enters it
+        task.add_done_callback(lambda t: self._forget(job, t))
 
-    async def _job(self, job: JobPayload, msg: Msg) -> None:
+    async def _job(self, job: JobPayload, msg: Msg, before: asyncio.Task[None] | None) -> None:
         keepalive = asyncio.create_task(_keep_alive(msg))
         try:
+            if before is not None:  # the same line's earlier delivery runs here: after it
+                await asyncio.wait([before])
             await self._run_held(job, msg)
         except asyncio.CancelledError:
             # cancelled batch (its finalizer accounts for the line) or stopping service (the
@@ -169,10 +196,18 @@ class Dispatcher:
                 await msg.nak(delay=RETRY_DELAY_S)
         finally:
             keepalive.cancel()
-            self.tasks[job.batch_id].pop(job.custom_id, None)
-            if not self.tasks[job.batch_id]:
-                self.tasks.pop(job.batch_id, None)
-            self._freed.set()
+
+    def _forget(self, job: JobPayload, task: asyncio.Task[None]) -> None:
+        """`task`, one delivery of `job`'s line, is done: its place in flight is free."""
+        lines = self.tasks.get(job.batch_id, {})
+        line = lines.get(job.custom_id, [])
+        if task in line:
+            line.remove(task)
+        if not line:
+            lines.pop(job.custom_id, None)
+        if not lines:
+            self.tasks.pop(job.batch_id, None)
+        self._freed.set()
 
     async def _run_held(self, job: JobPayload, msg: Msg) -> None:
         """`_run_job`, waiting out a store or bus that cannot answer now with the job held.
@@ -251,7 +286,7 @@ class Dispatcher:
 
     async def cancel_batch(self, batch_id: str) -> int:
         """Abort the lines of `batch_id` running here; how many there were."""
-        tasks = list(self.tasks.get(batch_id, {}).values())
+        tasks = [t for line in self.tasks.get(batch_id, {}).values() for t in line]
         for t in tasks:
             t.cancel()
         if tasks:
