@@ -20,6 +20,7 @@ from tidal.config.cluster import ClusterConfig
 from tidal.policy.registry import make_policy
 from tidal.sim.best_of import Setting, label, parse_best_of, pick_best, with_setting
 from tidal.sim.build import policy_context
+from tidal.sim.limit import BINDINGS, config_limit
 from tidal.sim.search import SearchResult
 
 Task = tuple[str, str, ClusterConfig]  # (policy, setting label or "", its config)
@@ -120,7 +121,7 @@ def search_cmd(
             f"\\[simulated] limit: {lim['tokens_per_s']:.0f} offline tok/s beside the online load "
             f"(offline-only capacity {lim['offline_only_tokens_per_s']:.0f} tok/s; the online "
             f"load needs >= {lim['online_gpu_s']:.0f} of {lim['gpu_s']:.0f} GPU-s; bound by "
-            f"{_BINDS[lim['binding']]}, {lim['paced_steps']} paced steps = "
+            f"{BINDINGS[lim['binding']]}, {lim['paced_steps']} paced steps = "
             f"{lim['paced_gpu_s']:.0f} GPU-s of step overhead)"
         )
     for pol, v in per_policy.items():
@@ -191,9 +192,6 @@ def _row(kind: str, res: SearchResult) -> dict[str, Any]:
     }
 
 
-_BINDS = {"kv": "KV residency", "pacing": "the SLO pace"}  # the limit's two step floors
-
-
 def _limits(
     cfg: ClusterConfig,
     per_policy: dict[str, Any],
@@ -203,8 +201,6 @@ def _limits(
     """The offline limit (`tidal.sim.limit`) and each policy's share of it. The offline mix is
     drawn at the largest offered rate any policy reached (at least 1 QPS): more requests, a
     mix closer to the length table's."""
-    from tidal.sim.limit import config_limit
-
     rate = max([1.0, *(v["offered_offline_qps"] for v in per_policy.values())])
     by_size: dict[int, Any] = {}
     first = None

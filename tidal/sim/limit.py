@@ -140,6 +140,10 @@ class CpuAttnCapacity:
     kv_bytes_per_token: float  # all layers, the whole model (all TP shards)
 
 
+# What each `OfflineLimit.binding` names, in words: the limit's two step floors (points 2, 7).
+BINDINGS = {"kv": "KV residency", "pacing": "the SLO pace"}
+
+
 @dataclass(frozen=True, slots=True)
 class OfflineLimit:
     """The bound for one config (simulated: derived from the step model, not measured)."""

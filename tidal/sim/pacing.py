@@ -40,6 +40,11 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 
+def _demand(lo: float, hi: float, demand: int) -> int:
+    """What an interval can hold: a zero-width one one distinct point at most (module docstring)."""
+    return min(demand, 1) if hi == lo else demand
+
+
 def min_points(intervals: Iterable[tuple[float, float, int]]) -> int:
     """The fewest distinct points such that each closed interval (lo, hi, demand) holds at
     least `demand` of them (zero-width intervals: at most 1). O(n log n)."""
@@ -49,7 +54,7 @@ def min_points(intervals: Iterable[tuple[float, float, int]]) -> int:
             raise ValueError(f"interval ends before it starts: [{lo}, {hi}]")
         if demand < 0:
             raise ValueError(f"demand must be >= 0, got {demand}")
-        rows.append((hi, lo, min(demand, 1) if hi == lo else demand))
+        rows.append((hi, lo, _demand(lo, hi, demand)))
     rows.sort()
     pos: list[float] = []  # cluster positions, ascending: points at b, b - e, b - 2e, ...
     cum: list[int] = []  # points in clusters 0..i
@@ -98,7 +103,7 @@ def forgiven_points(intervals: Sequence[tuple[float, float, int]], forgiven: int
         return full
     demands = sorted((d for _, _, d in intervals), reverse=True)
     floor_a = max(full - sum(demands[:forgiven]), 0)
-    rows = sorted((hi, lo, min(d, 1) if hi == lo else d) for lo, hi, d in intervals if d > 0)
+    rows = sorted((hi, lo, _demand(lo, hi, d)) for lo, hi, d in intervals if d > 0)
     hi = np.array([r[0] for r in rows], dtype=float)
     lo = np.array([r[1] for r in rows], dtype=float)
     dem = np.array([r[2] for r in rows], dtype=np.int64)

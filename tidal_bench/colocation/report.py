@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tidal.sim.limit import BINDINGS
+
 
 def label(report: dict[str, Any]) -> str:
     if report["engine"] == "sim":
@@ -61,9 +63,8 @@ def table(report: dict[str, Any]) -> str:
 
 def binding_text(lim: dict[str, Any]) -> str:
     """Which of the limit's two step floors binds (`tidal.sim.limit`, points 2 and 7)."""
-    what = "the SLO pace" if lim["binding"] == "pacing" else "KV residency"
     return (
-        f"the limit bound by {what} ({lim['paced_steps']} paced steps, "
+        f"the limit bound by {BINDINGS[lim['binding']]} ({lim['paced_steps']} paced steps, "
         f"{lim['paced_gpu_s']:.1f} GPU-s of step overhead)"
     )
 
