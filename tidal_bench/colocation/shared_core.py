@@ -2,9 +2,10 @@
 co-location bench runs both engines on core 0, one torch thread each).
 
 Two worker processes each hold the real torch engine (the embedded SmolLM2-135M, dtype as the
-live instance chooses it, `load_torch_engine`), one torch thread, pinned with
-`os.sched_setaffinity` to one core. The parent alternates, per step kind: worker A alone (B
-idle), B alone (A idle), both together, ..., ending with A and B alone again, so every
+live instance chooses it, `load_torch_engine`), one torch thread, pinned to one core as the
+live instance pins itself (`services.common.affinity.apply`). The parent alternates, per step
+kind: worker A alone (B idle), B alone (A idle), both together, ..., ending with A and B alone
+again, so every
 together window lies between two alone windows (a decode's context grows by one token a step:
 the sandwich cancels that drift). A together step counts only where it lies wholly inside the
 time the other worker was stepping. Per worker and window: the median step wall time (and the
@@ -30,6 +31,8 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
+
+from services.common import affinity
 
 # (name, decode rows, prefill tokens): the co-location run's step kinds (docs/colocation.md):
 # decodes only, a strict step with a small offline prefill chunk beside its decodes, the
@@ -66,14 +69,11 @@ def _worker(conn: Connection, core: int, seed: int) -> None:
     """Holds an engine; runs the parent's ("steps", kind, n, start_at) and ("core", c)."""
     import random
 
-    import torch
-
     from tidal.engine.api import EngineRequest, SamplingParams
     from tidal.engine.torch.loader import load_torch_engine
     from tidal.plan.step import StepPlan
 
-    os.sched_setaffinity(0, {core})
-    torch.set_num_threads(1)
+    affinity.apply((core,), threads=1)  # as the live instance pins itself (`--engine-cores`)
     eng = load_torch_engine(None, kv_cache_tokens=65536)
     rng = random.Random(seed)
 
@@ -93,7 +93,7 @@ def _worker(conn: Connection, core: int, seed: int) -> None:
         if msg[0] == "stop":
             return
         if msg[0] == "core":
-            os.sched_setaffinity(0, {msg[1]})
+            affinity.pin((msg[1],))
             conn.send("ok")
             continue
         _, kind, n, start_at = msg
